@@ -1,0 +1,1 @@
+"""Reproducible measurements; results are recorded in docs/benchmarks.md."""
