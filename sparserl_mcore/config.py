@@ -1,0 +1,585 @@
+"""The run configuration: one typed schema, YAML files plus dotted command-line overrides.
+
+`RunConfig` nests one small frozen dataclass per concern. Sections owned by other components are
+their own config classes, reused here rather than redefined (one owner per concept):
+`parallel` is the runtime's `ParallelConfig`, `rollout.kv` the serve engineer's
+`KVCompressionConfig`, `rollout.sampling` the engine's `SamplingParams`, `loss.correction` and
+`dgg` the loss engineer's configs, `sync` the sync engineer's config.
+
+Everything is validated while the config is built, before any process group or model exists:
+an unknown key names itself and lists the allowed keys; a bad value names the key and the allowed
+values or type; a component's own `__post_init__` ValueError is re-raised prefixed with the dotted
+key of its section.
+
+    cfg = load_config("examples/demo.yaml", ["train.steps=20", "rollout.kv.budget=48"])
+    text = to_yaml(cfg)                      # round-trips: load_config_text(text) == cfg
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the dotted key."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic dataclass <-> plain data conversion
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Raw:
+    """An override's right-hand side, kept as text until the target field's type is known.
+
+    `data.prompt_key=123` must stay the string "123", while `train.steps=123` becomes an int.
+    """
+
+    text: str
+
+    def __repr__(self) -> str:
+        return repr(self.text)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _is_optional(tp: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != len(typing.get_args(tp)):
+            return True, args[0] if len(args) == 1 else Union[tuple(args)]  # noqa: UP007
+    return False, tp
+
+
+def _unwrap_raw(value: Any, tp: Any) -> Any:
+    if not isinstance(value, _Raw):
+        return value
+    if tp is str:
+        return value.text
+    if _is_optional(tp)[0] and value.text.strip().lower() in ("", "null", "none", "~"):
+        return None
+    try:
+        return yaml.safe_load(value.text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cannot parse {value.text!r}: {exc}") from exc
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert one plain value (from YAML or an override) to the field type `tp`."""
+    value = _unwrap_raw(value, tp)
+    optional, inner = _is_optional(tp)
+    if value is None:
+        if optional or tp is Any:
+            return None
+        raise ConfigError(f"{key}: null is not allowed; expected {_type_name(tp)}")
+    tp = inner
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, prefix=key)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed; allowed values: {', '.join(map(str, allowed))}"
+            )
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        # YAML 1.1 reads `1e-6` (no dot) as a string; accept any text float() understands.
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r} (quote it in YAML)")
+        return value
+    if origin is tuple:
+        return _coerce_tuple(value, typing.get_args(tp), key)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    raise ConfigError(f"{key}: unsupported field type {_type_name(tp)} (schema bug)")
+
+
+def _coerce_tuple(value: Any, args: tuple[Any, ...], key: str) -> tuple[Any, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        value = [value]
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+    if len(value) != len(args):
+        raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}: {list(value)!r}")
+    return tuple(_coerce(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, args, strict=True)))
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
+    """Build dataclass `cls` from plain data, rejecting unknown keys and bad values by dotted key."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    dotted = f"{prefix}." if prefix else ""
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key {dotted}{unknown[0]}; allowed keys in {prefix or 'the top level'}: "
+            f"{', '.join(sorted(fields))}"
+        )
+    kwargs = {name: _coerce(data[name], hints[name], f"{dotted}{name}") for name in fields if name in data}
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"missing required key {dotted}{missing[0]}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{prefix or cls.__name__}: {exc}") from exc
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain YAML-safe data (dicts, lists, scalars) for a config dataclass tree."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, (tuple, list)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {str(k): to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of `data` with each `a.b.c=value` set; values are typed later by the schema."""
+    out: dict[str, Any] = _deep_copy(data)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE with a dotted key, e.g. train.steps=10")
+        node = out
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise ConfigError(f"override {item!r}: {where} is a value, not a section")
+            node = child
+        node[parts[-1]] = _Raw(text.strip())
+    return out
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema
+# ---------------------------------------------------------------------------------------------
+# Imported after the generic machinery: these modules are pure Python (no torch at import time
+# except the rollout protocol, which the trainer imports anyway).
+from sparserl_mcore.parallel.config import ParallelConfig  # noqa: E402
+from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig  # noqa: E402
+from sparserl_mcore.rollout.protocol import SamplingParams  # noqa: E402
+
+
+def _positive(section: object, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value <= 0:
+            raise ValueError(f"{name}={value!r}: must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The policy: an HF checkpoint directory (weights + tokenizer), loaded into megatron-core.
+
+    ref_path: frozen reference policy for the KL term (defaults to hf_path when KL is on).
+    """
+
+    hf_path: str
+    ref_path: str | None = None
+    params_dtype: Literal["fp32", "bf16"] = "bf16"
+
+    def __post_init__(self) -> None:
+        if not self.hf_path:
+            raise ValueError("hf_path is empty: point it at an HF checkpoint directory")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Who generates and how: G samples per prompt with (optionally) compressed KV.
+
+    engine: "embedded" runs the engine in the trainer process; "remote" talks to `sparserl serve`
+    (or SGLang) servers at `urls` over HTTP. token_env names an environment variable holding the
+    servers' bearer token (the token itself never sits in a config file).
+    request_timeout_s / max_retries bound how long a dead or hung engine can stall a step.
+    """
+
+    engine: Literal["embedded", "remote"] = "embedded"
+    urls: tuple[str, ...] = ()
+    token_env: str | None = None
+    group_size: int = 8
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    kv: KVCompressionConfig = dataclasses.field(default_factory=KVCompressionConfig)
+    request_timeout_s: float = 600.0
+    max_retries: int = 2
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"group_size={self.group_size}: GRPO needs >= 2 samples per prompt")
+        if self.engine == "remote" and not self.urls:
+            raise ValueError("engine='remote' needs urls: list the servers, e.g. urls=[http://host:30000]")
+        if self.engine == "embedded" and self.urls:
+            raise ValueError(
+                f"urls={list(self.urls)} given but engine='embedded'; set engine=remote or drop urls"
+            )
+        if any(not u.startswith(("http://", "https://")) for u in self.urls):
+            raise ValueError(f"urls={list(self.urls)}: each must start with http:// or https://")
+        _positive(self, "request_timeout_s")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries={self.max_retries}: must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """Which verifier scores a completion: a key of `sparserl_mcore.rewards.REWARDS` or a
+    `package.module:function` import path; kwargs are passed to it by name."""
+
+    name: str = "math_boxed"
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name is empty: use a registered reward or module:function")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Prompt datasets: local JSONL or Parquet files with a prompt column and an answer column.
+
+    eval_path: held-out split; without it, `eval_fraction` of the train file is held out
+    (deterministically, by the data seed) and never trained on.
+    """
+
+    train_path: str
+    eval_path: str | None = None
+    eval_fraction: float = 0.0
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction={self.eval_fraction}: must be in [0, 1)")
+        if self.eval_path and self.eval_fraction:
+            raise ValueError("eval_path and eval_fraction are both set; hold out by one of them only")
+        for name in ("train_path", "prompt_key", "answer_key"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} is empty")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Periodic pass@1 on the held-out split, under dense and under compressed KV inference.
+
+    every: steps between evaluations (0 = only at start and end); num_prompts: cap on evaluated
+    prompts (None = all); temperature 0 = greedy decoding.
+    """
+
+    every: int = 0
+    num_prompts: int | None = None
+    temperature: float = 0.0
+    dense: bool = True
+    compressed: bool = True
+    at_start: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"every={self.every}: must be >= 0 (0 = start and end only)")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"num_prompts={self.num_prompts}: must be >= 1 or null (all)")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Megatron dist checkpoints (model, optimizer, RNG, data position, DGG, sync version).
+
+    every: steps between saves (0 = only at the end, if dir is set); resume: continue from the
+    latest complete checkpoint in dir when one exists; save_hf: export final HF safetensors here.
+    """
+
+    dir: str | None = None
+    every: int = 0
+    keep_last: int = 2
+    resume: bool = True
+    save_hf: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"every={self.every}: must be >= 0")
+        if self.every and not self.dir:
+            raise ValueError(f"every={self.every} but dir is not set; set checkpoint.dir")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last={self.keep_last}: must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TelemetryConfig:
+    """Metrics sinks. JSONL is always written (dir/metrics.jsonl); the others when enabled.
+
+    wandb_project: log to Weights & Biases (imported only then); plot: PNG summary at the end.
+    """
+
+    dir: str = "runs/default"
+    tensorboard: bool = False
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None
+    progress: bool = True
+    gpu_stats: bool = True
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ValueError("dir is empty: metrics.jsonl and the plot are written there")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Adam(W) for the learner (megatron-core optimizer). Defaults: Sparse-RL's setup."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "lr", "eps")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas={self.betas}: each must be in [0, 1)")
+        if self.weight_decay < 0 or self.clip_grad < 0 or self.lr_warmup_steps < 0:
+            raise ValueError("weight_decay, clip_grad and lr_warmup_steps must be >= 0 (clip_grad 0 = off)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The loop's size. A step samples prompts_per_step * rollout.group_size sequences, then
+    updates on them in optimizer steps of global_batch_size sequences, micro_batch_size sequences
+    per forward/backward on each data-parallel rank."""
+
+    steps: int = 100
+    seed: int = 1234
+    prompts_per_step: int = 32
+    global_batch_size: int = 256
+    micro_batch_size: int = 4
+    filter_zero_variance_groups: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "steps", "prompts_per_step", "global_batch_size", "micro_batch_size")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not a multiple of "
+                f"micro_batch_size={self.micro_batch_size}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CorrectionConfig:
+    """Sparse-RL mismatch correction between the dense pi_old and the compressed sampler.
+
+    mode: "off" (plain GRPO on sparse rollouts), "tis" (truncated weights only) or "sparse_rl"
+    (sequence veto + token rejection + truncated, batch-normalised weights). Defaults are the
+    released Sparse-RL code's values.
+    """
+
+    mode: Literal["off", "tis", "sparse_rl"] = "sparse_rl"
+    veto_threshold: float = 1e-4
+    token_low: float = 0.5
+    token_high: float = 1.5
+    weight_cap: float = 1.5
+    normalize_weights: bool = True
+    log_ratio_clamp: float = 20.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "veto_threshold", "token_low", "weight_cap", "log_ratio_clamp")
+        if not self.token_low < 1.0 < self.token_high:
+            raise ValueError(f"token_low={self.token_low}, token_high={self.token_high}: need low < 1 < high")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """Decoupled three-policy PPO with Sparse-RL correction, k3 KL to pi_ref and entropy bonus.
+
+    clip_eps_high: upper clip (None = clip_eps). kl_coef 0 turns the reference model off.
+    aggregation: "seq_mean_token_mean" (Sparse-RL: per-sequence mean, then batch mean; vetoed
+    sequences count in the denominator) or "token_mean".
+    """
+
+    correction: CorrectionConfig = dataclasses.field(default_factory=CorrectionConfig)
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_coef: float = 1e-4
+    entropy_coef: float = 0.0
+    aggregation: Literal["seq_mean_token_mean", "token_mean"] = "seq_mean_token_mean"
+    advantage_std_normalize: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "clip_eps")
+        if self.clip_eps_high is not None and self.clip_eps_high <= 0:
+            raise ValueError(f"clip_eps_high={self.clip_eps_high}: must be > 0 or null (= clip_eps)")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef={self.kl_coef}: must be >= 0 (0 = no reference model)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DGGConfig:
+    """Dynamic Gradient Gating over up to max_reuse update epochs per rollout batch.
+
+    statistic: z-score of the lm_head gradient energy "g" or of its increment "dg" over the last
+    `window` updates; an update with z > tau (reuse index k > 1, window full) is dropped and the
+    reuse loop ends. enabled=false with max_reuse=K is fixed K-epoch reuse.
+    """
+
+    enabled: bool = True
+    max_reuse: int = 4
+    window: int = 8
+    statistic: Literal["g", "dg"] = "g"
+    tau: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_reuse < 1:
+            raise ValueError(f"max_reuse={self.max_reuse}: must be >= 1 (1 = single-use GRPO)")
+        if self.window < 2:
+            raise ValueError(f"window={self.window}: a z-score needs >= 2 past updates")
+        _positive(self, "tau")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """Sparse BF16 weight sync from the learner to every rollout engine.
+
+    encoding: "overwrite" (new values, idempotent) or "xor" (smaller after zstd, apply once);
+    zstd_level 0 = no compression; anchor_every: a full checkpoint every N versions;
+    every: steps between syncs; transport: how patches travel ("inproc" for the embedded engine,
+    "http" to remote servers, "directory" via a shared filesystem at `dir`).
+    """
+
+    encoding: Literal["overwrite", "xor"] = "overwrite"
+    zstd_level: int = 1
+    anchor_every: int = 10
+    every: int = 1
+    transport: Literal["inproc", "http", "directory"] = "inproc"
+    dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.zstd_level <= 22:
+            raise ValueError(f"zstd_level={self.zstd_level}: must be in 0..22 (0 = off)")
+        _positive(self, "anchor_every", "every")
+        if self.transport == "directory" and not self.dir:
+            raise ValueError("transport='directory' needs dir: a path every engine can read")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one training run needs; built by `load_config`, never by reading globals."""
+
+    model: ModelConfig
+    data: DataConfig
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    dgg: DGGConfig = dataclasses.field(default_factory=DGGConfig)
+    sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = dataclasses.field(default_factory=TelemetryConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        rollout_seqs = self.train.prompts_per_step * self.rollout.group_size
+        if rollout_seqs % self.train.global_batch_size:
+            raise ValueError(
+                f"train.prompts_per_step * rollout.group_size = {self.train.prompts_per_step} * "
+                f"{self.rollout.group_size} = {rollout_seqs} sequences per step is not a multiple of "
+                f"train.global_batch_size={self.train.global_batch_size}"
+            )
+        if self.rollout.engine == "remote" and self.sync.transport == "inproc":
+            raise ValueError(
+                "rollout.engine='remote' cannot use sync.transport='inproc'; use http or directory"
+            )
+        if self.rollout.engine == "embedded" and self.sync.transport == "http":
+            raise ValueError("rollout.engine='embedded' syncs in process; set sync.transport=inproc")
+
+    @property
+    def updates_per_epoch(self) -> int:
+        """Optimizer steps in one pass over a step's rollout batch (before zero-variance filtering)."""
+        return self.train.prompts_per_step * self.rollout.group_size // self.train.global_batch_size
+
+
+def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunConfig:
+    """Validate plain data (+ dotted overrides) into a `RunConfig`; raises ConfigError."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"a run config is a mapping of sections, got {type(data).__name__}")
+    return from_dict(RunConfig, apply_overrides(data, overrides))
+
+
+def load_config_text(text: str, overrides: Sequence[str] = ()) -> RunConfig:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {exc}") from exc
+    return config_from_dict(data or {}, overrides)
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a YAML run config and apply `key.sub=value` overrides; errors name the file and key."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    try:
+        return load_config_text(text, overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The complete config (defaults included) as YAML that `load_config_text` reads back equal."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
