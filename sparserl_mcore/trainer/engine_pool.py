@@ -1,0 +1,166 @@
+"""Fault-tolerant fan-out of generation requests over one or more rollout engines.
+
+The trainer sees ONE engine interface (`RolloutEngine` from `sparserl_mcore.rollout.protocol`):
+an in-process `EmbeddedEngine` or `RemoteEngine` HTTP clients. `EnginePool.generate` splits a
+step's requests into chunks (one GRPO group per chunk by default, so a group's prompt KV stays
+shared in one engine's radix cache) and lets one worker thread per live engine pull chunks from a
+shared queue.
+
+Faults: a chunk whose engine raises, or does not answer within `chunk_timeout_s`, goes back to
+the queue and that engine leaves the pool (a hung thread is abandoned; whatever it returns later
+is discarded, so no sample is ever duplicated). A chunk is tried at most `max_attempts` times.
+Every result is keyed by request id, so the output has exactly one sample per request, in the
+order of the input. With no engine left, `NoEngineLeftError` tells the loop to checkpoint and stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EventSink = Callable[[str, dict[str, Any]], None]
+
+
+class NoEngineLeftError(RuntimeError):
+    """Every rollout engine has failed; the loop checkpoints and stops."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PoolConfig:
+    """How requests are spread over engines and how long a failing engine is tolerated."""
+
+    chunk_size: int = 8  # requests per engine call; the loop passes the GRPO group size
+    chunk_timeout_s: float = 600.0  # an engine call taking longer counts as a hang
+    max_attempts: int = 3  # tries per chunk across engines before the step fails
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ValueError(f"rollout.chunk_size={self.chunk_size} must be >= 1")
+        if self.chunk_timeout_s <= 0:
+            raise ValueError(f"rollout.chunk_timeout_s={self.chunk_timeout_s} must be > 0 seconds")
+        if self.max_attempts < 1:
+            raise ValueError(f"rollout.max_attempts={self.max_attempts} must be >= 1")
+
+
+@dataclasses.dataclass
+class _Chunk:
+    index: int
+    requests: list[Any]
+    attempts: int = 0
+
+
+def _no_events(kind: str, fields: dict[str, Any]) -> None:
+    del kind, fields
+
+
+class EnginePool:
+    """Engines by name; `generate` survives engines dying or hanging mid-batch."""
+
+    def __init__(self, engines: dict[str, Any], cfg: PoolConfig, on_event: EventSink = _no_events):
+        if not engines:
+            raise ValueError("EnginePool needs at least one engine")
+        self.cfg = cfg
+        self.live: dict[str, Any] = dict(engines)
+        self.dead: dict[str, str] = {}  # name -> reason it left the pool
+        self._on_event = on_event
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def remove(self, name: str, reason: str) -> None:
+        """Take an engine out of service (also used by weight sync when a patch cannot land)."""
+        if self.live.pop(name, None) is not None:
+            self.dead[name] = reason
+            self._on_event("engine_removed", {"engine": name, "reason": reason, "live": len(self.live)})
+
+    def for_each(self, fn: Callable[[Any], Any], what: str) -> dict[str, Any]:
+        """Call `fn(engine)` on every live engine; an engine that raises leaves the pool."""
+        results = {}
+        for name, engine in list(self.live.items()):
+            try:
+                results[name] = fn(engine)
+            except Exception as exc:  # an engine's failure must not stop the learner
+                self.remove(name, f"{what} failed: {type(exc).__name__}: {exc}")
+        if not self.live:
+            raise NoEngineLeftError(f"no rollout engine left after {what}: {self.dead}")
+        return results
+
+    def generate(self, requests: Sequence[Any]) -> list[Any]:
+        """One sample per request, in input order; retries chunks of failed or hung engines."""
+        if not self.live:
+            raise NoEngineLeftError(f"no rollout engine left: {self.dead}")
+        size = self.cfg.chunk_size
+        pending: queue.Queue[_Chunk] = queue.Queue()
+        n_chunks = 0
+        for start in range(0, len(requests), size):
+            pending.put(_Chunk(index=n_chunks, requests=list(requests[start : start + size])))
+            n_chunks += 1
+        done: dict[int, list[Any]] = {}
+        finished: queue.Queue[tuple[str, _Chunk, list[Any] | None, str]] = queue.Queue()
+        busy: dict[str, tuple[_Chunk, float]] = {}
+        while len(done) < n_chunks:
+            self._dispatch(pending, busy, finished)
+            if not busy:
+                raise NoEngineLeftError(
+                    f"no rollout engine left mid-batch ({len(done)}/{n_chunks} chunks done): {self.dead}"
+                )
+            self._collect(pending, busy, finished, done)
+        return [sample for index in range(n_chunks) for sample in done[index]]
+
+    def _dispatch(self, pending: queue.Queue, busy: dict, finished: queue.Queue) -> None:
+        for name, engine in self.live.items():
+            if name in busy or pending.empty():
+                continue
+            chunk = pending.get_nowait()
+            chunk.attempts += 1
+            busy[name] = (chunk, time.monotonic())
+            threading.Thread(target=_call_engine, args=(name, engine, chunk, finished), daemon=True).start()
+
+    def _collect(self, pending: queue.Queue, busy: dict, finished: queue.Queue, done: dict) -> None:
+        oldest = min(started for _, started in busy.values())
+        wait_s = max(0.0, oldest + self.cfg.chunk_timeout_s - time.monotonic())
+        try:
+            name, chunk, samples, error = finished.get(timeout=wait_s)
+        except queue.Empty:
+            for name, (chunk, started) in list(busy.items()):
+                if time.monotonic() - started >= self.cfg.chunk_timeout_s:
+                    del busy[name]
+                    self.remove(name, f"no answer within {self.cfg.chunk_timeout_s:g} s")
+                    self._retry(chunk, pending, name, "timeout")
+            return
+        if name not in busy or busy[name][0] is not chunk:
+            return  # a late answer from an engine already declared hung: discarded
+        del busy[name]
+        if error:
+            self.remove(name, error)
+            self._retry(chunk, pending, name, error)
+        elif [s.rid for s in samples] != [r.rid for r in chunk.requests]:
+            self.remove(name, f"returned samples for other requests than asked ({len(samples)} samples)")
+            self._retry(chunk, pending, name, "samples do not match the request ids")
+        else:
+            done[chunk.index] = samples
+
+    def _retry(self, chunk: _Chunk, pending: queue.Queue, engine: str, why: str) -> None:
+        if chunk.attempts >= self.cfg.max_attempts:
+            raise NoEngineLeftError(
+                f"chunk {chunk.index} failed {chunk.attempts} times (last on {engine}: {why}); "
+                f"raise rollout.max_attempts or check the engines"
+            )
+        rids = [r.rid for r in chunk.requests]
+        self._on_event(
+            "rollout_retry", {"engine": engine, "reason": why, "attempt": chunk.attempts, "rids": rids}
+        )
+        pending.put(chunk)
+
+
+def _call_engine(name: str, engine: Any, chunk: _Chunk, finished: queue.Queue) -> None:
+    try:
+        samples = list(engine.generate(chunk.requests))
+    except Exception as exc:  # reported to the pool, which retries elsewhere
+        finished.put((name, chunk, None, f"generate failed: {type(exc).__name__}: {exc}"))
+        return
+    finished.put((name, chunk, samples, ""))
