@@ -1,0 +1,29 @@
+"""Parallel runtime: layout config, process-group start-up, CPU execution mode, local launcher.
+
+Public API:
+- `ParallelConfig` (pure Python): TP / PP / CP sizes, `validate_for(world, layers, heads, kv_heads)`.
+- `initialize(cfg, seed=..., backend=None) -> Runtime` and `shutdown()` (import torch + megatron).
+- `cpu_mode`: the one module making megatron-core run on CPU (entered by `initialize` on CPU).
+- `launch.launch_local(argv, nproc, env=None, timeout=None)`: torchrun as a subprocess.
+
+`initialize`, `shutdown` and `Runtime` are loaded lazily so importing the config stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sparserl_mcore.parallel.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from sparserl_mcore.parallel.runtime import Runtime, initialize, shutdown
+
+__all__ = ["ParallelConfig", "Runtime", "initialize", "shutdown"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Runtime", "initialize", "shutdown"):
+        from sparserl_mcore.parallel import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,78 @@
+"""Parallel layout of the learner, in megatron-core's own names.
+
+`ParallelConfig` is pure Python (no torch import) so configs can be validated before any process
+group exists; `validate_for` checks a layout against a world size and a model shape and names the
+numbers that do not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Tensor / pipeline / context parallel sizes; data parallel is what remains of the world."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one model replica (TP * PP * CP)."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        return tp * pp * self.context_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel replicas in a world of `world_size` ranks (raises if it does not divide)."""
+        self.validate_world(world_size)
+        return world_size // self.model_parallel_size
+
+    def validate_world(self, world_size: int) -> None:
+        tp, pp, cp = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+        )
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"world size {world_size} is not divisible by TP*PP*CP = {tp}*{pp}*{cp} = "
+                f"{self.model_parallel_size}; launch a multiple of {self.model_parallel_size} ranks "
+                "or change tensor/pipeline/context_model_parallel_size"
+            )
+
+    def validate_model(self, *, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
+        """Raise ValueError if the model shape cannot be split this way."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if num_heads % tp:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} does not divide num_attention_heads={num_heads}; "
+                f"choose a TP size that divides {num_heads}"
+            )
+        if num_kv_heads % tp:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} does not divide num_key_value_heads={num_kv_heads}; "
+                f"choose a TP size that divides {num_kv_heads}"
+            )
+        if pp > num_layers:
+            raise ValueError(
+                f"pipeline_model_parallel_size={pp} is larger than num_hidden_layers={num_layers}; "
+                "every pipeline stage needs at least one layer"
+            )
+        if num_layers % pp:
+            raise ValueError(
+                f"pipeline_model_parallel_size={pp} does not divide num_hidden_layers={num_layers}; "
+                "stages get equal layer counts, choose a PP size that divides the layer count"
+            )
+
+    def validate_for(self, world_size: int, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
+        """Check this layout against a world size and a model shape."""
+        self.validate_world(world_size)
+        self.validate_model(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads)

@@ -1,0 +1,164 @@
+"""CPU execution mode: lets unmodified megatron-core run on CPU processes over gloo.
+
+This is the ONE place in the project that bends megatron-core to a machine without a GPU. It is used
+for tests, the demo and CPU learners; `parallel.initialize` enters it only when no GPU is used and
+`enable()` refuses to run when CUDA is available, so GPU runs never see any of it.
+
+What it changes while active, and why (megatron-core 0.16.x hard-codes CUDA in these places):
+
+1. A `torch.overrides.TorchFunctionMode` rewrites device arguments that name CUDA (`"cuda"`,
+   `"cuda:N"`, a CUDA `torch.device`, or a bare int index) to CPU on every torch call, makes
+   `Tensor.cuda()` return the tensor itself, and turns `pin_memory=True` off. Megatron allocates
+   pipeline/TP communication buffers, the attention memory buffer and token counters with
+   `device=torch.cuda.current_device()` or `device="cuda"`.
+2. `torch.cuda.current_device` returns 0 and `torch.cuda.synchronize` is a no-op (p2p communication
+   calls both). The originals are restored by `disable()`.
+3. Megatron's CUDA RNG state tracker is replaced by `CpuRNGStatesTracker`, which keeps one torch CPU
+   generator state per tracker name and swaps it into the default CPU generator inside `fork(name)`,
+   exactly as megatron swaps CUDA generator states. Dropout inside TP regions therefore draws from
+   the per-TP-rank "model-parallel-rng" stream and advances it, as on GPU; it is not a no-op.
+   `model_parallel_cuda_manual_seed` keeps working unchanged because it only talks to the tracker.
+
+Not changed: kernels and fusions. Models built for CPU must turn fusions off and use the SDPA core
+attention of `model_providers` (see `model_providers.specs`).
+
+Usage: `with cpu_mode.CPUExecutionMode(): ...` or `cpu_mode.enable()` / `cpu_mode.disable()` (what
+`parallel.initialize` / `parallel.shutdown` do). The TorchFunctionMode is per thread: megatron
+work must run on the thread that entered the mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel import random as mcore_random
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments of torch calls to CPU (point 1 of the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
+    """Megatron's named RNG tracker, keeping torch CPU generator states instead of CUDA ones.
+
+    `fork(name)` swaps the named state into the default CPU generator, runs the block, stores the
+    advanced state back under `name` and restores the caller's state, so named streams are
+    reproducible and independent of the default stream (point 3 of the module docstring).
+    """
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} is already used by another tracker state")
+        if name in self.states_:
+            raise ValueError(f"RNG tracker state {name!r} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        if name not in self.states_:
+            raise KeyError(f"RNG tracker state {name!r} was never added; known: {sorted(self.states_)}")
+        caller_state = torch.get_rng_state()
+        caller_name = self._current_state_name
+        if caller_name != "default-rng":
+            self.states_[caller_name] = caller_state
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if caller_name != "default-rng":
+                caller_state = self.states_[caller_name]
+            torch.set_rng_state(caller_state)
+            self._current_state_name = caller_name
+
+
+class CPUExecutionMode:
+    """Context manager applying the three changes of the module docstring; reverts them on exit."""
+
+    def __init__(self) -> None:
+        self._mode: _CudaToCpu | None = None
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> CPUExecutionMode:
+        if torch.cuda.is_available():
+            raise RuntimeError("the CPU execution mode must not be used when CUDA is available")
+        if self._mode is not None:
+            raise RuntimeError("this CPUExecutionMode is already active")
+        self._saved = {
+            "current_device": torch.cuda.current_device,
+            "synchronize": torch.cuda.synchronize,
+            "tracker": mcore_random._CUDA_RNG_STATE_TRACKER,
+            "tracker_initialized": mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+        }
+        torch.cuda.current_device = lambda: 0
+        torch.cuda.synchronize = lambda device=None: None
+        mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+        self._mode = _CudaToCpu()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._mode is None:
+            return
+        self._mode.__exit__(None, None, None)
+        self._mode = None
+        torch.cuda.current_device = self._saved["current_device"]
+        torch.cuda.synchronize = self._saved["synchronize"]
+        mcore_random._CUDA_RNG_STATE_TRACKER = self._saved["tracker"]
+        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = self._saved["tracker_initialized"]
+
+
+_active: CPUExecutionMode | None = None
+
+
+def enable() -> None:
+    """Enter the CPU execution mode for the rest of the process (until `disable()`)."""
+    global _active
+    if _active is None:
+        mode = CPUExecutionMode()
+        mode.__enter__()
+        _active = mode
+
+
+def disable() -> None:
+    """Leave the mode entered by `enable()`; a no-op when it is not active."""
+    global _active
+    if _active is not None:
+        _active.__exit__(None, None, None)
+        _active = None
+
+
+def is_enabled() -> bool:
+    return _active is not None

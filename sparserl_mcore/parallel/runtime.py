@@ -1,0 +1,152 @@
+"""Process-group start-up for learners: torch.distributed + megatron parallel state + RNG seeds.
+
+`initialize(cfg, seed=...)` reads the launcher's environment (torchrun: RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR / MASTER_PORT; Slurm srun: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID with
+MASTER_ADDR / MASTER_PORT exported by the sbatch script; neither: a single process), picks NCCL on
+GPU and gloo on CPU, enters the CPU execution mode on CPU, and returns a `Runtime` describing this
+rank. Code that needs a process group takes it from `Runtime.groups` (megatron's
+`ProcessGroupCollection`: tp, pp, mp, cp, dp, dp_cp, embd, ...) and passes it down explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from sparserl_mcore.parallel import cpu_mode
+from sparserl_mcore.parallel.config import ParallelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class Runtime:
+    """Where this process sits in the learner's TP x CP x DP x PP grid."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    cpu: bool
+    parallel: ParallelConfig
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    cp_size: int
+    groups: ProcessGroupCollection
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+@dataclass(frozen=True)
+class _LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def _launch_env() -> _LaunchEnv:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return _LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
+        if missing:
+            raise RuntimeError(
+                f"running under srun but {', '.join(missing)} is not set; export MASTER_ADDR (first "
+                "node of the allocation) and MASTER_PORT in the sbatch script"
+            )
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        return _LaunchEnv(rank, world, int(env.get("SLURM_LOCALID", 0)))
+    return _LaunchEnv(0, 1, 0)
+
+
+def _init_process_group(launch: _LaunchEnv, backend: str, device: torch.device) -> None:
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised; call parallel.shutdown() first")
+    if launch.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        # A plain single process: no rendezvous needed.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend, init_method="env://", rank=launch.rank, world_size=launch.world_size, **kwargs
+    )
+
+
+def _seed_everything(seed: int, pp_rank: int) -> None:
+    """Megatron's convention: stages differ (seed + 100 * pp_rank); TP ranks share the default
+    stream and get distinct model-parallel streams from `model_parallel_cuda_manual_seed`."""
+    stage_seed = seed + 100 * pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = None) -> Runtime:
+    """Initialise torch.distributed, megatron parallel state and RNG; return this rank's `Runtime`.
+
+    `backend` defaults to "nccl" when CUDA is available and "gloo" otherwise; with gloo the CPU
+    execution mode (`parallel.cpu_mode`) is entered until `shutdown()`.
+    """
+    launch = _launch_env()
+    cfg.validate_world(launch.world_size)
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(launch.local_rank)
+        device = torch.device("cuda", launch.local_rank)
+    else:
+        device = torch.device("cpu")
+        cpu_mode.enable()
+    _init_process_group(launch, backend, device)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+        create_gloo_process_groups=use_cuda,
+    )
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    _seed_everything(seed, pp_rank)
+    return Runtime(
+        rank=launch.rank,
+        world_size=launch.world_size,
+        local_rank=launch.local_rank,
+        device=device,
+        cpu=not use_cuda,
+        parallel=cfg,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=cfg.tensor_model_parallel_size,
+        pp_rank=pp_rank,
+        pp_size=cfg.pipeline_model_parallel_size,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        cp_size=cfg.context_parallel_size,
+        groups=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+
+
+def shutdown() -> None:
+    """Tear down megatron parallel state and torch.distributed, and leave the CPU mode."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    cpu_mode.disable()
