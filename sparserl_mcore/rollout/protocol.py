@@ -30,7 +30,8 @@ class SamplingParams:
 
     temperature 0 means greedy; top_k -1 (or 0) and top_p 1.0 disable those filters; `stop` holds
     stop strings, matched on the decoded output text (needs the model's tokenizer); `seed` makes
-    one request's draws reproducible regardless of what else is in the batch.
+    one request's draws reproducible regardless of what else is in the batch. The model's EOS token
+    ids (config.json / generation_config.json) also stop a request unless `ignore_eos`.
     """
 
     temperature: float = 1.0
@@ -40,6 +41,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON; store tuples so the params stay hashable and immutable.

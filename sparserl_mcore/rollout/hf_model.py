@@ -1,0 +1,295 @@
+"""Inference forward of HF decoder-only models (Qwen2/2.5, Qwen3, Llama 3) in plain torch.
+
+Weights stay in HF layout, one tensor per HF name (`CausalLM.params`), so a full state dict or a
+sparse sync patch can be applied in place by name. The forward is split into the pieces the
+engine's paged attention needs (`qkv`, `finish_layer`, `logits`); `forward_reference` runs the
+same pieces with plain causal attention over a whole sequence, optionally masked per layer and KV
+head, which the tests use as the dense and the "retained positions only" recompute.
+
+Shape legend: T tokens, D hidden, Hq query heads, Hk KV heads, d head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+# model_type -> whether attention applies a per-head RMSNorm to q and k (Qwen3) before RoPE.
+ARCHITECTURES: dict[str, bool] = {"qwen2": False, "qwen3": True, "llama": False}
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The parts of an HF config.json the forward needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Mapping[str, Any] | None
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(f"model_type={self.model_type!r}: not supported; known: {sorted(ARCHITECTURES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not supported; known: {list(ROPE_TYPES)}")
+
+    @property
+    def qk_norm(self) -> bool:
+        return ARCHITECTURES[self.model_type]
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> ModelConfig:
+        """Read transformers 4.x (rope_theta + rope_scaling) and 5.x (rope_parameters) configs."""
+        if hf.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true: sliding-window attention is not supported")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = rope if rope.get("rope_type", "default") != "default" else None
+        eos = (generation or {}).get("eos_token_id", hf.get("eos_token_id"))
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        heads = int(hf["num_attention_heads"])
+        return cls(
+            model_type=str(hf.get("model_type")),
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+        )
+
+
+def load_hf_dir(hf_dir: str | pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """config.json (+ generation_config.json) and all safetensors shards of an HF checkpoint."""
+    root = pathlib.Path(hf_dir)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{root}/config.json not found: expected an HF checkpoint directory")
+    hf = json.loads((root / "config.json").read_text())
+    gen_path = root / "generation_config.json"
+    generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = sorted(p.name for p in root.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors in {root}")
+    params: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        params.update(load_file(str(root / shard)))
+    return ModelConfig.from_hf(hf, generation), params
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF parameter name the forward reads (biases where the checkpoint may have them are optional)."""
+    D, d, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, D),
+        "model.norm.weight": (D,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, D)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (D,),
+            p + "post_attention_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (cfg.num_heads * d, D),
+            p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, D),
+            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, D),
+            p + "self_attn.o_proj.weight": (D, cfg.num_heads * d),
+            p + "mlp.gate_proj.weight": (I, D),
+            p + "mlp.up_proj.weight": (I, D),
+            p + "mlp.down_proj.weight": (D, I),
+        }
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    return shapes
+
+
+def _optional_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d = cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.self_attn."
+        shapes |= {
+            p + "q_proj.bias": (cfg.num_heads * d,),
+            p + "k_proj.bias": (cfg.num_kv_heads * d,),
+            p + "v_proj.bias": (cfg.num_kv_heads * d,),
+        }
+    return shapes
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [d/2] (fp32), with Llama 3's frequency-dependent scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if not cfg.rope_scaling:
+        return inv
+    s = cfg.rope_scaling
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class CausalLM:
+    """Qwen2/Qwen3/Llama decoder over an HF-named parameter dict (no nn.Module: nothing to train)."""
+
+    def __init__(self, cfg: ModelConfig, params: Mapping[str, torch.Tensor], *, device, dtype) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.params = self._checked(params)
+        self.inv_freq = rope_inv_freq(cfg).to(self.device)
+
+    @classmethod
+    def from_pretrained(cls, hf_dir: str | pathlib.Path, *, device="cpu", dtype=torch.float32) -> CausalLM:
+        cfg, params = load_hf_dir(hf_dir)
+        return cls(cfg, params, device=device, dtype=dtype)
+
+    def _checked(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        required, optional = expected_shapes(self.cfg), _optional_shapes(self.cfg)
+        missing = sorted(set(required) - set(params))
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        out = {}
+        for name, tensor in params.items():
+            shape = required.get(name) or optional.get(name)
+            if shape is None:
+                continue  # e.g. rotary inv_freq buffers or a tied lm_head copy: recomputed / shared
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {shape}")
+            out[name] = tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        return out
+
+    def update(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors into the live parameters in place; all checked before any is written."""
+        for name, tensor in state_dict.items():
+            if name not in self.params:
+                raise KeyError(f"{name!r} is not a parameter of this {self.cfg.model_type} model")
+            if tuple(tensor.shape) != tuple(self.params[name].shape):
+                raise ValueError(
+                    f"{name}: shape {tuple(tensor.shape)}, expected {tuple(self.params[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                self.params[name].copy_(tensor)
+
+    # ---- forward pieces ------------------------------------------------------------------------
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.params[name + ".weight"], self.params.get(name + ".bias"))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, D] residual stream."""
+        return F.embedding(ids, self.params["model.embed_tokens.weight"])
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, d] for integer positions [T]."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def qkv(
+        self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Post-RoPE q [T, Hq, d], k [T, Hk, d] and v [T, Hk, d] of `layer` for residual h [T, D]."""
+        cfg, p = self.cfg, f"model.layers.{layer}."
+        x = self._norm(h, self.params[p + "input_layernorm.weight"])
+        q = self._linear(x, p + "self_attn.q_proj").view(-1, cfg.num_heads, cfg.head_dim)
+        k = self._linear(x, p + "self_attn.k_proj").view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = self._linear(x, p + "self_attn.v_proj").view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = self._norm(q, self.params[p + "self_attn.q_norm.weight"])
+            k = self._norm(k, self.params[p + "self_attn.k_norm.weight"])
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection + residual + gated-SiLU MLP + residual; attn [T, Hq, d]."""
+        p = f"model.layers.{layer}."
+        h = h + self._linear(attn.reshape(attn.shape[0], -1), p + "self_attn.o_proj")
+        x = self._norm(h, self.params[p + "post_attention_layernorm.weight"])
+        gate, up = self._linear(x, p + "mlp.gate_proj"), self._linear(x, p + "mlp.up_proj")
+        return h + self._linear(F.silu(gate) * up, p + "mlp.down_proj")
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[T, D] -> fp32 logits [T, V]."""
+        x = self._norm(h, self.params["model.norm.weight"])
+        head = self.params.get("lm_head.weight", self.params["model.embed_tokens.weight"])
+        return F.linear(x, head).float()
+
+    @torch.no_grad()
+    def forward_reference(
+        self, ids: torch.Tensor, kv_masks: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Whole-sequence logits [T, V] with causal attention (no KV cache).
+
+        kv_masks: optional per layer bool [Hk, T, T], True where query row t may read key column j
+        (intersected with the causal mask). It reproduces a decode that read only some positions,
+        because each token's K/V depends only on what that token attended to in lower layers.
+        """
+        ids = ids.to(self.device)
+        T = ids.shape[0]
+        cos, sin = self.rope(torch.arange(T, device=self.device))
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        h = self.embed(ids)
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
+        for layer in range(self.cfg.num_layers):
+            q, k, v = self.qkv(layer, h, cos, sin)
+            allowed = causal.expand(self.cfg.num_kv_heads, T, T)
+            if kv_masks is not None:
+                allowed = allowed & kv_masks[layer].to(self.device)
+            qh = q.float().permute(1, 0, 2).reshape(self.cfg.num_kv_heads, group * T, -1)
+            scores = qh @ k.float().permute(1, 2, 0) / math.sqrt(self.cfg.head_dim)  # [Hk, g*T, T]
+            scores = scores.view(self.cfg.num_kv_heads, group, T, T).masked_fill(~allowed[:, None], -math.inf)
+            out = scores.softmax(-1) @ v.float().permute(1, 0, 2)[:, None]  # [Hk, g, T, d]
+            attn = out.reshape(self.cfg.num_heads, T, -1).permute(1, 0, 2).to(self.dtype)
+            h = self.finish_layer(layer, h, attn)
+        return self.logits(h)
