@@ -1,0 +1,155 @@
+"""Apply a patch to an HF-layout state dict in place: validate fully, write, verify, or roll back.
+
+All-or-nothing: the patch is decoded and checked against the target (base version, names, dtypes,
+shapes, model size) before any byte is written; after the writes the per-tensor and whole-model
+xxh3-128 digests are checked, and on a mismatch every written position gets its old bits back
+before `PatchError` is raised. The caller (`HFReceiver`, a transport) then falls back to a full
+sync.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparserl_mcore.sync.codec import VALUE_ENCODINGS, DecodedPatch, DecodedTensor, PatchError, decode_patch
+from sparserl_mcore.sync.hashing import (
+    DTYPES,
+    model_digest,
+    state_dict_digests,
+    state_dict_meta,
+    tensor_digest,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _flat_bits(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise PatchError(f"target tensor {name!r} is not contiguous; cannot patch it in place")
+    return tensor.detach().view(-1).view(torch.int16)
+
+
+def check_target(patch: DecodedPatch, state: Mapping[str, torch.Tensor], version: int | None) -> None:
+    """Everything that must hold before writing: raises PatchError, touches nothing."""
+    if not patch.full and patch.base_version != version:
+        raise PatchError(
+            f"patch {patch.version} is based on version {patch.base_version}, the receiver holds {version}"
+        )
+    numel = sum(t.numel() for t in state.values())
+    if patch.model_tensors != len(state) or patch.model_numel != numel:
+        raise PatchError(
+            f"patch describes a model of {patch.model_tensors} tensors / {patch.model_numel} elements, "
+            f"the receiver has {len(state)} / {numel}"
+        )
+    for t in patch.tensors:
+        if t.name not in state:
+            raise PatchError(f"patch tensor {t.name!r} is unknown to the receiver")
+        target = state[t.name]
+        if tuple(target.shape) != t.shape or target.dtype != DTYPES[t.dtype]:
+            raise PatchError(
+                f"patch tensor {t.name!r} is {t.shape} {t.dtype}, the receiver's is "
+                f"{tuple(target.shape)} {target.dtype}"
+            )
+
+
+def _new_bits(t: DecodedTensor, flat: torch.Tensor, encoding: str) -> tuple[torch.Tensor | None, np.ndarray]:
+    """(index tensor or None for dense, new uint16 values) for one tensor."""
+    if t.indices is None:
+        return None, t.stored
+    index = torch.from_numpy(t.indices).to(flat.device)
+    old = flat.index_select(0, index).cpu().numpy().view(np.uint16)
+    return index, VALUE_ENCODINGS[encoding].apply(old, t.stored)
+
+
+def _write(flat: torch.Tensor, index: torch.Tensor | None, values: np.ndarray) -> None:
+    src = torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).to(flat.device)
+    if index is None:
+        flat.copy_(src)
+    else:
+        flat.index_copy_(0, index, src)
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    version: int
+    changed_elements: int
+    changed_tensors: int
+    digests: dict[str, bytes]
+
+
+def apply_decoded(
+    state: MutableMapping[str, torch.Tensor],
+    patch: DecodedPatch,
+    *,
+    version: int | None,
+    digests: Mapping[str, bytes] | None = None,
+) -> ApplyResult:
+    """Apply a decoded patch in place; see the module docstring for the all-or-nothing contract."""
+    check_target(patch, state, version)
+    digests = dict(digests) if digests is not None else state_dict_digests(state)
+    planned = []
+    for t in patch.tensors:
+        flat = _flat_bits(state[t.name], t.name)
+        index, values = _new_bits(t, flat, patch.encoding)
+        old = flat.clone() if index is None else flat.index_select(0, index)
+        planned.append((t, flat, index, values, old))
+    for _, flat, index, values, _ in planned:
+        _write(flat, index, values)
+    new_digests = dict(digests)
+    bad = []
+    for t, *_ in planned:
+        new_digests[t.name] = tensor_digest(state[t.name])
+        if new_digests[t.name] != t.digest:
+            bad.append(t.name)
+    if not bad and model_digest(new_digests, state_dict_meta(state)) != patch.model_digest:
+        bad.append("<whole model>")
+    if bad:
+        for _, flat, index, _, old in planned:
+            flat.copy_(old) if index is None else flat.index_copy_(0, index, old)
+        raise PatchError(f"digest mismatch after applying patch {patch.version} to {bad[:3]}; rolled back")
+    return ApplyResult(
+        version=patch.version,
+        changed_elements=sum(t.stored.size for t in patch.tensors),
+        changed_tensors=len(patch.tensors),
+        digests=new_digests,
+    )
+
+
+def apply_patch(
+    state: MutableMapping[str, torch.Tensor],
+    data: bytes,
+    *,
+    version: int | None,
+    digests: Mapping[str, bytes] | None = None,
+) -> ApplyResult:
+    """Decode, validate and apply patch bytes to `state` (held at `version`) in place.
+
+    `digests`: the receiver's cached per-tensor digests of `state` (computed when None).
+    Raises PatchError with `state` unchanged.
+    """
+    return apply_decoded(state, decode_patch(data), version=version, digests=digests)
+
+
+class HFReceiver:
+    """A receiver over an HF-layout state dict (name -> contiguous 16-bit tensor, any device).
+
+    Keeps the held version and per-tensor digests so a patch rehashes only the tensors it touches.
+    """
+
+    def __init__(self, state: MutableMapping[str, torch.Tensor], *, version: int | None = None) -> None:
+        self.state = state
+        self.version = version
+        self.digests = state_dict_digests(state)
+
+    def apply(self, data: bytes) -> ApplyResult:
+        result = apply_patch(self.state, data, version=self.version, digests=self.digests)
+        self.version, self.digests = result.version, result.digests
+        return result
+
+    def model_digest(self) -> bytes:
+        return model_digest(self.digests, state_dict_meta(self.state))

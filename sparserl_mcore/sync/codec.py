@@ -1,0 +1,446 @@
+"""Byte format of a sparse BF16 weight patch (format version 1; layout in docs/sync.md).
+
+A patch lists, per HF tensor, the flat positions whose 16-bit pattern changed and the new values
+in one of `VALUE_ENCODINGS`. Positions travel as gap bytes (gap = distance to the previous
+changed position minus one; gaps >= 255 escape into a per-tensor stream of the narrowest unsigned
+width that fits), values as two byte planes (low, high): this keeps each stream's statistics
+uniform so zstd level 1 gets near ~1.2 bytes per changed element at 99 % sparsity. A *full* patch
+(`base_version=None`) carries every element densely and is the fallback / anchor.
+
+`decode_patch` validates everything (length, magic, trailer xxh3-128 over all bytes, header
+schema, stream lengths, index ranges) before anything is returned; applying is in `apply.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+import zstandard
+
+from sparserl_mcore.sync.hashing import DIGEST_BYTES, DTYPES
+
+FORMAT_VERSION = 1
+MAGIC = b"SRLPATCH"
+# magic, format version, compression id, reserved, header bytes, stored body bytes, raw body bytes
+_PREFIX = struct.Struct("<8sHBBIQQ")
+COMPRESSIONS = {0: "none", 1: "zstd"}
+ESCAPE = 255
+STREAMS = ("gaps", "escapes", "values_lo", "values_hi")
+_WIDTHS = (1, 2, 4, 8)
+
+
+class PatchError(ValueError):
+    """A patch is malformed, corrupt, or does not fit the receiver; nothing was applied."""
+
+
+# --- value encodings: (old bits, new bits) -> stored uint16, and back (exact, modulo 2**16) -------
+
+
+def _zigzag(delta: np.ndarray) -> np.ndarray:
+    d = delta.astype(np.int16).astype(np.int32)
+    return ((d << 1) ^ (d >> 15)).astype(np.uint16)
+
+
+def _unzigzag(z: np.ndarray) -> np.ndarray:
+    z32 = z.astype(np.int32)
+    return ((z32 >> 1) ^ -(z32 & 1)).astype(np.uint16)
+
+
+@dataclass(frozen=True)
+class ValueEncoding:
+    """How changed values are stored. `needs_base`: applying requires the exact base values."""
+
+    encode: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    apply: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    needs_base: bool
+
+
+VALUE_ENCODINGS: dict[str, ValueEncoding] = {
+    # new bit patterns: idempotent, no float math
+    "overwrite": ValueEncoding(lambda old, new: new, lambda old, stored: stored, needs_base=False),
+    # old XOR new: applied exactly once against the named base version
+    "xor": ValueEncoding(lambda old, new: old ^ new, lambda old, stored: old ^ stored, needs_base=True),
+    # zigzag of (new - old) mod 2**16 on the raw bit patterns: a one-ulp step is 1 or 2
+    "sub": ValueEncoding(
+        lambda old, new: _zigzag(new.astype(np.int32) - old.astype(np.int32)),
+        lambda old, stored: (old.astype(np.int32) + _unzigzag(stored).astype(np.int32)).astype(np.uint16),
+        needs_base=True,
+    ),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodecConfig:
+    """encoding: a `VALUE_ENCODINGS` key; zstd_level: 1..22, or None to store the body raw."""
+
+    encoding: str = "sub"
+    zstd_level: int | None = 1
+
+    def __post_init__(self) -> None:
+        if self.encoding not in VALUE_ENCODINGS:
+            raise ValueError(
+                f"encoding={self.encoding!r} is unknown; choose from {', '.join(VALUE_ENCODINGS)}"
+            )
+        if self.zstd_level is not None and not 1 <= self.zstd_level <= 22:
+            raise ValueError(f"zstd_level={self.zstd_level} is out of range; use 1..22, or None for no zstd")
+
+
+# --- in-memory patch ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorChange:
+    """One tensor's change. indices=None: dense (every element, values are the new bits).
+
+    old_bits is required for sparse changes under a delta encoding (xor, sub).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    indices: np.ndarray | None
+    new_bits: np.ndarray
+    old_bits: np.ndarray | None
+    digest: bytes
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nnz(self) -> int:
+        return int(self.new_bits.size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Patch:
+    """A set of tensor changes taking `base_version` to `version` (base None: a full patch)."""
+
+    version: int
+    base_version: int | None
+    anchor_version: int
+    model_digest: bytes
+    model_tensors: int
+    model_numel: int
+    tensors: tuple[TensorChange, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodedTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    indices: np.ndarray | None
+    stored: np.ndarray
+    digest: bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodedPatch:
+    version: int
+    base_version: int | None
+    anchor_version: int
+    encoding: str
+    model_digest: bytes
+    model_tensors: int
+    model_numel: int
+    tensors: tuple[DecodedTensor, ...]
+
+    @property
+    def full(self) -> bool:
+        return self.base_version is None
+
+
+# --- encode ---------------------------------------------------------------------------------------
+
+
+def _encode_indices(indices: np.ndarray) -> tuple[np.ndarray, bytes, int, int]:
+    gaps = np.diff(indices.astype(np.int64), prepend=np.int64(-1)) - 1
+    big = gaps >= ESCAPE
+    escapes = gaps[big] - ESCAPE
+    width = 0
+    if escapes.size:
+        top = int(escapes.max())
+        width = next(w for w in _WIDTHS if top < 1 << (8 * w))
+    return (
+        np.minimum(gaps, ESCAPE).astype(np.uint8),
+        escapes.astype(f"<u{width or 1}").tobytes(),
+        width,
+        int(escapes.size),
+    )
+
+
+def _stored_values(change: TensorChange, encoding: str) -> np.ndarray:
+    if change.indices is None or not VALUE_ENCODINGS[encoding].needs_base:
+        return change.new_bits
+    if change.old_bits is None:
+        raise ValueError(f"tensor {change.name!r}: encoding {encoding!r} needs old_bits; use 'overwrite'")
+    return VALUE_ENCODINGS[encoding].encode(change.old_bits, change.new_bits)
+
+
+def encode_patch(patch: Patch, config: CodecConfig = CodecConfig()) -> bytes:
+    """Serialise `patch`; the result is self-checking (trailing xxh3-128 over all bytes)."""
+    gaps, escapes, values, entries = [], [], [], []
+    for change in patch.tensors:
+        entry = {"name": change.name, "dtype": change.dtype, "shape": list(change.shape), "nnz": change.nnz}
+        if change.indices is None:
+            entry.update(dense=True, escape_width=0, n_escape=0)
+        else:
+            small, esc, width, n_escape = _encode_indices(change.indices)
+            gaps.append(small)
+            escapes.append(esc if n_escape else b"")
+            entry.update(dense=False, escape_width=width, n_escape=n_escape)
+        entry["digest"] = change.digest.hex()
+        values.append(_stored_values(change, config.encoding).astype(np.uint16, copy=False))
+        entries.append(entry)
+    all_values = np.concatenate(values) if values else np.zeros(0, np.uint16)
+    streams = [
+        np.concatenate(gaps).tobytes() if gaps else b"",
+        b"".join(escapes),
+        (all_values & 0xFF).astype(np.uint8).tobytes(),
+        (all_values >> 8).astype(np.uint8).tobytes(),
+    ]
+    header = {
+        "version": patch.version,
+        "base_version": patch.base_version,
+        "anchor_version": patch.anchor_version,
+        "encoding": config.encoding,
+        "model_digest": patch.model_digest.hex(),
+        "model_tensors": patch.model_tensors,
+        "model_numel": patch.model_numel,
+        "tensors": entries,
+        "streams": dict(zip(STREAMS, (len(s) for s in streams), strict=True)),
+    }
+    raw = b"".join(streams)
+    body = (
+        raw if config.zstd_level is None else zstandard.ZstdCompressor(level=config.zstd_level).compress(raw)
+    )
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    compression = 0 if config.zstd_level is None else 1
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, compression, 0, len(header_bytes), len(body), len(raw))
+    h = xxhash.xxh3_128()
+    for part in (prefix, header_bytes, body):
+        h.update(part)
+    return b"".join((prefix, header_bytes, body, h.digest()))
+
+
+# --- decode ---------------------------------------------------------------------------------------
+
+
+def _split_container(data: bytes) -> tuple[int, dict, bytes, int]:
+    """Check framing and the trailing digest; return (compression, header, stored body, raw size)."""
+    if len(data) < _PREFIX.size + DIGEST_BYTES:
+        raise PatchError(f"patch is truncated: {len(data)} bytes, the fixed framing alone is 48")
+    magic, fmt, compression, reserved, header_len, body_len, raw_len = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise PatchError(f"not a sparserl patch: magic {magic!r}, expected {MAGIC!r}")
+    if fmt != FORMAT_VERSION:
+        raise PatchError(f"patch format version {fmt} is not supported (this reader: {FORMAT_VERSION})")
+    expected = _PREFIX.size + header_len + body_len + DIGEST_BYTES
+    if len(data) != expected:
+        raise PatchError(
+            f"patch length {len(data)} != {expected} declared by its framing (truncated or padded)"
+        )
+    if xxhash.xxh3_128_digest(memoryview(data)[:-DIGEST_BYTES]) != data[-DIGEST_BYTES:]:
+        raise PatchError("patch checksum mismatch: the bytes were corrupted or reordered")
+    if compression not in COMPRESSIONS or reserved != 0:
+        raise PatchError(f"patch compression id {compression} / reserved {reserved} is invalid")
+    try:
+        header = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PatchError(f"patch header is not valid JSON: {exc}") from exc
+    body = data[_PREFIX.size + header_len : -DIGEST_BYTES]
+    return compression, header, body, raw_len
+
+
+def _field(obj: dict, key: str, kind: type | tuple[type, ...], where: str):
+    value = obj.get(key) if isinstance(obj, dict) else None
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise PatchError(f"patch header: {where}.{key} is missing or not {kind}")
+    return value
+
+
+def _digest(text: str, where: str) -> bytes:
+    try:
+        value = bytes.fromhex(text)
+    except ValueError as exc:
+        raise PatchError(f"patch header: {where} is not hex") from exc
+    if len(value) != DIGEST_BYTES:
+        raise PatchError(f"patch header: {where} must be {DIGEST_BYTES} bytes")
+    return value
+
+
+def _check_entry(entry: dict, i: int) -> tuple[str, str, tuple[int, ...], int, bool, int, int, bytes]:
+    where = f"tensors[{i}]"
+    name = _field(entry, "name", str, where)
+    dtype = _field(entry, "dtype", str, where)
+    if dtype not in DTYPES:
+        raise PatchError(f"patch header: {where} dtype {dtype!r} unsupported; known: {', '.join(DTYPES)}")
+    shape = tuple(_field(entry, "shape", list, where))
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise PatchError(f"patch header: {where}.shape {list(shape)} is not a list of sizes")
+    numel = int(np.prod(shape, dtype=np.int64))
+    nnz, dense = _field(entry, "nnz", int, where), _field(entry, "dense", bool, where)
+    width, n_escape = _field(entry, "escape_width", int, where), _field(entry, "n_escape", int, where)
+    if not 0 <= nnz <= numel or dense and nnz != numel:
+        raise PatchError(f"patch header: {where} ({name}) nnz {nnz} does not fit numel {numel}")
+    if (width == 0) != (n_escape == 0) or width not in (0, *_WIDTHS) or not 0 <= n_escape <= nnz:
+        raise PatchError(f"patch header: {where} ({name}) escape width {width} / count {n_escape} invalid")
+    if dense and width:
+        raise PatchError(f"patch header: {where} ({name}) is dense but has index escapes")
+    return (
+        name,
+        dtype,
+        shape,
+        nnz,
+        dense,
+        width,
+        n_escape,
+        _digest(_field(entry, "digest", str, where), where),
+    )
+
+
+def _decode_indices(gaps: np.ndarray, escapes: bytes, width: int, numel: int, name: str) -> np.ndarray:
+    steps = gaps.astype(np.int64)
+    escape_at = np.flatnonzero(gaps == ESCAPE)
+    extra = np.frombuffer(escapes, dtype=f"<u{width}") if width else np.zeros(0, np.uint8)
+    if escape_at.size != extra.size:
+        raise PatchError(f"tensor {name!r}: {escape_at.size} index escapes but {extra.size} escape values")
+    if extra.size and int(extra.max()) >= numel:
+        raise PatchError(f"tensor {name!r}: index gap out of range for {numel} elements")
+    steps[escape_at] += extra.astype(np.int64)
+    if steps.size and float(steps.astype(np.float64).sum()) + steps.size > numel + 0.5:
+        raise PatchError(f"tensor {name!r}: index out of range for {numel} elements")
+    return np.cumsum(steps + 1) - 1
+
+
+def _raw_body(compression: int, body: bytes, raw_len: int) -> bytes:
+    if compression == 0:
+        if len(body) != raw_len:
+            raise PatchError(f"patch body is {len(body)} bytes, header says {raw_len}")
+        return body
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=raw_len)
+    except zstandard.ZstdError as exc:
+        raise PatchError(f"patch body does not decompress: {exc}") from exc
+    if len(raw) != raw_len:
+        raise PatchError(f"patch body decompressed to {len(raw)} bytes, header says {raw_len}")
+    return raw
+
+
+def read_header(data: bytes) -> tuple[int, dict]:
+    """Framing + checksum checked header (no body decoding): (compression id, header dict)."""
+    compression, header, _, _ = _split_container(data)
+    return compression, header
+
+
+def decode_patch(data: bytes) -> DecodedPatch:
+    """Parse and fully validate a patch. Raises PatchError naming the first problem found."""
+    compression, header, body, raw_len = _split_container(data)
+    encoding = _field(header, "encoding", str, "header")
+    if encoding not in VALUE_ENCODINGS:
+        raise PatchError(f"patch encoding {encoding!r} unknown; known: {', '.join(VALUE_ENCODINGS)}")
+    version = _field(header, "version", int, "header")
+    base = header.get("base_version")
+    if base is not None and not isinstance(base, int) or isinstance(base, bool):
+        raise PatchError("patch header: base_version must be an integer or null")
+    streams = _field(header, "streams", dict, "header")
+    sizes = [_field(streams, key, int, "streams") for key in STREAMS]
+    if sum(sizes) != raw_len or min(sizes) < 0:
+        raise PatchError(f"patch streams {sizes} do not add up to the body size {raw_len}")
+    raw = memoryview(_raw_body(compression, body, raw_len))
+    offsets = np.cumsum([0, *sizes])
+    gaps_all = np.frombuffer(raw[offsets[0] : offsets[1]], np.uint8)
+    escapes_all = raw[offsets[1] : offsets[2]]
+    lo = np.frombuffer(raw[offsets[2] : offsets[3]], np.uint8)
+    hi = np.frombuffer(raw[offsets[3] : offsets[4]], np.uint8)
+    if lo.size != hi.size:
+        raise PatchError("patch value planes differ in length")
+    values_all = lo.astype(np.uint16) | (hi.astype(np.uint16) << 8)
+    tensors, seen = [], set()
+    g = e = v = 0
+    for i, entry in enumerate(_field(header, "tensors", list, "header")):
+        name, dtype, shape, nnz, dense, width, n_escape, digest = _check_entry(entry, i)
+        if name in seen:
+            raise PatchError(f"patch lists tensor {name!r} twice")
+        seen.add(name)
+        if base is None and not dense:
+            raise PatchError(f"full patch (no base version) has a sparse tensor {name!r}")
+        indices = None
+        if not dense:
+            if g + nnz > gaps_all.size or e + n_escape * width > len(escapes_all):
+                raise PatchError(f"tensor {name!r}: index streams end early")
+            indices = _decode_indices(
+                gaps_all[g : g + nnz],
+                bytes(escapes_all[e : e + n_escape * width]),
+                width,
+                int(np.prod(shape)),
+                name,
+            )
+            g, e = g + nnz, e + n_escape * width
+        if v + nnz > values_all.size:
+            raise PatchError(f"tensor {name!r}: value stream ends early")
+        tensors.append(
+            DecodedTensor(
+                name=name,
+                dtype=dtype,
+                shape=shape,
+                indices=indices,
+                stored=values_all[v : v + nnz],
+                digest=digest,
+            )
+        )
+        v += nnz
+    if (g, e, v) != (gaps_all.size, len(escapes_all), values_all.size):
+        raise PatchError("patch streams hold bytes that no tensor claims")
+    return DecodedPatch(
+        version=version,
+        base_version=base,
+        anchor_version=_field(header, "anchor_version", int, "header"),
+        encoding=encoding,
+        model_digest=_digest(_field(header, "model_digest", str, "header"), "model_digest"),
+        model_tensors=_field(header, "model_tensors", int, "header"),
+        model_numel=_field(header, "model_numel", int, "header"),
+        tensors=tuple(tensors),
+    )
+
+
+def inspect_patch(data: bytes) -> dict:
+    """Validated summary of a patch: versions, encoding, per-tensor nnz/sparsity, byte counts."""
+    compression, header = read_header(data)
+    patch = decode_patch(data)
+    changed = sum(t.stored.size for t in patch.tensors)
+    return {
+        "format_version": FORMAT_VERSION,
+        "version": patch.version,
+        "base_version": patch.base_version,
+        "anchor_version": patch.anchor_version,
+        "full": patch.full,
+        "encoding": patch.encoding,
+        "compression": COMPRESSIONS[compression],
+        "bytes": len(data),
+        "body_raw_bytes": sum(header["streams"].values()),
+        "model_tensors": patch.model_tensors,
+        "model_numel": patch.model_numel,
+        "changed_elements": changed,
+        "sparsity": 1.0 - changed / patch.model_numel if patch.model_numel else 0.0,
+        "bytes_per_changed_element": len(data) / changed if changed else None,
+        "dense_bytes": 2 * patch.model_numel,
+        "ratio_vs_dense": 2 * patch.model_numel / len(data),
+        "tensors": [
+            {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "nnz": int(t.stored.size),
+                "dense": t.indices is None,
+                "sparsity": 1.0 - t.stored.size / max(1, int(np.prod(t.shape))),
+            }
+            for t in patch.tensors
+        ],
+    }

@@ -1,0 +1,138 @@
+"""Codec, diff and apply: round trips for every value encoding, validation, all-or-nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from sparserl_mcore.sync.apply import HFReceiver
+from sparserl_mcore.sync.codec import (
+    VALUE_ENCODINGS,
+    CodecConfig,
+    PatchError,
+    decode_patch,
+    encode_patch,
+    inspect_patch,
+)
+from sparserl_mcore.sync.diff import full_patch, make_patch
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def _adam_like_step(state: dict[str, torch.Tensor], lr: float, seed: int) -> dict[str, torch.Tensor]:
+    """fp32 master += lr * sign noise, cast back to bf16: the RL-regime update pattern."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        master = t.float()
+        if name != "norm.weight":
+            master -= lr * torch.randn(t.shape, generator=gen).sign()
+        out[name] = master.to(t.dtype)
+    return out
+
+
+@pytest.fixture()
+def weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    state = {
+        "embed.weight": (torch.randn(300, 64, generator=gen) * 0.02).bfloat16(),
+        "layer.0.weight": (torch.randn(64, 64, generator=gen) * 0.02).bfloat16(),
+        "layer.0.bias": torch.zeros(64, dtype=torch.bfloat16),
+        "norm.weight": torch.ones(64, dtype=torch.bfloat16),
+        # a sign crossing, -0/+0 and NaN patterns must all survive bit-exactly
+        "odd.weight": torch.tensor([0.0, -0.0, float("nan"), 1e-30, -1e-30, 3.0], dtype=torch.bfloat16),
+    }
+    return state
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
+
+
+@pytest.mark.parametrize("encoding", sorted(VALUE_ENCODINGS))
+@pytest.mark.parametrize("zstd_level", [None, 1, 9])
+def test_round_trip_bit_exact(weights, encoding, zstd_level):
+    new = _adam_like_step(weights, 1e-4, seed=1)
+    new["odd.weight"] = torch.tensor([-0.0, 0.0, 1.0, -1e-30, 1e-30, float("nan")], dtype=torch.bfloat16)
+    patch = make_patch(weights, new, version=7, base_version=6, anchor_version=0)
+    data = encode_patch(patch, CodecConfig(encoding=encoding, zstd_level=zstd_level))
+    receiver = HFReceiver({k: v.clone() for k, v in weights.items()}, version=6)
+    result = receiver.apply(data)
+    assert _equal(receiver.state, new)
+    assert result.version == receiver.version == 7
+    assert result.changed_elements == sum(int((_bits(weights[k]) != _bits(new[k])).sum()) for k in new)
+    assert receiver.model_digest() == patch.model_digest
+
+
+def test_large_gaps_use_escapes(weights):
+    big = {"w": torch.zeros(70_000, 3, dtype=torch.bfloat16)}
+    new = {"w": big["w"].clone()}
+    flat = new["w"].view(-1)
+    flat[[0, 1, 254, 255, 511, 70_000, 200_000, 209_999]] = 1.0
+    patch = make_patch(big, new, version=1, base_version=0, anchor_version=0)
+    decoded = decode_patch(encode_patch(patch))
+    np.testing.assert_array_equal(decoded.tensors[0].indices, [0, 1, 254, 255, 511, 70_000, 200_000, 209_999])
+
+
+def test_full_patch_restores_any_state(weights):
+    receiver = HFReceiver({k: torch.zeros_like(v) for k, v in weights.items()}, version=3)
+    receiver.apply(encode_patch(full_patch(weights, version=10)))
+    assert _equal(receiver.state, weights) and receiver.version == 10
+
+
+def test_delta_encodings_need_the_named_base(weights):
+    new = _adam_like_step(weights, 1e-3, seed=2)
+    data = encode_patch(make_patch(weights, new, version=2, base_version=1, anchor_version=0))
+    receiver = HFReceiver({k: v.clone() for k, v in weights.items()}, version=0)
+    with pytest.raises(PatchError, match="based on version 1, the receiver holds 0"):
+        receiver.apply(data)
+    assert _equal(receiver.state, weights)
+
+
+def test_unknown_tensor_and_shape_mismatch_rejected(weights):
+    new = _adam_like_step(weights, 1e-3, seed=3)
+    data = encode_patch(make_patch(weights, new, version=1, base_version=0, anchor_version=0))
+    renamed = {("other." + k if k == "layer.0.weight" else k): v.clone() for k, v in weights.items()}
+    with pytest.raises(PatchError, match="unknown to the receiver"):
+        HFReceiver(renamed, version=0).apply(data)
+    reshaped = {
+        k: (v.clone().reshape(64, 300) if k == "embed.weight" else v.clone()) for k, v in weights.items()
+    }
+    with pytest.raises(PatchError, match="embed.weight"):
+        HFReceiver(reshaped, version=0).apply(data)
+
+
+def test_digest_mismatch_rolls_back(weights):
+    new = _adam_like_step(weights, 1e-3, seed=4)
+    patch = make_patch(weights, new, version=1, base_version=0, anchor_version=0)
+    # A patch whose last tensor claims a wrong digest: earlier tensors are written, then undone.
+    forged = dataclasses.replace(patch.tensors[-1], digest=bytes(16))
+    patch = dataclasses.replace(patch, tensors=(*patch.tensors[:-1], forged))
+    receiver = HFReceiver({k: v.clone() for k, v in weights.items()}, version=0)
+    with pytest.raises(PatchError, match="digest mismatch"):
+        receiver.apply(encode_patch(patch))
+    assert _equal(receiver.state, weights) and receiver.version == 0
+
+
+def test_inspect_reports_sparsity_and_bytes(weights):
+    new = _adam_like_step(weights, 1e-4, seed=5)
+    data = encode_patch(make_patch(weights, new, version=5, base_version=4, anchor_version=0))
+    info = inspect_patch(data)
+    changed = sum(int((_bits(weights[k]) != _bits(new[k])).sum()) for k in new)
+    numel = sum(v.numel() for v in weights.values())
+    assert info["changed_elements"] == changed and info["bytes"] == len(data)
+    assert info["sparsity"] == pytest.approx(1 - changed / numel)
+    assert (info["version"], info["base_version"], info["encoding"]) == (5, 4, "sub")
+    assert {t["name"] for t in info["tensors"]} <= set(weights)
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="encoding='delta' is unknown; choose from overwrite, xor, sub"):
+        CodecConfig(encoding="delta")
+    with pytest.raises(ValueError, match="zstd_level=0"):
+        CodecConfig(zstd_level=0)
