@@ -1,0 +1,47 @@
+"""Write a directory all-or-nothing: build it under a temp name beside the target, rename at the end.
+
+Every writer of a checkpoint directory (make-tiny, HF export, conversion) goes through this, so an
+error or a kill never leaves a half-written directory at the path a user will load from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+
+def check_output_dir(out: str | os.PathLike, *, overwrite: bool) -> pathlib.Path:
+    """Refuse a non-empty existing target unless `overwrite` (checked before any expensive work)."""
+    path = pathlib.Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"output path {str(path)!r} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ValueError(f"output directory {str(path)!r} is not empty; pass --overwrite to replace it")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[pathlib.Path]:
+    """Yield a fresh temp directory on the same filesystem; on success it replaces `out`.
+
+    On any exception the temp directory is removed and `out` is left as it was.
+    """
+    path = check_output_dir(out, overwrite=overwrite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

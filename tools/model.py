@@ -1,0 +1,46 @@
+"""`sparserl model make-tiny`: a random-weight HF checkpoint (config, safetensors, tokenizer), offline."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    tiny = sub.add_parser("make-tiny", help="write a tiny random-weight HF checkpoint")
+    tiny.add_argument("--arch", required=True, help="qwen2 | qwen3 | llama")
+    tiny.add_argument("--out", required=True, help="output directory (written atomically)")
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--hidden", type=int, default=64)
+    tiny.add_argument("--heads", type=int, default=4)
+    tiny.add_argument("--kv-heads", type=int, default=2)
+    tiny.add_argument("--head-dim", type=int, default=None, help="default: hidden // heads")
+    tiny.add_argument("--ffn", type=int, default=128, help="MLP intermediate size")
+    tiny.add_argument("--vocab", type=int, default=128)
+    tiny.add_argument("--tie-embeddings", action="store_true")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    tiny.add_argument("--max-shard-size", default=None, help='e.g. "200KB": write sharded safetensors')
+    tiny.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
+
+    cfg = TinyModelConfig(
+        arch=args.arch,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        ffn=args.ffn,
+        vocab=args.vocab,
+        tie_embeddings=args.tie_embeddings,
+        seed=args.seed,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+    )
+    out = make_tiny(cfg, args.out, overwrite=args.overwrite)
+    print(f"wrote {cfg.arch} tiny checkpoint to {out}")
+    return 0
