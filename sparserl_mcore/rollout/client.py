@@ -1,0 +1,162 @@
+"""`RemoteEngine`: the `RolloutEngine` protocol over HTTP, talking to `sparserl serve`.
+
+Failures surface as `RemoteEngineError` (a RuntimeError) naming the URL, the route and the cause,
+after a bounded number of retries for transport errors and 5xx answers; 4xx answers (a bad
+request, a wrong token, a patch that does not apply) are raised at once, since repeating them
+cannot help. The trainer's `EnginePool` reacts by moving the work to another engine.
+
+Retrying /generate after a transport error can run a request twice on the server; the results of
+the first attempt are discarded, so the trainer still sees exactly one sample per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+import torch
+
+from sparserl_mcore.rollout.http_wire import generate_body, read_sample
+from sparserl_mcore.rollout.protocol import GenerateRequest, Sample
+
+
+class RemoteEngineError(RuntimeError):
+    """A remote engine did not do what was asked (after retries where retrying makes sense)."""
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class RemoteEngine:
+    """A rollout engine behind `sparserl serve` (or any server with the same routes).
+
+    timeout: seconds one HTTP call may take (generation of a whole batch included).
+    retries: extra attempts after a transport error or a 5xx answer, with `backoff_s` doubling.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+        retries: int = 2,
+        backoff_s: float = 0.5,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"url={url!r}: must start with http:// or https://")
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError(f"timeout={timeout}, connect_timeout={connect_timeout}: must be > 0 seconds")
+        if retries < 0:
+            raise ValueError(f"retries={retries}: must be >= 0")
+        self.url = url.rstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=connect_timeout)
+        )
+
+    def __repr__(self) -> str:
+        return f"RemoteEngine({self.url!r})"
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RemoteEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- RolloutEngine -----------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        if not requests:
+            return []
+        answer = self._call("POST", "/generate", json=generate_body(requests)).json()
+        if not isinstance(answer, list) or len(answer) != len(requests):
+            raise RemoteEngineError(
+                f"{self.url}/generate: expected {len(requests)} results, got {answer!r:.200}"
+            )
+        try:
+            return [read_sample(obj, req) for obj, req in zip(answer, requests, strict=True)]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RemoteEngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        from safetensors.torch import save
+
+        body = save({k: v.detach().cpu().contiguous() for k, v in state_dict.items()})
+        self._call(
+            "POST",
+            "/update_weights_from_safetensors",
+            params={"weight_version": int(version)},
+            content=body,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+
+    def apply_patch(self, patch_bytes: bytes) -> int:
+        answer = self._call(
+            "POST",
+            "/update_weights_from_patch",
+            content=bytes(patch_bytes),
+            headers={"Content-Type": "application/octet-stream"},
+        ).json()
+        return int(answer["weight_version"])
+
+    def flush_cache(self) -> None:
+        self._call("POST", "/flush_cache")
+
+    def pause(self) -> None:
+        self._call("POST", "/pause_generation")
+
+    def resume(self) -> None:
+        self._call("POST", "/continue_generation")
+
+    def model_info(self) -> dict[str, Any]:
+        return dict(self._call("GET", "/get_model_info").json())
+
+    def health(self) -> bool:
+        """True when the server answers /health with 200 (one attempt, no retries)."""
+        try:
+            return self._http.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    # -- transport ---------------------------------------------------------------------------
+    def _call(self, method: str, route: str, **kwargs: Any) -> httpx.Response:
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = self._http.request(method, route, **kwargs)
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code < 400:
+                return response
+            detail = _detail(response)
+            if response.status_code < 500:
+                raise RemoteEngineError(
+                    f"{self.url}{route}: HTTP {response.status_code}: {detail}",
+                    status_code=response.status_code,
+                )
+            last = f"HTTP {response.status_code}: {detail}"
+        raise RemoteEngineError(
+            f"{self.url}{route}: failed after {self.retries + 1} attempts; last error {last}"
+        )
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict):
+        return str(body.get("error") or body.get("detail") or body)[:500]
+    return str(body)[:500]

@@ -1,0 +1,171 @@
+"""JSON shapes of POST /generate, shared by the server (parse requests, render samples) and
+`RemoteEngine` (build requests, read samples back), so the two can never drift apart.
+
+The shapes are SGLang's native /generate ones (the subset our trainer uses):
+request  {"input_ids": [..] | [[..], ..]} or {"text": str | [str, ..]}, "sampling_params": {..} | [{..}, ..],
+         "return_logprob": bool, "return_text_in_logprobs": bool, "rid": str | [str, ..]
+response {"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
+         "cached_tokens", "finish_reason": {"type": "stop"|"length"|"abort", ...}, "weight_version",
+         "kv_stats", "output_token_logprobs": [[logprob, token_id, text|null], ..]}}
+A batch request (list of prompts) gets a list of responses in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sparserl_mcore.rollout.protocol import GenerateRequest, KVStats, Sample, SamplingParams
+
+GENERATE_KEYS = ("input_ids", "text", "sampling_params", "return_logprob", "return_text_in_logprobs", "rid")
+
+Encode = Callable[[str], list[int]]
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedGenerate:
+    requests: list[GenerateRequest]
+    batch: bool  # the client sent a list of prompts and gets a list back
+    return_logprob: bool
+    return_text_in_logprobs: bool
+
+
+def parse_generate(body: Any, encode: Encode | None) -> ParsedGenerate:
+    """Validate a /generate body; ValueError with a client-facing message on any problem."""
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    unknown = sorted(set(body) - set(GENERATE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown fields {unknown}; known: {list(GENERATE_KEYS)}")
+    prompts, batch = _prompts(body, encode)
+    params = _sampling(body.get("sampling_params", {}), len(prompts), batch)
+    rids = _rids(body.get("rid"), len(prompts), batch)
+    flags = {}
+    for key in ("return_logprob", "return_text_in_logprobs"):
+        flags[key] = body.get(key, False)
+        if not isinstance(flags[key], bool):
+            raise ValueError(f"{key} must be true or false, got {flags[key]!r}")
+    requests = [
+        GenerateRequest(input_ids=ids, sampling=sp, rid=rid)
+        for ids, sp, rid in zip(prompts, params, rids, strict=True)
+    ]
+    return ParsedGenerate(requests, batch, flags["return_logprob"], flags["return_text_in_logprobs"])
+
+
+def _prompts(body: dict[str, Any], encode: Encode | None) -> tuple[list[list[int]], bool]:
+    if ("input_ids" in body) == ("text" in body):
+        raise ValueError("send exactly one of input_ids or text")
+    if "text" in body:
+        text = body["text"]
+        batch = isinstance(text, list)
+        texts = text if batch else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ValueError("text must be a string or a non-empty list of strings")
+        if encode is None:
+            raise ValueError("this server has no tokenizer (none in the model directory); send input_ids")
+        return [encode(t) for t in texts], batch
+    ids = body["input_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise ValueError("input_ids must be a non-empty list of token ids or a list of such lists")
+    batch = isinstance(ids[0], list)
+    prompts = ids if batch else [ids]
+    for p in prompts:
+        if not isinstance(p, list) or not p or not all(isinstance(t, int) and t >= 0 for t in p):
+            raise ValueError("every prompt in input_ids must be a non-empty list of non-negative ints")
+    return prompts, batch
+
+
+def _sampling(raw: Any, n: int, batch: bool) -> list[SamplingParams]:
+    if isinstance(raw, dict):
+        return [SamplingParams.from_dict(raw)] * n
+    if batch and isinstance(raw, list) and len(raw) == n and all(isinstance(r, dict) for r in raw):
+        return [SamplingParams.from_dict(r) for r in raw]
+    raise ValueError(f"sampling_params must be an object, or a list of {n} objects for a batch of {n}")
+
+
+def _rids(raw: Any, n: int, batch: bool) -> list[str]:
+    if raw is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    rids = raw if batch else [raw]
+    if not isinstance(rids, list) or len(rids) != n or not all(isinstance(r, str) and r for r in rids):
+        raise ValueError(f"rid must be a non-empty string (a list of {n} for a batch of {n})")
+    if len(set(rids)) != n:
+        raise ValueError("rid values must be unique within a request")
+    return rids
+
+
+def render_sample(
+    sample: Sample, *, return_logprob: bool, return_text_in_logprobs: bool, decode: Decode | None
+) -> dict[str, Any]:
+    """One /generate response object for a finished sample."""
+    meta: dict[str, Any] = {
+        "id": sample.rid,
+        "prompt_tokens": len(sample.prompt_ids),
+        "completion_tokens": len(sample.output_ids),
+        "cached_tokens": sample.cached_prompt_tokens,
+        "finish_reason": _finish_reason(sample),
+        "weight_version": sample.weight_version,
+        "kv_stats": dataclasses.asdict(sample.kv_stats),
+    }
+    if return_logprob:
+        texts = (
+            [decode([t]) for t in sample.output_ids]
+            if return_text_in_logprobs and decode is not None
+            else [None] * len(sample.output_ids)
+        )
+        meta["output_token_logprobs"] = [
+            [lp, tok, txt]
+            for lp, tok, txt in zip(sample.output_logprobs, sample.output_ids, texts, strict=True)
+        ]
+    return {
+        "text": decode(sample.output_ids) if decode is not None else None,
+        "output_ids": list(sample.output_ids),
+        "meta_info": meta,
+    }
+
+
+def _finish_reason(sample: Sample) -> dict[str, Any]:
+    """SGLang's finish_reason object; "matched" is the last output token for a stop."""
+    if sample.finish_reason == "length":
+        return {"type": "length", "length": len(sample.output_ids)}
+    if sample.finish_reason == "stop":
+        return {"type": "stop", "matched": sample.output_ids[-1] if sample.output_ids else None}
+    return {"type": "abort", "message": "request aborted"}
+
+
+def generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
+    """The batch /generate body `RemoteEngine` sends (always with log-probs)."""
+    return {
+        "input_ids": [list(r.input_ids) for r in requests],
+        "sampling_params": [_params_json(r.sampling) for r in requests],
+        "rid": [r.rid for r in requests],
+        "return_logprob": True,
+    }
+
+
+def _params_json(params: SamplingParams) -> dict[str, Any]:
+    out = dataclasses.asdict(params)
+    out["stop_token_ids"], out["stop"] = list(params.stop_token_ids), list(params.stop)
+    return out
+
+
+def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
+    """A response object back into a `Sample`; KeyError/TypeError/ValueError if malformed."""
+    meta = obj["meta_info"]
+    items = meta["output_token_logprobs"]
+    output_ids = tuple(int(t) for t in obj["output_ids"])
+    if [int(item[1]) for item in items] != list(output_ids):
+        raise ValueError(f"request {request.rid}: output_token_logprobs do not match output_ids")
+    return Sample(
+        rid=str(meta["id"]),
+        prompt_ids=request.input_ids,
+        output_ids=output_ids,
+        output_logprobs=tuple(float(item[0]) for item in items),
+        finish_reason=meta["finish_reason"]["type"],
+        kv_stats=KVStats(**meta["kv_stats"]),
+        weight_version=int(meta["weight_version"]),
+        cached_prompt_tokens=int(meta["cached_tokens"]),
+    )
