@@ -1,0 +1,428 @@
+"""THE one place that knows how Megatron GPTModel parameters map to HF tensors, per TP/PP shard.
+
+Every local parameter of a (tp_rank, pp_rank) shard is described as a stack of row `Segment`s:
+local rows [local_row, local_row + rows) hold HF tensor `hf_name` rows [hf_row, hf_row + rows),
+columns [hf_col, hf_col + local_cols). That one shape covers every layout Megatron uses:
+
+- column-parallel (split on dim 0): QKV, fc1, embedding, output layer;
+- row-parallel (split on dim 1): linear_proj (o_proj) and linear_fc2 (down_proj), via `hf_col`;
+- QKV interleave: for each query group of this TP rank, [q heads of the group; k; v] (bias alike);
+- fc1 = [gate_shard; up_shard] on every TP rank;
+- vocab padding: rows past the HF vocab are a segment with `hf_name=None` (zero on load, dropped
+  on export);
+- replicated params (norms, q/k layernorm) live on every TP rank but are emitted by tp_rank 0 only;
+  tied embeddings are emitted once, from `embedding.word_embeddings` (the last stage's
+  `output_layer.weight` under PP > 1 is a copy: loaded, never emitted);
+- PP: local layer i of stage p is global layer `p * layers_per_stage + i`.
+
+Public API (the converter and the sparse sync call these):
+    layout = ModelLayout(hf_cfg, tp_size=T, pp_size=P, padded_vocab_size=Vp)   # hf_cfg: HFModelConfig
+    layout.hf_shapes                                   # {hf_name: shape} of the HF checkpoint
+    layout.shard(tp_rank, pp_rank)                     # {mcore_name: ParamMap}
+    layout.fill_local(param_map, out, read)            # load one local param from HF slices
+    layout.hf_pieces(param_map, local)                 # (hf_name, rows, cols, view) to export
+    layout.to_hf_index(mcore_name, local_flat_idx, tp_rank, pp_rank)
+        -> [(hf_name, positions, hf_flat_idx)]         # emitted elements only: each HF element once
+    layout.to_local_index(hf_name, hf_flat_idx, tp_rank, pp_rank)
+        -> [(mcore_name, positions, local_flat_idx)]   # every copy held by this shard
+`positions` index into the query tensor; all indices are int64 1-D tensors; flat indices are
+row-major over the local (resp. HF) tensor. Both per-element maps are index arithmetic
+(searchsorted over a param's few segments), never a per-element table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from model_providers.hf_config import HFModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+# Reads HF tensor `name`, rows `rows`, columns `cols` (None for 1-D tensors) -> tensor of that slice.
+SliceReader = Callable[[str, slice, "slice | None"], "torch.Tensor"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Local rows [local_row, +rows) = HF `hf_name` rows [hf_row, +rows), cols [hf_col, +local cols)."""
+
+    hf_name: str | None  # None: vocab padding rows, no HF source
+    local_row: int
+    rows: int
+    hf_row: int = 0
+    hf_col: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMap:
+    """One local Megatron parameter of a shard and where its rows come from."""
+
+    name: str
+    shape: tuple[int, ...]
+    segments: tuple[Segment, ...]  # ascending local_row, covering every local row once
+    emit: bool  # False: a replica (tp_rank > 0 norm, tied output copy) that export skips
+
+    @property
+    def cols(self) -> int:
+        return self.shape[1] if len(self.shape) == 2 else 1
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.hf_name for s in self.segments if s.hf_name is not None))
+
+
+class ModelLayout:
+    """Megatron <-> HF mapping for one model at one (TP, PP) layout.
+
+    `fused_norms=True` names the norms the way the transformer-engine spec does (layer norm fused
+    into linear_qkv / linear_fc1); the local spec keeps separate `input_layernorm` /
+    `pre_mlp_layernorm` modules. The tensor layout is the same.
+    """
+
+    def __init__(
+        self,
+        hf: HFModelConfig,
+        *,
+        tp_size: int,
+        pp_size: int,
+        padded_vocab_size: int,
+        fused_norms: bool = False,
+    ) -> None:
+        _check_layout(hf, tp_size, pp_size, padded_vocab_size)
+        self.hf = hf
+        self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.padded_vocab_size = padded_vocab_size
+        self.fused_norms = fused_norms
+        self.layers_per_stage = hf.num_layers // pp_size
+        self.hf_shapes: dict[str, tuple[int, ...]] = _hf_shapes(hf)
+        self._tables: dict[tuple[ParamMap, str | None], dict] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelLayout(arch={self.hf.arch}, tp={self.tp_size}, pp={self.pp_size}, "
+            f"vocab={self.hf.vocab_size}->{self.padded_vocab_size})"
+        )
+
+    def global_layer(self, pp_rank: int, local_layer: int) -> int:
+        return pp_rank * self.layers_per_stage + local_layer
+
+    @functools.cache  # noqa: B019 -- a layout lives as long as its model; shards are few
+    def shard(self, tp_rank: int, pp_rank: int) -> dict[str, ParamMap]:
+        """Every local parameter of shard (tp_rank, pp_rank), keyed by its Megatron name."""
+        if not (0 <= tp_rank < self.tp_size and 0 <= pp_rank < self.pp_size):
+            raise ValueError(
+                f"shard (tp_rank={tp_rank}, pp_rank={pp_rank}) is outside tp_size={self.tp_size}, "
+                f"pp_size={self.pp_size}"
+            )
+        params: list[ParamMap] = []
+        if pp_rank == 0:
+            params.append(
+                self._vocab_param("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp_rank)
+            )
+        for local in range(self.layers_per_stage):
+            params.extend(self._layer_params(tp_rank, local, self.global_layer(pp_rank, local)))
+        if pp_rank == self.pp_size - 1:
+            h = self.hf.hidden_size
+            params.append(_replicated("decoder.final_layernorm.weight", "model.norm.weight", h, tp_rank))
+            if not self.hf.tie_embeddings:
+                params.append(self._vocab_param("output_layer.weight", "lm_head.weight", tp_rank))
+            elif self.pp_size > 1:  # the last stage's copy of the tied embedding
+                tied = self._vocab_param("output_layer.weight", "model.embed_tokens.weight", tp_rank)
+                params.append(dataclasses.replace(tied, emit=False))
+        return {p.name: p for p in params}
+
+    @functools.cache  # noqa: B019
+    def _hf_index(self, tp_rank: int, pp_rank: int) -> dict[str, list[ParamMap]]:
+        """hf_name -> the shard's params holding (a part of) it, replicas included."""
+        index: dict[str, list[ParamMap]] = {}
+        for param in self.shard(tp_rank, pp_rank).values():
+            for name in param.hf_names:
+                index.setdefault(name, []).append(param)
+        return index
+
+    def param(self, mcore_name: str, tp_rank: int, pp_rank: int) -> ParamMap:
+        shard = self.shard(tp_rank, pp_rank)
+        if mcore_name not in shard:
+            raise KeyError(
+                f"{mcore_name!r} is not a parameter of shard (tp_rank={tp_rank}, pp_rank={pp_rank}) of "
+                f"{self!r}; it has: {sorted(shard)}"
+            )
+        return shard[mcore_name]
+
+    # ---- whole-shard path -------------------------------------------------------------------------
+
+    def fill_local(self, param: ParamMap, out: torch.Tensor, read: SliceReader) -> None:
+        """Fill local tensor `out` (shape `param.shape`) from HF slices; padding rows become zero."""
+        if tuple(out.shape) != param.shape:
+            raise ValueError(
+                f"{param.name}: local tensor has shape {tuple(out.shape)}, layout expects {param.shape}"
+            )
+        for seg in param.segments:
+            dst = out[seg.local_row : seg.local_row + seg.rows]
+            if seg.hf_name is None:
+                dst.zero_()
+                continue
+            cols = slice(seg.hf_col, seg.hf_col + param.cols) if out.dim() == 2 else None
+            dst.copy_(read(seg.hf_name, slice(seg.hf_row, seg.hf_row + seg.rows), cols))
+
+    def hf_pieces(
+        self, param: ParamMap, local: torch.Tensor
+    ) -> Iterator[tuple[str, slice, slice | None, torch.Tensor]]:
+        """(hf_name, hf rows, hf cols or None, view of `local`) for each emitted part of `param`."""
+        if not param.emit:
+            return
+        for seg in param.segments:
+            if seg.hf_name is None:
+                continue
+            cols = slice(seg.hf_col, seg.hf_col + param.cols) if local.dim() == 2 else None
+            yield (
+                seg.hf_name,
+                slice(seg.hf_row, seg.hf_row + seg.rows),
+                cols,
+                local[seg.local_row : seg.local_row + seg.rows],
+            )
+
+    # ---- per-element path --------------------------------------------------------------------------
+
+    def to_hf_index(
+        self, mcore_name: str, local_flat_idx: torch.Tensor, tp_rank: int, pp_rank: int
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Map flat indices into a local param to [(hf_name, positions, hf_flat_idx)].
+
+        Only emitted elements are returned (padding rows, tp_rank > 0 replicas and the tied output
+        copy map to nothing), so over all shards every HF element is reported exactly once.
+        """
+        import torch
+
+        param = self.param(mcore_name, tp_rank, pp_rank)
+        if not param.emit:
+            return []
+        idx = local_flat_idx.to(torch.int64)
+        row, col = idx // param.cols, idx % param.cols
+        table = self._table(param, None)
+        seg = torch.searchsorted(table["local_row"], row, right=True) - 1
+        hf_row = row - table["local_row"][seg] + table["hf_row"][seg]
+        hf_flat = hf_row * table["hf_cols"][seg] + table["hf_col"][seg] + col
+        name_id = table["name_id"][seg]
+        out = []
+        for k, name in enumerate(table["names"]):
+            pos = (name_id == k).nonzero().squeeze(1)
+            if pos.numel():
+                out.append((name, pos, hf_flat[pos]))
+        return out
+
+    def to_local_index(
+        self, hf_name: str, hf_flat_idx: torch.Tensor, tp_rank: int, pp_rank: int
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Map flat indices into HF tensor `hf_name` to [(mcore_name, positions, local_flat_idx)]
+        for every local param of this shard holding those elements (replicas and tied copies too)."""
+        import torch
+
+        if hf_name not in self.hf_shapes:
+            raise KeyError(f"{hf_name!r} is not an HF tensor of {self!r}")
+        shape = self.hf_shapes[hf_name]
+        hf_cols = shape[1] if len(shape) == 2 else 1
+        idx = hf_flat_idx.to(torch.int64)
+        hf_row, hf_col = idx // hf_cols, idx % hf_cols
+        out = []
+        for param in self._hf_index(tp_rank, pp_rank).get(hf_name, []):
+            table = self._table(param, hf_name)
+            seg = (torch.searchsorted(table["hf_row"], hf_row, right=True) - 1).clamp_(min=0)
+            row_in = hf_row - table["hf_row"][seg]
+            col_in = hf_col - table["hf_col"][seg]
+            hit = (hf_row >= table["hf_row"][seg]) & (row_in < table["rows"][seg])
+            hit &= (col_in >= 0) & (col_in < param.cols)
+            pos = hit.nonzero().squeeze(1)
+            if pos.numel():
+                local = (table["local_row"][seg[pos]] + row_in[pos]) * param.cols + col_in[pos]
+                out.append((param.name, pos, local))
+        return out
+
+    def _table(self, param: ParamMap, hf_name: str | None) -> dict:
+        """Cached segment table of `param`: all segments by local row (hf_name None), or the
+        segments of one HF tensor by HF row."""
+        cache_key = (param, hf_name)
+        if cache_key not in self._tables:
+            if hf_name is None:
+                table = _segment_table(param.segments, self.hf_shapes, "local_row")
+            else:
+                segs = sorted((s for s in param.segments if s.hf_name == hf_name), key=lambda s: s.hf_row)
+                table = _segment_table(tuple(segs), self.hf_shapes, "hf_row")
+            self._tables[cache_key] = table
+        return self._tables[cache_key]
+
+    # ---- parameter builders ------------------------------------------------------------------------
+
+    def _vocab_param(self, name: str, hf_name: str, tp_rank: int) -> ParamMap:
+        rows = self.padded_vocab_size // self.tp_size
+        start = tp_rank * rows
+        real = max(0, min(rows, self.hf.vocab_size - start))
+        segs = [Segment(hf_name, 0, real, start)] if real else []
+        if real < rows:
+            segs.append(Segment(None, real, rows - real))
+        return ParamMap(name, (rows, self.hf.hidden_size), tuple(segs), emit=True)
+
+    def _layer_params(self, tp_rank: int, local: int, layer: int) -> list[ParamMap]:
+        hf, tp = self.hf, self.tp_size
+        h, d = hf.hidden_size, hf.head_dim
+        m, a = f"decoder.layers.{local}.", f"model.layers.{layer}."
+        qkv_rows = (hf.num_heads + 2 * hf.num_kv_heads) * d // tp
+        ffn = hf.ffn_hidden_size // tp
+        in_norm = (
+            "self_attention.linear_qkv.layer_norm_weight" if self.fused_norms else "input_layernorm.weight"
+        )
+        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if self.fused_norms else "pre_mlp_layernorm.weight"
+        params = [
+            _replicated(m + in_norm, a + "input_layernorm.weight", h, tp_rank),
+            ParamMap(
+                m + "self_attention.linear_qkv.weight",
+                (qkv_rows, h),
+                self._qkv_segments(a, "weight", tp_rank),
+                True,
+            ),
+        ]
+        if hf.qkv_bias:
+            params.append(
+                ParamMap(
+                    m + "self_attention.linear_qkv.bias",
+                    (qkv_rows,),
+                    self._qkv_segments(a, "bias", tp_rank),
+                    True,
+                )
+            )
+        if hf.qk_norm:
+            params.append(
+                _replicated(
+                    m + "self_attention.q_layernorm.weight", a + "self_attn.q_norm.weight", d, tp_rank
+                )
+            )
+            params.append(
+                _replicated(
+                    m + "self_attention.k_layernorm.weight", a + "self_attn.k_norm.weight", d, tp_rank
+                )
+            )
+        attn_cols = hf.num_heads * d // tp
+        params += [
+            ParamMap(
+                m + "self_attention.linear_proj.weight",
+                (h, attn_cols),
+                (Segment(a + "self_attn.o_proj.weight", 0, h, 0, tp_rank * attn_cols),),
+                True,
+            ),
+            _replicated(m + mlp_norm, a + "post_attention_layernorm.weight", h, tp_rank),
+            ParamMap(
+                m + "mlp.linear_fc1.weight",
+                (2 * ffn, h),
+                (
+                    Segment(a + "mlp.gate_proj.weight", 0, ffn, tp_rank * ffn),
+                    Segment(a + "mlp.up_proj.weight", ffn, ffn, tp_rank * ffn),
+                ),
+                True,
+            ),
+            ParamMap(
+                m + "mlp.linear_fc2.weight",
+                (h, ffn),
+                (Segment(a + "mlp.down_proj.weight", 0, h, 0, tp_rank * ffn),),
+                True,
+            ),
+        ]
+        return params
+
+    def _qkv_segments(self, hf_prefix: str, kind: str, tp_rank: int) -> tuple[Segment, ...]:
+        """[q heads of group g; k of g; v of g] for each query group g of this TP rank."""
+        hf, d = self.hf, self.hf.head_dim
+        q_per_group = hf.num_heads // hf.num_kv_heads
+        groups = hf.num_kv_heads // self.tp_size
+        segs, row = [], 0
+        for g in range(tp_rank * groups, (tp_rank + 1) * groups):
+            for proj, rows, hf_row in (
+                ("q_proj", q_per_group * d, g * q_per_group * d),
+                ("k_proj", d, g * d),
+                ("v_proj", d, g * d),
+            ):
+                segs.append(Segment(f"{hf_prefix}self_attn.{proj}.{kind}", row, rows, hf_row))
+                row += rows
+        return tuple(segs)
+
+
+def _replicated(name: str, hf_name: str, size: int, tp_rank: int) -> ParamMap:
+    return ParamMap(name, (size,), (Segment(hf_name, 0, size, 0),), emit=tp_rank == 0)
+
+
+def _hf_shapes(hf: HFModelConfig) -> dict[str, tuple[int, ...]]:
+    h, d, f = hf.hidden_size, hf.head_dim, hf.ffn_hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (hf.vocab_size, h)}
+    for i in range(hf.num_layers):
+        a = f"model.layers.{i}."
+        shapes[a + "input_layernorm.weight"] = (h,)
+        for proj, rows in (
+            ("q_proj", hf.num_heads * d),
+            ("k_proj", hf.num_kv_heads * d),
+            ("v_proj", hf.num_kv_heads * d),
+        ):
+            shapes[f"{a}self_attn.{proj}.weight"] = (rows, h)
+            if hf.qkv_bias:
+                shapes[f"{a}self_attn.{proj}.bias"] = (rows,)
+        if hf.qk_norm:
+            shapes[a + "self_attn.q_norm.weight"] = (d,)
+            shapes[a + "self_attn.k_norm.weight"] = (d,)
+        shapes[a + "self_attn.o_proj.weight"] = (h, hf.num_heads * d)
+        shapes[a + "post_attention_layernorm.weight"] = (h,)
+        shapes[a + "mlp.gate_proj.weight"] = (f, h)
+        shapes[a + "mlp.up_proj.weight"] = (f, h)
+        shapes[a + "mlp.down_proj.weight"] = (h, f)
+    shapes["model.norm.weight"] = (h,)
+    if not hf.tie_embeddings:
+        shapes["lm_head.weight"] = (hf.vocab_size, h)
+    return shapes
+
+
+def _segment_table(segs: tuple[Segment, ...], hf_shapes: dict[str, tuple[int, ...]], key: str) -> dict:
+    """Per-segment columns as int64 tensors (`segs` sorted by `key`) for vectorised lookups."""
+    import torch
+
+    names = list(dict.fromkeys(s.hf_name for s in segs if s.hf_name is not None))
+
+    def col(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    return {
+        "names": names,
+        key: col([getattr(s, key) for s in segs]),
+        **{
+            k: col([getattr(s, k) for s in segs])
+            for k in ("local_row", "hf_row", "hf_col", "rows")
+            if k != key
+        },
+        "hf_cols": col([_cols(hf_shapes[s.hf_name]) if s.hf_name else 1 for s in segs]),
+        "name_id": col([names.index(s.hf_name) if s.hf_name else -1 for s in segs]),
+    }
+
+
+def _cols(shape: tuple[int, ...]) -> int:
+    return shape[1] if len(shape) == 2 else 1
+
+
+def _check_layout(hf: HFModelConfig, tp: int, pp: int, padded_vocab: int) -> None:
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp_size={tp}, pp_size={pp}: both must be >= 1")
+    checks = (
+        (hf.num_heads % tp, f"num_attention_heads={hf.num_heads} is not divisible by tp_size={tp}"),
+        (hf.num_kv_heads % tp, f"num_key_value_heads={hf.num_kv_heads} is not divisible by tp_size={tp}"),
+        (
+            hf.num_heads % hf.num_kv_heads,
+            f"num_attention_heads={hf.num_heads} is not a multiple of num_key_value_heads={hf.num_kv_heads}",
+        ),
+        (hf.ffn_hidden_size % tp, f"intermediate_size={hf.ffn_hidden_size} is not divisible by tp_size={tp}"),
+        (hf.num_layers % pp, f"num_hidden_layers={hf.num_layers} is not divisible by pp_size={pp}"),
+        (padded_vocab % tp, f"padded_vocab_size={padded_vocab} is not divisible by tp_size={tp}"),
+        (padded_vocab < hf.vocab_size, f"padded_vocab_size={padded_vocab} < vocab_size={hf.vocab_size}"),
+    )
+    for failed, message in checks:
+        if failed:
+            raise ValueError(message)

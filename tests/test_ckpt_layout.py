@@ -1,0 +1,190 @@
+"""Pure-tensor checks of the Megatron <-> HF layout: whole-shard build against an independent
+reference, export coverage, and the per-element maps against the whole-shard path."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from model_providers.hf_config import parse_hf_config
+from sparserl_mcore.ckpt.layout import ModelLayout
+
+CASES = [
+    # arch, tie, tp, pp
+    ("qwen2", False, 1, 1),
+    ("qwen2", True, 2, 2),
+    ("qwen3", False, 2, 1),
+    ("qwen3", True, 1, 2),
+    ("llama", False, 2, 2),
+    ("llama", True, 2, 1),
+]
+
+
+def _hf_config(arch: str, tie: bool) -> dict:
+    return {
+        "model_type": arch,
+        "num_hidden_layers": 2,
+        "hidden_size": 12,
+        "intermediate_size": 10,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 3,
+        "vocab_size": 23,  # not a multiple of anything: exercises the padding rows
+        "tie_word_embeddings": tie,
+    }
+
+
+def _setup(arch: str, tie: bool, tp: int, pp: int):
+    hf_cfg = parse_hf_config(_hf_config(arch, tie))
+    layout = ModelLayout(hf_cfg, tp_size=tp, pp_size=pp, padded_vocab_size=32)
+    gen = torch.Generator().manual_seed(0)
+    hf = {name: torch.randn(shape, generator=gen) for name, shape in layout.hf_shapes.items()}
+    shards = {}
+    for tp_rank, pp_rank in itertools.product(range(tp), range(pp)):
+        local = {}
+        for name, param in layout.shard(tp_rank, pp_rank).items():
+            out = torch.full(param.shape, float("nan"))
+            layout.fill_local(
+                param, out, lambda n, rows, cols: hf[n][rows] if cols is None else hf[n][rows, cols]
+            )
+            local[name] = out
+        shards[tp_rank, pp_rank] = local
+    return hf_cfg, layout, hf, shards
+
+
+def _reference_local(hf_cfg, hf: dict, tp: int, tp_rank: int, layer: int) -> dict[str, torch.Tensor]:
+    """Megatron's local tensors for one layer written out directly (slime's view/split, inverted)."""
+    a, d, h = f"model.layers.{layer}.", hf_cfg.head_dim, hf_cfg.hidden_size
+    groups, qpg = hf_cfg.num_kv_heads, hf_cfg.num_heads // hf_cfg.num_kv_heads
+    q = hf[a + "self_attn.q_proj.weight"].view(groups, qpg * d, h)
+    k = hf[a + "self_attn.k_proj.weight"].view(groups, d, h)
+    v = hf[a + "self_attn.v_proj.weight"].view(groups, d, h)
+    qkv = torch.cat([q, k, v], dim=1).chunk(tp, dim=0)[tp_rank].reshape(-1, h)
+    gate = hf[a + "mlp.gate_proj.weight"].chunk(tp, dim=0)[tp_rank]
+    up = hf[a + "mlp.up_proj.weight"].chunk(tp, dim=0)[tp_rank]
+    return {
+        "self_attention.linear_qkv.weight": qkv,
+        "self_attention.linear_proj.weight": hf[a + "self_attn.o_proj.weight"].chunk(tp, dim=1)[tp_rank],
+        "mlp.linear_fc1.weight": torch.cat([gate, up]),
+        "mlp.linear_fc2.weight": hf[a + "mlp.down_proj.weight"].chunk(tp, dim=1)[tp_rank],
+        "input_layernorm.weight": hf[a + "input_layernorm.weight"],
+        "pre_mlp_layernorm.weight": hf[a + "post_attention_layernorm.weight"],
+    }
+
+
+@pytest.mark.parametrize(("arch", "tie", "tp", "pp"), CASES)
+def test_whole_shard_matches_reference(arch, tie, tp, pp):
+    hf_cfg, layout, hf, shards = _setup(arch, tie, tp, pp)
+    per_stage = hf_cfg.num_layers // pp
+    for (tp_rank, pp_rank), local in shards.items():
+        for name, tensor in local.items():
+            assert not tensor.isnan().any(), f"{name} not fully written on shard {(tp_rank, pp_rank)}"
+        for i in range(per_stage):
+            ref = _reference_local(hf_cfg, hf, tp, tp_rank, pp_rank * per_stage + i)
+            for suffix, expected in ref.items():
+                assert torch.equal(local[f"decoder.layers.{i}.{suffix}"], expected), suffix
+        vocab_rows = 32 // tp
+        padded = torch.cat([hf["model.embed_tokens.weight"], torch.zeros(32 - 23, 12)])
+        if pp_rank == 0:
+            embedding = local["embedding.word_embeddings.weight"]
+            assert torch.equal(embedding, padded[tp_rank * vocab_rows : (tp_rank + 1) * vocab_rows])
+        if pp_rank == pp - 1 and not (tie and pp == 1):
+            source = padded if tie else torch.cat([hf["lm_head.weight"], torch.zeros(9, 12)])
+            assert torch.equal(
+                local["output_layer.weight"], source[tp_rank * vocab_rows : (tp_rank + 1) * vocab_rows]
+            )
+
+
+@pytest.mark.parametrize(("arch", "tie", "tp", "pp"), CASES)
+def test_export_covers_every_hf_element_once(arch, tie, tp, pp):
+    _, layout, hf, shards = _setup(arch, tie, tp, pp)
+    rebuilt = {n: torch.zeros(s) for n, s in layout.hf_shapes.items()}
+    count = {n: torch.zeros(s, dtype=torch.int64) for n, s in layout.hf_shapes.items()}
+    for (tp_rank, pp_rank), local in shards.items():
+        for name, param in layout.shard(tp_rank, pp_rank).items():
+            for hf_name, rows, cols, piece in layout.hf_pieces(param, local[name]):
+                index = rows if cols is None else (rows, cols)
+                rebuilt[hf_name][index] = piece
+                count[hf_name][index] += 1
+    for name in hf:
+        assert torch.equal(count[name], torch.ones_like(count[name])), name
+        assert torch.equal(rebuilt[name], hf[name]), name
+
+
+@pytest.mark.parametrize(("arch", "tie", "tp", "pp"), CASES)
+def test_to_hf_index_agrees_with_whole_shard(arch, tie, tp, pp):
+    _, layout, hf, shards = _setup(arch, tie, tp, pp)
+    count = {n: torch.zeros(s, dtype=torch.int64).flatten() for n, s in layout.hf_shapes.items()}
+    gen = torch.Generator().manual_seed(1)
+    for (tp_rank, pp_rank), local in shards.items():
+        for name, tensor in local.items():
+            query = torch.randperm(tensor.numel(), generator=gen)  # positions must follow the query order
+            for hf_name, pos, hf_flat in layout.to_hf_index(name, query, tp_rank, pp_rank):
+                assert torch.equal(hf[hf_name].flatten()[hf_flat], tensor.flatten()[query[pos]]), (
+                    name,
+                    hf_name,
+                )
+                count[hf_name].index_add_(0, hf_flat, torch.ones_like(hf_flat))
+    for name, c in count.items():
+        assert torch.equal(c, torch.ones_like(c)), f"{name}: HF elements not reported exactly once"
+
+
+@pytest.mark.parametrize(("arch", "tie", "tp", "pp"), CASES)
+def test_to_local_index_agrees_with_whole_shard(arch, tie, tp, pp):
+    _, layout, hf, shards = _setup(arch, tie, tp, pp)
+    gen = torch.Generator().manual_seed(2)
+    for (tp_rank, pp_rank), local in shards.items():
+        hit = {n: torch.zeros(t.numel(), dtype=torch.int64) for n, t in local.items()}
+        for hf_name, tensor in hf.items():
+            query = torch.randperm(tensor.numel(), generator=gen)
+            for name, pos, local_flat in layout.to_local_index(hf_name, query, tp_rank, pp_rank):
+                assert torch.equal(local[name].flatten()[local_flat], tensor.flatten()[query[pos]]), (
+                    hf_name,
+                    name,
+                )
+                hit[name].index_add_(0, local_flat, torch.ones_like(local_flat))
+        for name, h in hit.items():
+            param = layout.shard(tp_rank, pp_rank)[name]
+            padding = sum(s.rows for s in param.segments if s.hf_name is None) * param.cols
+            expected = torch.ones_like(h)
+            if padding:
+                expected[-padding:] = 0  # padding rows are the last rows of a vocab shard
+            assert torch.equal(h, expected), f"{name}: local elements not covered exactly once"
+
+
+def test_pipeline_offsets_and_tied_copy():
+    _, layout, _, _ = _setup("qwen2", True, 1, 2)
+    last = layout.shard(0, 1)
+    assert "embedding.word_embeddings.weight" not in last
+    assert not last["output_layer.weight"].emit
+    assert (
+        last["decoder.layers.0.input_layernorm.weight"].segments[0].hf_name
+        == "model.layers.1.input_layernorm.weight"
+    )
+    assert layout.to_hf_index("output_layer.weight", torch.arange(5), 0, 1) == []
+    ((name, _, _),) = layout.to_local_index("model.embed_tokens.weight", torch.arange(5), 0, 1)
+    assert name == "output_layer.weight"
+
+
+@pytest.mark.parametrize(
+    ("change", "tp", "pp", "match"),
+    [
+        ({"num_key_value_heads": 1}, 2, 1, "num_key_value_heads=1 is not divisible by tp_size=2"),
+        ({"num_hidden_layers": 3}, 1, 2, "num_hidden_layers=3 is not divisible by pp_size=2"),
+        ({"intermediate_size": 9}, 2, 1, "intermediate_size=9 is not divisible by tp_size=2"),
+    ],
+)
+def test_impossible_layouts_name_the_numbers(change, tp, pp, match):
+    hf_cfg = parse_hf_config({**_hf_config("qwen2", False), **change})
+    with pytest.raises(ValueError, match=match):
+        ModelLayout(hf_cfg, tp_size=tp, pp_size=pp, padded_vocab_size=32)
+
+
+def test_unknown_names_are_key_errors():
+    _, layout, _, _ = _setup("qwen2", False, 1, 1)
+    with pytest.raises(KeyError, match="decoder.layers.7.mlp"):
+        layout.to_hf_index("decoder.layers.7.mlp.linear_fc1.weight", torch.arange(3), 0, 0)
+    with pytest.raises(KeyError, match="model.layers.0.self_attn.q_norm.weight"):
+        layout.to_local_index("model.layers.0.self_attn.q_norm.weight", torch.arange(3), 0, 0)
