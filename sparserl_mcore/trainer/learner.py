@@ -1,0 +1,84 @@
+"""The learner: a megatron-core GPTModel stage wrapped in DDP, its optimizer and LR scheduler.
+
+The algorithm lives in `sparserl_mcore.loss` (forward-only log-probs, the K-epoch update with
+DGG); this module only assembles the megatron objects those functions take and that the
+checkpoint saves. On CPU the optimizer is plain fp32 Adam; on GPU bf16 params with fp32 master
+weights and the distributed optimizer (megatron's standard mixed precision).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+import model_providers
+from sparserl_mcore.config import OptimizerConfig
+from sparserl_mcore.parallel.runtime import Runtime
+
+
+def build_model(
+    hf_path: str, params_dtype: str, runtime: Runtime
+) -> tuple[model_providers.ModelSpec, torch.nn.Module]:
+    """This rank's GPTModel stage (random weights; the caller loads the HF checkpoint into it)."""
+    dtype = "float32" if runtime.cpu or params_dtype == "fp32" else "bfloat16"
+    spec = model_providers.build_spec(hf_path, runtime.parallel, params_dtype=dtype, cpu=runtime.cpu)
+    model = model_providers.build_model(
+        spec,
+        pre_process=runtime.is_first_stage,
+        post_process=runtime.is_last_stage,
+        pg_collection=runtime.groups,
+    )
+    return spec, model.to(runtime.device)
+
+
+def wrap_ddp(
+    model: torch.nn.Module, spec: model_providers.ModelSpec, runtime: Runtime
+) -> DistributedDataParallel:
+    """Megatron DDP: contiguous fp32 grad buffers, reduced over DP after the last micro-batch."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=not runtime.cpu,
+        check_for_nan_in_grad=False,  # the trainer skips non-finite updates itself, and logs them
+    )
+    return DistributedDataParallel(spec.config, ddp_config, model, pg_collection=runtime.groups)
+
+
+def build_optimizer(
+    model: DistributedDataParallel, cfg: OptimizerConfig, spec: model_providers.ModelSpec, runtime: Runtime
+):
+    """Megatron Adam(W) over the DDP model, and a constant LR schedule with optional warmup."""
+    bf16 = spec.params_dtype == torch.bfloat16
+    opt_cfg = MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.betas[0],
+        adam_beta2=cfg.betas[1],
+        adam_eps=cfg.eps,
+        clip_grad=cfg.clip_grad,
+        bf16=bf16,
+        params_dtype=spec.params_dtype,
+        use_distributed_optimizer=not runtime.cpu,
+    )
+    optimizer = get_megatron_optimizer(
+        opt_cfg, [model], use_gloo_process_groups=False, pg_collection=runtime.groups
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=cfg.lr,
+        lr_warmup_steps=cfg.lr_warmup_steps,
+        lr_decay_steps=cfg.lr_warmup_steps + 1,
+        lr_decay_style="constant",
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler

@@ -1,0 +1,89 @@
+"""Turn a step's prompts into scored samples on the rank that talks to the engines.
+
+Where the engines live: all rollout traffic goes through ONE rank, global rank 0 (the "host").
+With `rollout.engine=embedded` the `EmbeddedEngine` is built in rank 0's process only (other
+learner ranks never load it: it is an HF-layout model that needs no learner sharding); with
+`rollout.engine=remote` rank 0 holds the `RemoteEngine` clients. Rank 0 generates, scores with
+the reward function and broadcasts (samples, rewards) to every other learner rank with one
+`torch.distributed.broadcast_object_list`, so all ranks build the identical training batch.
+
+Request ids and seeds are functions of (run seed, step, prompt, sample), so a resumed run asks the
+engines for exactly the draws the uninterrupted run made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from sparserl_mcore.rollout.protocol import GenerateRequest, Sample, SamplingParams
+from sparserl_mcore.trainer.engine_pool import EnginePool
+
+HOST_RANK = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One prompt of the dataset, tokenized, with the reference answer its reward checks."""
+
+    input_ids: tuple[int, ...]
+    answer: str
+
+
+def request_seed(run_seed: int, tag: str) -> int:
+    """A stable 63-bit seed per request: independent of batching, engine and process."""
+    digest = hashlib.blake2b(f"{run_seed}:{tag}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def make_requests(
+    prompts: Sequence[Prompt], *, tag: str, group_size: int, sampling: SamplingParams, run_seed: int
+) -> list[GenerateRequest]:
+    """G requests per prompt (consecutive), each with its own id and seed."""
+    requests = []
+    for p, prompt in enumerate(prompts):
+        for g in range(group_size):
+            rid = f"{tag}-p{p}-g{g}"
+            params = dataclasses.replace(sampling, seed=request_seed(run_seed, rid))
+            requests.append(GenerateRequest(input_ids=prompt.input_ids, sampling=params, rid=rid))
+    return requests
+
+
+RewardFn = Callable[[Sample, Prompt], float]
+
+
+def generate_and_score(
+    pool: EnginePool | None,
+    prompts: Sequence[Prompt],
+    *,
+    tag: str,
+    group_size: int,
+    sampling: SamplingParams,
+    run_seed: int,
+    reward_fn: RewardFn,
+    group: Any = None,
+) -> tuple[list[Sample], list[float]]:
+    """Collective over `group`: the host generates and scores, everyone receives the result.
+
+    An engine failure on the host (e.g. `NoEngineLeftError`) is broadcast too, so every rank
+    raises the same error instead of waiting forever for samples that will not come.
+    """
+    payload: list[Any] = [None]
+    if dist.get_rank() == HOST_RANK:
+        try:
+            requests = make_requests(
+                prompts, tag=tag, group_size=group_size, sampling=sampling, run_seed=run_seed
+            )
+            samples = pool.generate(requests)
+            rewards = [reward_fn(s, prompts[i // group_size]) for i, s in enumerate(samples)]
+            payload[0] = (samples, rewards)
+        except Exception as exc:
+            payload[0] = exc
+    dist.broadcast_object_list(payload, src=HOST_RANK, group=group)
+    if isinstance(payload[0], Exception):
+        raise payload[0]
+    return payload[0]
