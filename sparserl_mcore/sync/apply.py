@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparserl_mcore.sync.codec import VALUE_ENCODINGS, DecodedPatch, DecodedTensor, PatchError, decode_patch
+from sparserl_mcore.sync.codec import (
+    VALUE_ENCODINGS,
+    DecodedPatch,
+    DecodedTensor,
+    PatchError,
+    decode_fragments,
+)
 from sparserl_mcore.sync.hashing import (
     DTYPES,
     model_digest,
@@ -122,17 +128,18 @@ def apply_decoded(
 
 def apply_patch(
     state: MutableMapping[str, torch.Tensor],
-    data: bytes,
+    data: bytes | list[bytes],
     *,
     version: int | None,
     digests: Mapping[str, bytes] | None = None,
 ) -> ApplyResult:
-    """Decode, validate and apply patch bytes to `state` (held at `version`) in place.
+    """Decode, validate and apply a patch (or all fragments of one version) to `state` in place.
 
-    `digests`: the receiver's cached per-tensor digests of `state` (computed when None).
-    Raises PatchError with `state` unchanged.
+    This is the in-process API rollout engines call. `version`: what `state` holds now;
+    `digests`: cached per-tensor digests of `state` (computed when None). Raises PatchError with
+    `state` unchanged.
     """
-    return apply_decoded(state, decode_patch(data), version=version, digests=digests)
+    return apply_decoded(state, decode_fragments(data), version=version, digests=digests)
 
 
 class HFReceiver:
@@ -146,7 +153,7 @@ class HFReceiver:
         self.version = version
         self.digests = state_dict_digests(state)
 
-    def apply(self, data: bytes) -> ApplyResult:
+    def apply(self, data: bytes | list[bytes]) -> ApplyResult:
         result = apply_patch(self.state, data, version=self.version, digests=self.digests)
         self.version, self.digests = result.version, result.digests
         return result

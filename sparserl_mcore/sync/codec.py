@@ -13,6 +13,7 @@ schema, stream lengths, index ranges) before anything is returned; applying is i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections.abc import Callable
@@ -128,6 +129,8 @@ class Patch:
     model_tensors: int
     model_numel: int
     tensors: tuple[TensorChange, ...]
+    # (index, count): a version may travel as several fragments (one per PP stage), applied together
+    fragment: tuple[int, int] = (0, 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +153,7 @@ class DecodedPatch:
     model_tensors: int
     model_numel: int
     tensors: tuple[DecodedTensor, ...]
+    fragment: tuple[int, int] = (0, 1)
 
     @property
     def full(self) -> bool:
@@ -213,6 +217,7 @@ def encode_patch(patch: Patch, config: CodecConfig = CodecConfig()) -> bytes:
         "model_digest": patch.model_digest.hex(),
         "model_tensors": patch.model_tensors,
         "model_numel": patch.model_numel,
+        "fragment": list(patch.fragment),
         "tensors": entries,
         "streams": dict(zip(STREAMS, (len(s) for s in streams), strict=True)),
     }
@@ -407,7 +412,54 @@ def decode_patch(data: bytes) -> DecodedPatch:
         model_tensors=_field(header, "model_tensors", int, "header"),
         model_numel=_field(header, "model_numel", int, "header"),
         tensors=tuple(tensors),
+        fragment=_fragment(header),
     )
+
+
+def _fragment(header: dict) -> tuple[int, int]:
+    fragment = _field(header, "fragment", list, "header")
+    ok = len(fragment) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in fragment)
+    if not ok or not 0 <= fragment[0] < fragment[1]:
+        raise PatchError(f"patch header: fragment {fragment} is not [index, count] with index < count")
+    return fragment[0], fragment[1]
+
+
+def merge_fragments(fragments: list[DecodedPatch]) -> DecodedPatch:
+    """Join the fragments of one version into one patch; every fragment exactly once, names disjoint."""
+    if not fragments:
+        raise PatchError("no patch fragments given")
+    first = fragments[0]
+    count = first.fragment[1]
+    if sorted(f.fragment[0] for f in fragments) != list(range(count)) or any(
+        f.fragment[1] != count for f in fragments
+    ):
+        raise PatchError(
+            f"patch fragments {[f.fragment for f in fragments]} are not a complete set of {count}"
+        )
+    same = (
+        "version",
+        "base_version",
+        "anchor_version",
+        "encoding",
+        "model_digest",
+        "model_tensors",
+        "model_numel",
+    )
+    for f in fragments[1:]:
+        diff = [k for k in same if getattr(f, k) != getattr(first, k)]
+        if diff:
+            raise PatchError(f"patch fragments disagree on {diff}")
+    tensors = tuple(t for f in sorted(fragments, key=lambda f: f.fragment[0]) for t in f.tensors)
+    if len({t.name for t in tensors}) != len(tensors):
+        raise PatchError("patch fragments list the same tensor more than once")
+    return dataclasses.replace(first, tensors=tensors, fragment=(0, 1))
+
+
+def decode_fragments(parts: bytes | list[bytes]) -> DecodedPatch:
+    """Decode one patch, or the fragments of one version (all validated before returning)."""
+    if isinstance(parts, bytes | bytearray | memoryview):
+        parts = [bytes(parts)]
+    return merge_fragments([decode_patch(p) for p in parts])
 
 
 def inspect_patch(data: bytes) -> dict:

@@ -1,0 +1,96 @@
+"""Read and atomically write HF-layout weights: one safetensors file or an HF directory.
+
+A directory is read through its `model.safetensors.index.json` when present (else every
+`*.safetensors` file); writing a directory keeps the source's file split and copies its other
+files (config, tokenizer), so `sync apply` produces a loadable HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+INDEX = "model.safetensors.index.json"
+
+
+def weight_files(path: Path) -> dict[str, list[str]]:
+    """file name -> tensor names, for a safetensors file or an HF directory."""
+    path = Path(path)
+    if path.is_file():
+        return {path.name: []}
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is neither a safetensors file nor an HF directory")
+    if (path / INDEX).exists():
+        files: dict[str, list[str]] = {}
+        for name, file in json.loads((path / INDEX).read_text())["weight_map"].items():
+            files.setdefault(file, []).append(name)
+        return files
+    found = sorted(p.name for p in path.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"{path} holds no *.safetensors files")
+    return {name: [] for name in found}
+
+
+def load_state(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file / HF directory (CPU, contiguous)."""
+    path = Path(path)
+    root = path.parent if path.is_file() else path
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        for name, tensor in load_file(root / file).items():
+            if name in state:
+                raise ValueError(f"tensor {name!r} appears in more than one file of {path}")
+            state[name] = tensor.contiguous()
+    return state
+
+
+def _names(file: Path) -> list[str]:
+    with safe_open(file, framework="pt") as f:
+        return list(f.keys())
+
+
+def _atomic_file(state: dict[str, torch.Tensor], out: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(state, tmp, metadata={"format": "pt"})
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_state_like(state: dict[str, torch.Tensor], out: Path, like: Path) -> None:
+    """Write `state` to `out` in the same form as `like` (file, or directory with its split).
+
+    A file is replaced atomically; a directory is built beside `out` and renamed into place, and
+    `out` must not exist yet.
+    """
+    out, like = Path(out), Path(like)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if like.is_file():
+        _atomic_file(state, out)
+        return
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new directory for the output")
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        for item in like.iterdir():
+            if item.suffix != ".safetensors" and item.is_file():
+                shutil.copy2(item, tmp / item.name)
+        files = weight_files(like)
+        if all(not names for names in files.values()):  # no index: one file per source file
+            files = {file: _names(like / file) for file in files}
+        for file, names in files.items():
+            save_file({n: state[n] for n in names}, tmp / file, metadata={"format": "pt"})
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
