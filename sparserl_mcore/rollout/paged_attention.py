@@ -1,0 +1,66 @@
+"""Attention over page tables, gather based (plain torch ops, so the same code runs on CPU and CUDA).
+
+Each request's cached K/V are addressed by flat slot ids (`KVPool.slot_table`); a call gathers the
+slots it needs, computes softmax attention in fp32 and can also return the attention mass each key
+received (max over the query heads of a GQA group, summed over queries), which H2O accumulates.
+
+Shape legend: B requests, t new tokens, N / n cached entries, Hq query heads, Hk KV heads, g = Hq/Hk,
+d head dim, S pool slots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    want_mass: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One query per request over its own cache.
+
+    q [B, Hq, d]; k_flat / v_flat [S, Hk, d]; slots [B, N] slot ids padded to N (any valid slot);
+    lengths [B] entries in use. Returns out [B, Hq, d] (q's dtype) and optionally mass [B, Hk, N].
+    """
+    B, Hq, d = q.shape
+    N, Hk = slots.shape[1], k_flat.shape[1]
+    k = k_flat[slots.reshape(-1)].view(B, N, Hk, d).float()
+    v = v_flat[slots.reshape(-1)].view(B, N, Hk, d).float()
+    qg = q.float().view(B, Hk, Hq // Hk, d)
+    scores = qg @ k.permute(0, 2, 3, 1) / math.sqrt(d)  # [B, Hk, g, N]
+    pad = torch.arange(N, device=q.device)[None, :] >= lengths[:, None]  # [B, N]
+    probs = scores.masked_fill(pad[:, None, None, :], -math.inf).softmax(-1)
+    out = (probs @ v.permute(0, 2, 1, 3)).view(B, Hq, d).to(q.dtype)  # [B, Hk, g, d] -> [B, Hq, d]
+    return out, probs.amax(2) if want_mass else None
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    want_mass: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention of t new tokens, the last t of the request's n cached entries.
+
+    q [t, Hq, d]; slots [n] (n >= t, K/V of the new tokens already written). Returns out [t, Hq, d]
+    and optionally mass [Hk, n] (per query max over the group, summed over the t queries).
+    """
+    t, Hq, d = q.shape
+    n, Hk = slots.shape[0], k_flat.shape[1]
+    k = k_flat[slots].float().permute(1, 2, 0)  # [Hk, d, n]
+    v = v_flat[slots].float().permute(1, 0, 2)  # [Hk, n, d]
+    qg = q.float().permute(1, 0, 2).reshape(Hk, Hq // Hk, t, d)
+    scores = qg @ k[:, None] / math.sqrt(d)  # [Hk, g, t, n]
+    future = torch.arange(n, device=q.device)[None, :] > torch.arange(n - t, n, device=q.device)[:, None]
+    probs = scores.masked_fill(future, -math.inf).softmax(-1)
+    out = (probs @ v[:, None]).reshape(Hq, t, d).permute(1, 0, 2).to(q.dtype)
+    return out, probs.amax(1).sum(1) if want_mass else None

@@ -1,0 +1,436 @@
+"""Continuous batching over the paged pool: one `step()` = admit, one forward, sample, compress, retire.
+
+Every step runs ONE forward over a mixed batch: one token for each running (decoding) request and
+the uncached prompt tail of each newly admitted one. Requests join and leave at every step.
+
+Memory rules (see docs/rollout.md, "Engine"):
+- A request's page table = radix-shared prompt pages (read-only) + private pages.
+- Prompts are inserted into the radix tree right after their prefill; only whole pages are shared,
+  so decode never writes into a shared page. Admitted requests whose prompt shares a not-yet-cached
+  page prefix with another request admitted in the same step wait one step and then hit the cache
+  (the G samples of a GRPO prompt prefill once).
+- Compression (copy-on-write): the kept entries of every layer/head are gathered out of the pool,
+  ALL the request's page references are dropped (private pages return to the free list, shared
+  ones stay with the tree and the other requests), and the kept entries are written, compacted
+  into slot order, into freshly allocated private pages. Shared pages are never modified.
+- Out of pages: evict unreferenced radix leaves (LRU), then retract the youngest running request
+  (its pages are freed and it restarts from its prompt later, with its seed re-applied).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from sparserl_mcore.rollout.hf_model import CausalLM
+from sparserl_mcore.rollout.kv_pool import KVPool, PoolExhaustedError
+from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
+from sparserl_mcore.rollout.paged_attention import decode_attention, prefill_attention
+from sparserl_mcore.rollout.protocol import FinishReason, GenerateRequest, KVStats, Sample
+from sparserl_mcore.rollout.radix_cache import RadixCache
+from sparserl_mcore.rollout.sampler import sample
+
+# Called after each compression with (rid, original positions kept [layers, kv_heads, n_keep], the
+# position the next token will take). Tests rebuild the "retained positions only" recompute from it.
+CompressionListener = Callable[[str, torch.Tensor, int], None]
+StopTextFn = Callable[[list[int]], str]
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Scheduler-side state of one request (reset completely when it is retracted)."""
+
+    req: GenerateRequest
+    rid: str
+    generator: torch.Generator
+    order: int = 0
+    pages: list[int] = field(default_factory=list)
+    slots: torch.Tensor | None = None  # flat slot ids of `pages`
+    n_cached: int = 0  # cache entries in use (per layer and KV head)
+    next_pos: int = 0  # RoPE position of the next token fed in
+    prefilled: bool = False
+    cached_prompt_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    qwin: torch.Tensor | None = None  # [L, Hq, window, d] ring of recent queries
+    q_seen: int = 0
+    acc: torch.Tensor | None = None  # [L, Hk, capacity] accumulated attention (h2o)
+    kept_positions: torch.Tensor | None = None  # [L, Hk, k] positions of slots [0, k) after compressing
+    tail_start: int = 0  # position of slot k (later slots hold consecutive positions)
+    peak_retained: int = 0
+    peak_pages: int = 0
+    evictions: int = 0
+    compressions: int = 0
+    result: Sample | None = None
+    error: BaseException | None = None
+
+    def reset(self) -> None:
+        """Back to "never started" (retraction): it will restart from its prompt."""
+        self.__dict__.update(RequestState(req=self.req, rid=self.rid, generator=self.generator).__dict__)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    retractions: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch, and the pages they hold."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        radix: RadixCache | None,
+        kv_cfg: KVCompressionConfig,
+        compressor: KVCompressor | None,
+        *,
+        max_running: int,
+        max_prefill_tokens: int,
+        stop_text: StopTextFn | None,
+    ) -> None:
+        self.model, self.pool, self.radix = model, pool, radix
+        self.kv_cfg, self.compressor = kv_cfg, compressor
+        self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
+        self.stop_text = stop_text
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self.listeners: list[CompressionListener] = []
+        self.aborted: set[str] = set()
+        self.stats = SchedulerStats()
+        self.weight_version = 0
+        self._order = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def step(self) -> list[RequestState]:
+        """Advance every request by one token; returns the requests that finished."""
+        finished = self._take_aborted()
+        decodes = self._reserve_decode_slots()
+        prefills = self._admit()
+        if decodes or prefills:
+            self.stats.steps += 1
+            logits = self._forward(decodes, prefills)
+            batch = decodes + prefills
+            tokens, logprobs = sample(logits, [r.req.sampling for r in batch], [r.generator for r in batch])
+            for r in prefills:
+                self._cache_prompt(r)
+            for r, tok, lp in zip(batch, tokens, logprobs, strict=True):
+                reason = self._append(r, tok, lp)
+                if reason is not None:
+                    self._finish(r, reason)
+                    finished.append(r)
+            for r in [r for r in batch if r in self.running]:
+                if self.compressor is not None and self.kv_cfg.should_compress(r.n_cached):
+                    self._compress(r)
+        return finished
+
+    # ---- admission and memory ------------------------------------------------------------------
+    def _take_aborted(self) -> list[RequestState]:
+        done = []
+        for r in [r for r in (*self.waiting, *self.running) if r.rid in self.aborted]:
+            if r in self.waiting:
+                self.waiting.remove(r)
+            self._finish(r, "abort")
+            done.append(r)
+        self.aborted.clear()
+        return done
+
+    def _reserve_decode_slots(self) -> list[RequestState]:
+        """Give each running request room for its next token (a new page when the last is full)."""
+        for r in list(self.running):
+            if r in self.running and r.n_cached == len(r.pages) * self.pool.page_size:
+                pages = self._alloc(1, requester=r, may_retract_requester=True)
+                if pages is not None:
+                    self._set_pages(r, r.pages + pages)
+        return list(self.running)
+
+    def _admit(self) -> list[RequestState]:
+        admitted: list[RequestState] = []
+        budget = self.max_prefill_tokens
+        for r in list(self.waiting):
+            if len(self.running) >= self.max_running or (admitted and budget <= 0):
+                break
+            prompt, ps = r.req.input_ids, self.pool.page_size
+            limit = (len(prompt) - 1) // ps * ps  # at least one prompt token is always computed
+            shared = self.radix.match(prompt, limit) if self.radix is not None else []
+            if any(_common_pages(prompt, a.req.input_ids, limit, ps) > len(shared) for a in admitted):
+                self.pool.decref(shared)  # wait one step: the other request's prefill will be cached
+                continue
+            own = self._alloc(math.ceil(len(prompt) / ps) - len(shared), requester=None)
+            if own is None:
+                self.pool.decref(shared)
+                if not self.running and not admitted:
+                    raise PoolExhaustedError(
+                        f"a {len(prompt)}-token prompt needs more pages than the pool has "
+                        f"({self.pool.num_pages} of {ps} tokens); raise capacity_pages / capacity_bytes"
+                    )
+                break
+            self.waiting.remove(r)
+            self._start(r, shared, own)
+            admitted.append(r)
+            budget -= len(prompt) - r.n_cached
+            self.stats.prefill_tokens += len(prompt) - r.n_cached
+        return admitted
+
+    def _start(self, r: RequestState, shared: list[int], own: list[int]) -> None:
+        self._order += 1
+        r.order = self._order
+        self._set_pages(r, shared + own)
+        r.n_cached = r.cached_prompt_tokens = len(shared) * self.pool.page_size
+        self.running.append(r)
+        if r.req.sampling.seed is not None:
+            r.generator.manual_seed(r.req.sampling.seed)
+        if self.compressor is not None:
+            cfg = self.model.cfg
+            dev, dt = self.pool.k.device, self.pool.k.dtype
+            r.qwin = torch.zeros(
+                cfg.num_layers, cfg.num_heads, self.kv_cfg.window, cfg.head_dim, dtype=dt, device=dev
+            )
+            if self.compressor.needs_accumulated_attention:
+                cap = max(self.kv_cfg.budget, len(r.req.input_ids)) + 1
+                r.acc = torch.zeros(cfg.num_layers, cfg.num_kv_heads, cap, device=dev)
+
+    def _alloc(
+        self, n: int, *, requester: RequestState | None, may_retract_requester: bool = False
+    ) -> list[int] | None:
+        """n pages: from the free list, else by evicting radix leaves, else by retracting the youngest
+        running request. Returns None when the requester itself was retracted, or (requester None:
+        admission) when memory is short, since admission never retracts."""
+        while True:
+            try:
+                return self.pool.alloc(n)
+            except PoolExhaustedError:
+                if self.radix is not None and self.radix.evict(n - self.pool.num_free) > 0:
+                    continue
+                if requester is None:
+                    return None
+                victims = [x for x in self.running if may_retract_requester or x is not requester]
+                if not victims:
+                    raise
+                victim = max(victims, key=lambda x: x.order)
+                self._retract(victim)
+                if victim is requester:
+                    return None
+
+    def _retract(self, r: RequestState) -> None:
+        self.running.remove(r)
+        self.pool.decref(r.pages)
+        r.reset()
+        self.waiting.appendleft(r)
+        self.stats.retractions += 1
+
+    def _set_pages(self, r: RequestState, pages: list[int]) -> None:
+        r.pages = pages
+        r.slots = self.pool.slot_table(pages)
+        r.peak_pages = max(r.peak_pages, len(pages))
+
+    def _cache_prompt(self, r: RequestState) -> None:
+        if self.radix is not None:
+            full = len(r.req.input_ids) // self.pool.page_size
+            self.radix.insert(r.req.input_ids, r.pages[:full])
+
+    # ---- the forward ---------------------------------------------------------------------------
+    def _forward(self, decodes: list[RequestState], prefills: list[RequestState]) -> torch.Tensor:
+        """One mixed forward; writes the new K/V into the pool; returns logits [B, V] (decodes first)."""
+        dev, model = self.pool.k.device, self.model
+        ids, pos, new_slots, prefill_tokens = [], [], [], []
+        for r in decodes:
+            ids.append(r.output_ids[-1])
+            pos.append(r.next_pos)
+            new_slots.append(r.slots[r.n_cached : r.n_cached + 1])
+        for r in prefills:
+            tail = r.req.input_ids[r.n_cached :]
+            ids.extend(tail)
+            pos.extend(range(r.n_cached, len(r.req.input_ids)))
+            new_slots.append(r.slots[r.n_cached : len(r.req.input_ids)])
+            prefill_tokens.append(len(tail))
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        cos, sin = model.rope(torch.tensor(pos, dtype=torch.long, device=dev))
+        write = torch.cat(new_slots)
+        n_dec = len(decodes)
+        dec_len = torch.tensor([r.n_cached + 1 for r in decodes], dtype=torch.long, device=dev)
+        dec_slots = _padded([r.slots[: r.n_cached + 1] for r in decodes]) if decodes else None
+        ends = list(itertools.accumulate(prefill_tokens))
+        starts = [0, *ends[:-1]] if ends else []
+        want_mass = self.compressor is not None and self.compressor.needs_accumulated_attention
+        window_rows = self._window_rows(n_dec, prefill_tokens) if self.compressor is not None else None
+        q_rows, masses = [], []
+        h = model.embed(ids_t)
+        for layer in range(model.cfg.num_layers):
+            q, k, v = model.qkv(layer, h, cos, sin)
+            kf, vf = self.pool.k_flat(layer), self.pool.v_flat(layer)
+            kf.index_copy_(0, write, k)
+            vf.index_copy_(0, write, v)
+            outs, layer_mass = [], []
+            if decodes:
+                out, mass = decode_attention(q[:n_dec], kf, vf, dec_slots, dec_len, want_mass=want_mass)
+                outs.append(out)
+                layer_mass.append(mass)
+            for r, start, end in zip(prefills, starts, ends, strict=True):
+                sl = r.slots[: len(r.req.input_ids)]
+                out, mass = prefill_attention(q[n_dec + start : n_dec + end], kf, vf, sl, want_mass=want_mass)
+                outs.append(out)
+                layer_mass.append(mass)
+            if window_rows is not None:
+                q_rows.append(q[window_rows])
+            masses.append(layer_mass)
+            h = model.finish_layer(layer, h, torch.cat(outs))
+        self._after_forward(decodes, prefills, q_rows, masses if want_mass else None)
+        last = list(range(n_dec)) + [n_dec + e - 1 for e in ends]
+        return model.logits(h[torch.tensor(last, dtype=torch.long, device=dev)])
+
+    def _window_rows(self, n_dec: int, prefill_tokens: list[int]) -> torch.Tensor:
+        """Rows whose queries enter the observation window: every decode row, each prompt's last w."""
+        rows, start, w = list(range(n_dec)), n_dec, self.kv_cfg.window
+        for t in prefill_tokens:
+            rows.extend(range(start + max(0, t - w), start + t))
+            start += t
+        return torch.tensor(rows, dtype=torch.long, device=self.pool.k.device)
+
+    def _after_forward(
+        self,
+        decodes: list[RequestState],
+        prefills: list[RequestState],
+        q_rows: list[torch.Tensor],
+        masses: list[list[torch.Tensor]] | None,
+    ) -> None:
+        """Advance counters; record window queries and (h2o) attention mass per request."""
+        qs = torch.stack(q_rows) if q_rows else None  # [L, rows, Hq, d]
+        row = 0
+        for i, r in enumerate(decodes + prefills):
+            t = 1 if i < len(decodes) else len(r.req.input_ids) - r.n_cached
+            n_rows = 1 if i < len(decodes) else min(t, self.kv_cfg.window)
+            if qs is not None:
+                self._push_queries(r, qs[:, row : row + n_rows])
+            row += n_rows
+            if masses is not None:
+                # per layer: [decode mass [B, Hk, N]] (when decoding) + one [Hk, n] per prefill
+                n = r.n_cached + t
+                if i < len(decodes):
+                    mass = torch.stack([m[0][i, :, :n] for m in masses])
+                else:
+                    mass = torch.stack([m[i - len(decodes) + bool(decodes)] for m in masses])
+                r.acc[:, :, :n] += mass
+            r.n_cached += t
+            r.next_pos += t
+            r.prefilled = True
+            r.peak_retained = max(r.peak_retained, r.n_cached)
+
+    def _push_queries(self, r: RequestState, q: torch.Tensor) -> None:
+        """Append queries [L, t, Hq, d] to the request's ring of the last `window` queries."""
+        w = self.kv_cfg.window
+        for j in range(q.shape[1]):
+            r.qwin[:, :, (r.q_seen + j) % w] = q[:, j]
+        r.q_seen += q.shape[1]
+
+    # ---- per-token bookkeeping -----------------------------------------------------------------
+    def _append(self, r: RequestState, token: int, logprob: float) -> FinishReason | None:
+        r.output_ids.append(token)
+        r.logprobs.append(logprob)
+        self.stats.generated_tokens += 1
+        sp = r.req.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.model.cfg.eos_token_ids):
+            return "stop"
+        if sp.stop and self.stop_text is not None:
+            tail = self.stop_text(r.output_ids[-(max(len(s) for s in sp.stop) + 2) :])
+            if any(s in tail for s in sp.stop):
+                return "stop"
+        return "length" if len(r.output_ids) >= sp.max_new_tokens else None
+
+    def _finish(self, r: RequestState, reason: FinishReason) -> None:
+        if r in self.running:
+            self.running.remove(r)
+            self.pool.decref(r.pages)
+        r.pages = []
+        r.result = Sample(
+            rid=r.rid,
+            prompt_ids=r.req.input_ids,
+            output_ids=tuple(r.output_ids),
+            output_logprobs=tuple(r.logprobs),
+            finish_reason=reason,
+            kv_stats=KVStats(
+                peak_retained_tokens=r.peak_retained,
+                evictions=r.evictions,
+                compressions=r.compressions,
+                peak_pages=r.peak_pages,
+                peak_kv_bytes=r.peak_pages * self.pool.page_bytes,
+            ),
+            weight_version=self.weight_version,
+            cached_prompt_tokens=r.cached_prompt_tokens,
+        )
+
+    # ---- compression ---------------------------------------------------------------------------
+    def _compress(self, r: RequestState) -> None:
+        """Keep `keep_tokens` entries per layer and KV head, compacted into fresh private pages."""
+        assert self.compressor is not None and r.qwin is not None
+        n, keep, ps = r.n_cached, self.kv_cfg.keep_tokens, self.pool.page_size
+        seen = min(r.q_seen, self.kv_cfg.window)
+        order = [(r.q_seen - seen + j) % self.kv_cfg.window for j in range(seen)]
+        window_q = r.qwin[:, :, order]  # [L, Hq, w, d], oldest first
+        slots = r.slots[:n]
+        positions = self._slot_positions(r, n)
+        kept_k, kept_v, kept_pos = [], [], []
+        for layer in range(self.model.cfg.num_layers):
+            keys = self.pool.k_flat(layer)[slots]  # [n, Hk, d] (a copy)
+            acc = r.acc[layer, :, :n] if r.acc is not None else None
+            idx = self.compressor.select(keys.transpose(0, 1), window_q[layer], keep, acc)  # [Hk, keep]
+            gather = idx.t()[:, :, None].expand(-1, -1, keys.shape[-1])
+            kept_k.append(keys.gather(0, gather))
+            kept_v.append(self.pool.v_flat(layer)[slots].gather(0, gather))
+            kept_pos.append(positions[layer].gather(1, idx))
+            if r.acc is not None:
+                r.acc[layer, :, :keep] = acc.gather(1, idx)
+                r.acc[layer, :, keep:] = 0
+        self.pool.decref(r.pages)
+        r.pages = []
+        pages = self._alloc(math.ceil(keep / ps), requester=r)
+        assert pages is not None
+        self._set_pages(r, pages)
+        new_slots = r.slots[:keep]
+        for layer in range(self.model.cfg.num_layers):
+            self.pool.k_flat(layer)[new_slots] = kept_k[layer]
+            self.pool.v_flat(layer)[new_slots] = kept_v[layer]
+        r.kept_positions, r.tail_start = torch.stack(kept_pos), r.next_pos
+        r.evictions += n - keep
+        r.compressions += 1
+        r.n_cached = keep
+        for listener in self.listeners:
+            listener(r.rid, r.kept_positions, r.next_pos)
+
+    def _slot_positions(self, r: RequestState, n: int) -> torch.Tensor:
+        """Original token position of each of the first n slots, per layer and KV head: [L, Hk, n]."""
+        cfg, dev = self.model.cfg, self.pool.k.device
+        base = r.kept_positions
+        k = 0 if base is None else base.shape[-1]
+        tail = torch.arange(r.tail_start, r.tail_start + n - k, device=dev)
+        tail = tail.expand(cfg.num_layers, cfg.num_kv_heads, -1)
+        return tail if base is None else torch.cat([base, tail], dim=-1)
+
+
+def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Stack 1-D slot tensors of different lengths, padding with each row's first slot (masked)."""
+    width = max(x.shape[0] for x in rows)
+    out = torch.empty(len(rows), width, dtype=torch.long, device=rows[0].device)
+    for i, x in enumerate(rows):
+        out[i, : x.shape[0]] = x
+        out[i, x.shape[0] :] = x[0]
+    return out
+
+
+def _common_pages(a: tuple[int, ...], b: tuple[int, ...], limit: int, page_size: int) -> int:
+    """Whole pages of a[:limit] that b shares as a prefix."""
+    n = 0
+    while n + page_size <= min(limit, len(b)) and a[n : n + page_size] == b[n : n + page_size]:
+        n += page_size
+    return n // page_size
