@@ -5,6 +5,8 @@ Public API:
 - `initialize(cfg, seed=..., backend=None) -> Runtime` and `shutdown()` (import torch + megatron).
 - `cpu_mode`: the one module making megatron-core run on CPU (entered by `initialize` on CPU).
 - `launch.launch_local(argv, nproc, env=None, timeout=None)`: torchrun as a subprocess.
+- `forward.forward_only(model, micro_batches, post_fn=..., groups=...)` and `forward.forward_logits`:
+  forward-only passes through megatron's pipeline schedules (log-prob recompute, verification).
 
 `initialize`, `shutdown` and `Runtime` are loaded lazily so importing the config stays cheap.
 """

@@ -1,0 +1,180 @@
+"""HF config -> megatron `TransformerConfig` + layer spec (`ModelSpec`) -> `GPTModel` for one stage.
+
+`build_spec` is the single translation of an HF decoder config into megatron terms; everything
+that builds a learner model (trainer, converter, verify, tests) goes through it, so all agree on
+vocab padding, RoPE and norm settings. `build_model` instantiates the part of the model owned by
+this rank's pipeline stage (`pre_process` = first stage, `post_process` = last stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from model_providers.hf_config import HFModelConfig, Llama3RopeScaling, parse_hf_config
+from model_providers.layer_specs import TRANSFORMER_IMPLS, layer_spec, te_available
+from sparserl_mcore.parallel.config import ParallelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Everything needed to build (and to map weights into) the megatron model of one HF config."""
+
+    arch: str
+    hf: HFModelConfig
+    parallel: ParallelConfig
+    config: TransformerConfig
+    layer_spec: ModuleSpec
+    transformer_impl: str  # "local" (SDPA) or "transformer_engine"; parameter names differ
+    params_dtype: torch.dtype
+    vocab_size: int
+    padded_vocab_size: int
+    tie_embeddings: bool
+    max_sequence_length: int
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.hf.num_layers // self.parallel.pipeline_model_parallel_size
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
+    """Megatron's padding: the smallest multiple of `multiple * tp_size` holding `vocab_size`."""
+    if multiple < 1:
+        raise ValueError(f"vocab_multiple={multiple}: must be >= 1")
+    step = multiple * tp_size
+    return -(-vocab_size // step) * step
+
+
+def _transformer_config(
+    hf: HFModelConfig, parallel: ParallelConfig, dtype: torch.dtype, cpu: bool
+) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=hf.num_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.ffn_hidden_size,
+        num_attention_heads=hf.num_heads,
+        num_query_groups=hf.num_kv_heads,
+        kv_channels=hf.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf.qkv_bias,
+        qk_layernorm=hf.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=hf.initializer_range,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=cpu,
+        # Fused kernels exist only on GPU (and some only with TE/apex); the unfused paths are exact.
+        bias_activation_fusion=not cpu,
+        bias_dropout_fusion=not cpu,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_spec(
+    hf_config: Mapping[str, Any] | str | Path,
+    parallel: ParallelConfig,
+    *,
+    params_dtype: torch.dtype | str = torch.float32,
+    vocab_multiple: int = 128,
+    transformer_impl: str | None = None,
+    cpu: bool | None = None,
+) -> ModelSpec:
+    """Translate an HF config (dict, config.json or checkpoint dir) into a `ModelSpec` for `parallel`.
+
+    `transformer_impl` defaults to "transformer_engine" when TE is importable on a GPU, else "local".
+    `cpu` (default: no CUDA available) selects CPU initialisation and turns fused kernels off.
+    """
+    hf = parse_hf_config(hf_config)
+    parallel.validate_model(num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads)
+    dtype = _DTYPES.get(params_dtype, params_dtype) if isinstance(params_dtype, str) else params_dtype
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"params_dtype={params_dtype!r}; choose one of {sorted(_DTYPES)}")
+    cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    impl = transformer_impl or ("transformer_engine" if not cpu and te_available() else "local")
+    if impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"transformer_impl={impl!r}; choose one of {TRANSFORMER_IMPLS}")
+    return ModelSpec(
+        arch=hf.arch,
+        hf=hf,
+        parallel=parallel,
+        config=_transformer_config(hf, parallel, dtype, cpu),
+        layer_spec=layer_spec(impl, qk_norm=hf.qk_norm),
+        transformer_impl=impl,
+        params_dtype=dtype,
+        vocab_size=hf.vocab_size,
+        padded_vocab_size=padded_vocab_size(
+            hf.vocab_size, parallel.tensor_model_parallel_size, vocab_multiple
+        ),
+        tie_embeddings=hf.tie_embeddings,
+        max_sequence_length=hf.max_position_embeddings,
+    )
+
+
+def build_model(
+    spec: ModelSpec,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    pg_collection: Any | None = None,
+    parallel_output: bool = True,
+) -> GPTModel:
+    """The GPTModel part of one pipeline stage (needs `parallel.initialize` to have run).
+
+    `parallel_output=True` keeps logits vocab-sharded over TP ([s, b, padded_vocab / TP]), which is
+    what vocab-parallel log-prob code wants. Weights are random; load them with `sparserl_mcore.ckpt`.
+    """
+    hf = spec.hf
+    model = GPTModel(
+        config=spec.config,
+        transformer_layer_spec=spec.layer_spec,
+        vocab_size=spec.padded_vocab_size,
+        max_sequence_length=spec.max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=hf.rope_theta,
+        pg_collection=pg_collection,
+    )
+    if hf.rope_scaling is not None:
+        _apply_llama3_rope_scaling(model, hf.rope_scaling)
+    return model
+
+
+def _apply_llama3_rope_scaling(model: GPTModel, scaling: Llama3RopeScaling) -> None:
+    """Scale RoPE frequencies with the checkpoint's own Llama-3 constants.
+
+    GPTModel(rope_scaling=True) only takes `factor` and fixes the other three constants to Llama
+    3.1's values (1, 4, 8192); megatron's `_apply_scaling` accepts them all, so apply it here.
+    """
+    rope = model.rotary_pos_emb
+    rope.inv_freq = rope._apply_scaling(
+        rope.inv_freq,
+        factor=scaling.factor,
+        low_freq_factor=scaling.low_freq_factor,
+        high_freq_factor=scaling.high_freq_factor,
+        original_max_position_embeddings=scaling.original_max_position_embeddings,
+    )

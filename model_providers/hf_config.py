@@ -1,0 +1,153 @@
+"""Read an HF config.json into the few numbers a megatron GPT needs, for the registered architectures.
+
+Pure Python (no torch): the converter, the sync and config validation read `HFModelConfig` before
+building anything. The registry `ARCHITECTURES` is explicit and keyed by HF `model_type`;
+`architectures` class names (e.g. "Qwen2ForCausalLM") resolve through `HF_CLASS_TO_ARCH`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArchTraits:
+    """What distinguishes one registered family from another inside a Llama-style decoder."""
+
+    hf_class: str
+    qkv_bias_always: bool = False  # Qwen2: q/k/v projections always carry a bias; others: attention_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    rope_scaling_types: tuple[str, ...] = ()  # accepted rope_type values besides "default"
+
+
+ARCHITECTURES: dict[str, ArchTraits] = {
+    "qwen2": ArchTraits(hf_class="Qwen2ForCausalLM", qkv_bias_always=True),
+    "qwen3": ArchTraits(hf_class="Qwen3ForCausalLM", qk_norm=True),
+    "llama": ArchTraits(hf_class="LlamaForCausalLM", rope_scaling_types=("llama3",)),
+}
+HF_CLASS_TO_ARCH: dict[str, str] = {traits.hf_class: name for name, traits in ARCHITECTURES.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Llama3RopeScaling:
+    """Llama-3 frequency-dependent RoPE scaling (HF rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFModelConfig:
+    """The architecture-relevant fields of an HF decoder config, normalised across HF versions."""
+
+    arch: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Llama3RopeScaling | None  # None when RoPE is unscaled
+    tie_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    initializer_range: float
+
+
+def resolve_arch(hf: Mapping[str, Any]) -> str:
+    """Registry key for an HF config: `model_type` first, then the `architectures` class names."""
+    model_type = hf.get("model_type")
+    if model_type in ARCHITECTURES:
+        return model_type
+    for cls in hf.get("architectures") or ():
+        if cls in HF_CLASS_TO_ARCH:
+            return HF_CLASS_TO_ARCH[cls]
+    raise ValueError(
+        f"unsupported architecture: model_type={model_type!r}, architectures={hf.get('architectures')!r}; "
+        f"supported model_type values: {sorted(ARCHITECTURES)} "
+        f"(architectures: {sorted(HF_CLASS_TO_ARCH)})"
+    )
+
+
+def load_hf_config(source: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    """An HF config as a dict, from a dict, a config.json path or a checkpoint directory."""
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"HF config not found: {path}")
+    return json.loads(path.read_text())
+
+
+def _rope(hf: Mapping[str, Any], arch: str) -> tuple[float, Llama3RopeScaling | None]:
+    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`
+    (older config.json files)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ARCHITECTURES[arch].rope_scaling_types:
+        raise ValueError(
+            f"rope_type={rope_type!r} is not supported for {arch}; supported: "
+            f"{['default', *ARCHITECTURES[arch].rope_scaling_types]}"
+        )
+    missing = [k for k in ("factor", "original_max_position_embeddings") if k not in params]
+    if missing:
+        raise ValueError(f"llama3 rope scaling is missing {missing} in the HF config")
+    return theta, Llama3RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _check_unsupported(hf: Mapping[str, Any], arch: str) -> None:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
+    if hf.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=true is not supported; sliding-window attention is not modelled")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported; MLP projections must be bias-free")
+
+
+def parse_hf_config(source: Mapping[str, Any] | str | Path) -> HFModelConfig:
+    """Normalise an HF config (dict, config.json path or checkpoint dir) of a registered family."""
+    hf = load_hf_config(source)
+    arch = resolve_arch(hf)
+    traits = ARCHITECTURES[arch]
+    _check_unsupported(hf, arch)
+    theta, scaling = _rope(hf, arch)
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    return HFModelConfig(
+        arch=arch,
+        num_layers=int(hf["num_hidden_layers"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hidden // num_heads),
+        vocab_size=int(hf["vocab_size"]),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=traits.qkv_bias_always or bool(hf.get("attention_bias", False)),
+        qk_norm=traits.qk_norm,
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+    )
