@@ -1,0 +1,183 @@
+"""`sparserl sync bench`: sparse patches vs dense safetensors on real Adam steps.
+
+A transformers Qwen2 model (Qwen2.5-0.5B shape with --full, random init unless --hf-dir) holds bf16
+parameters; an fp32 master copy takes torch Adam steps on the next-token cross-entropy of fixed
+random token sequences, and is cast back to bf16 after each step (megatron-style mixed precision).
+Per step and value encoding: BF16 sparsity, patch bytes, ratio vs dense BF16, bytes per changed
+element, encode time (diff + hashes + encode), decode+apply+verify time, next to a dense
+safetensors save and load of the same weights, and bit-identity of the patched receiver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from sparserl_mcore.sync.apply import HFReceiver
+from sparserl_mcore.sync.codec import CodecConfig, encode_patch
+from sparserl_mcore.sync.diff import make_patch
+from sparserl_mcore.sync.hashing import state_dict_digests
+
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+}
+# `make bench` default: the same architecture, small enough for a shared 2-core box in ~a minute.
+QUICK = {**QWEN25_05B, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32000}  # fmt: skip
+
+
+def _model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if args.hf_dir is not None:
+        return AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.bfloat16)
+    config = Qwen2Config(**(QWEN25_05B if args.full else QUICK))
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).to(torch.bfloat16)
+
+
+def _hf_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors an HF checkpoint holds (a tied lm_head is the embedding, listed once)."""
+    state = dict(model.state_dict())
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return {k: v for k, v in state.items() if v.is_floating_point()}
+
+
+class MixedPrecisionAdam:
+    """bf16 model params, fp32 master params in torch Adam, cast back after every step."""
+
+    def __init__(self, model: torch.nn.Module, lr: float) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = [p.detach().float().requires_grad_(True) for p in self.params]
+        self.optimizer = torch.optim.Adam(self.master, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.master, strict=True):
+            m.grad = p.grad.float()
+            p.grad = None
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master, strict=True):
+                p.copy_(m)
+
+
+def _time(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def _dense_round_trip(state: dict[str, torch.Tensor], tmp: Path) -> tuple[float, float]:
+    path = tmp / "dense.safetensors"
+    _, save_s = _time(lambda: save_file(state, path))
+    _, load_s = _time(lambda: load_file(path))
+    path.unlink()
+    return save_s, load_s
+
+
+def _measure(prev, cur, step: int, encoding: str, receiver_state, digests) -> dict:
+    def encode() -> bytes:
+        patch = make_patch(
+            prev, cur, version=step, base_version=step - 1, anchor_version=0, old_digests=digests
+        )
+        return encode_patch(patch, CodecConfig(encoding=encoding))
+
+    data, encode_s = _time(encode)
+    receiver = HFReceiver(receiver_state, version=step - 1)
+    result, apply_s = _time(lambda: receiver.apply(data))
+    identical = all(torch.equal(receiver.state[k].view(torch.int16), cur[k].view(torch.int16)) for k in cur)
+    numel = sum(t.numel() for t in cur.values())
+    changed = result.changed_elements
+    return {
+        "step": step,
+        "encoding": encoding,
+        "sparsity": 1 - changed / numel,
+        "changed": changed,
+        "patch_bytes": len(data),
+        "dense_bytes": 2 * numel,
+        "ratio": 2 * numel / len(data),
+        "bytes_per_changed": len(data) / max(1, changed),
+        "encode_s": encode_s,
+        "apply_s": apply_s,
+        "bit_identical": identical,
+    }
+
+
+def _run_lr(args: argparse.Namespace, lr: float, steps: int, tmp: Path) -> list[dict]:
+    model = _model(args)
+    model.train()
+    opt = MixedPrecisionAdam(model, lr)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
+    prev = {k: v.clone() for k, v in _hf_state(model).items()}
+    rows = []
+    for step in range(1, steps + 1):
+        logits = model(input_ids=tokens[:, :-1]).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        cur = _hf_state(model)
+        save_s, load_s = _dense_round_trip(cur, tmp)
+        digests = state_dict_digests(prev)
+        for encoding in args.encodings:
+            receiver_state = {k: v.clone() for k, v in prev.items()}
+            row = _measure(prev, cur, step, encoding, receiver_state, digests)
+            row.update(lr=lr, loss=loss.item(), dense_save_s=save_s, dense_load_s=load_s)
+            rows.append(row)
+            print(_format(row), flush=True)
+            del receiver_state
+        prev = {k: v.clone() for k, v in cur.items()}
+    return rows
+
+
+HEADER = (
+    f"{'lr':>7} {'step':>4} {'enc':>9} {'sparsity':>9} {'patch MB':>9} {'ratio':>7} {'B/chg':>6} "
+    f"{'enc s':>6} {'apply s':>7} {'save s':>6} {'load s':>6} {'exact':>5}"
+)
+
+
+def _format(r: dict) -> str:
+    return (
+        f"{r['lr']:>7.0e} {r['step']:>4} {r['encoding']:>9} {100 * r['sparsity']:>8.3f}% "
+        f"{r['patch_bytes'] / 2**20:>9.3f} {r['ratio']:>6.1f}x {r['bytes_per_changed']:>6.3f} "
+        f"{r['encode_s']:>6.2f} {r['apply_s']:>7.2f} {r['dense_save_s']:>6.2f} {r['dense_load_s']:>6.2f} "
+        f"{'yes' if r['bit_identical'] else 'NO':>5}"
+    )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    torch.set_grad_enabled(True)
+    steps = args.steps or (3 if args.full else 2)
+    shape = (
+        "from " + str(args.hf_dir) if args.hf_dir else ("Qwen2.5-0.5B shape" if args.full else "quick shape")
+    )
+    print(f"sparse sync bench: {shape}, {steps} Adam steps per lr, batch {args.batch} x seq {args.seq_len}")
+    print(HEADER)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for lr in args.lrs:
+            rows.extend(_run_lr(args, lr, steps, Path(tmp)))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1))
+    ok = all(r["bit_identical"] for r in rows)
+    print(f"bit-identical: {sum(r['bit_identical'] for r in rows)}/{len(rows)}")
+    return 0 if ok else 1
