@@ -33,6 +33,9 @@ def atomic_output_dir(out: str | os.PathLike, *, overwrite: bool = False) -> Ite
     path = check_output_dir(out, overwrite=overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result should look like a mkdir
     try:
         yield tmp
         if path.exists():

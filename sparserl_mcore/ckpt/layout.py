@@ -17,6 +17,7 @@ columns [hf_col, hf_col + local_cols). That one shape covers every layout Megatr
 
 Public API (the converter and the sparse sync call these):
     layout = ModelLayout(hf_cfg, tp_size=T, pp_size=P, padded_vocab_size=Vp)   # hf_cfg: HFModelConfig
+    layout = layout_for(model_spec)                    # same, from model_providers.build_spec(...)
     layout.hf_shapes                                   # {hf_name: shape} of the HF checkpoint
     layout.shard(tp_rank, pp_rank)                     # {mcore_name: ParamMap}
     layout.fill_local(param_map, out, read)            # load one local param from HF slices
@@ -41,6 +42,8 @@ from model_providers.hf_config import HFModelConfig
 
 if TYPE_CHECKING:
     import torch
+
+    from model_providers.gpt import ModelSpec
 
 # Reads HF tensor `name`, rows `rows`, columns `cols` (None for 1-D tensors) -> tensor of that slice.
 SliceReader = Callable[[str, slice, "slice | None"], "torch.Tensor"]
@@ -348,6 +351,17 @@ class ModelLayout:
                 segs.append(Segment(f"{hf_prefix}self_attn.{proj}.{kind}", row, rows, hf_row))
                 row += rows
         return tuple(segs)
+
+
+def layout_for(spec: ModelSpec) -> ModelLayout:
+    """The layout of a model built by `model_providers.build_model(spec, ...)`."""
+    return ModelLayout(
+        spec.hf,
+        tp_size=spec.parallel.tensor_model_parallel_size,
+        pp_size=spec.parallel.pipeline_model_parallel_size,
+        padded_vocab_size=spec.padded_vocab_size,
+        fused_norms=spec.transformer_impl == "transformer_engine",
+    )
 
 
 def _replicated(name: str, hf_name: str, size: int, tp_rank: int) -> ParamMap:

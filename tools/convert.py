@@ -1,0 +1,147 @@
+"""`sparserl convert`: HF safetensors <-> Megatron dist checkpoints, and logit parity checks.
+
+    sparserl convert hf-to-mcore --hf-dir H --out M [--tp T --pp P]
+    sparserl convert mcore-to-hf --mcore-dir M --out H2 [--hf-config-dir H] [--tp T --pp P]
+    sparserl convert verify ...            (tools/verify.py: megatron vs HF transformers logits)
+
+Conversions check the input in this process first (config, TP/PP, tensor names and shapes: errors
+name the tensor or field), then run TP*PP ranks with torchrun (`launchers.convert`) writing into a
+temp directory beside `--out`, renamed only when every rank succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist checkpoint (torch_dist)")
+    to_mcore.add_argument(
+        "--hf-dir", required=True, help="HF checkpoint directory (config.json, safetensors)"
+    )
+    to_hf = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF sharded safetensors")
+    to_hf.add_argument("--mcore-dir", required=True, help="directory written by hf-to-mcore")
+    to_hf.add_argument(
+        "--hf-config-dir", default=None, help="config.json + tokenizer source (default: the copy stored in M)"
+    )
+    to_hf.add_argument("--max-shard-size", default="2GB", help="safetensors file size limit, e.g. 500MB")
+    for p in (to_mcore, to_hf):
+        p.add_argument("--out", required=True, help="output directory (written atomically)")
+        p.add_argument("--tp", type=int, default=None, help="tensor parallel ranks (default: 1 / as saved)")
+        p.add_argument("--pp", type=int, default=None, help="pipeline parallel ranks (default: 1 / as saved)")
+        p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
+        p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+        p.add_argument("--timeout", type=float, default=None, help="seconds before the ranks are killed")
+    verify = sub.add_parser("verify", help="compare megatron logits with HF transformers", add_help=False)
+    verify.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "verify":
+        verify = importlib.import_module("tools.verify")
+        parser = argparse.ArgumentParser(prog="sparserl convert verify")
+        verify.add_arguments(parser)
+        return int(verify.run(parser.parse_args(args.rest)) or 0)
+    from sparserl_mcore.ckpt.hf_io import CheckpointError
+    from sparserl_mcore.parallel.launch import LaunchError
+
+    try:
+        argv, nproc = _prepare(args)
+        _launch(argv, nproc, args)
+    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        print(f"error: conversion ranks failed; nothing was written to {args.out}\n{exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> tuple[list[str], int]:
+    """Validate everything that can be checked without ranks; return the launcher argv and nproc."""
+    from sparserl_mcore.ckpt.atomic import check_output_dir
+
+    check_output_dir(args.out, overwrite=args.overwrite)
+    if args.action == "hf-to-mcore":
+        tp, pp = args.tp or 1, args.pp or 1
+        preflight_hf(args.hf_dir, tp, pp)
+        argv = ["hf-to-mcore", "--hf-dir", str(args.hf_dir)]
+    else:
+        tp, pp = preflight_mcore(args.mcore_dir, args.tp, args.pp, args.hf_config_dir)
+        argv = ["mcore-to-hf", "--mcore-dir", str(args.mcore_dir)]
+        argv += ["--max-shard-bytes", str(parse_size(args.max_shard_size))]
+        if args.hf_config_dir:
+            argv += ["--hf-config-dir", str(args.hf_config_dir)]
+    argv += ["--tp", str(tp), "--pp", str(pp)]
+    if args.dtype:
+        if args.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype {args.dtype!r}; choose float32 or bfloat16")
+        argv += ["--dtype", args.dtype]
+    return argv, tp * pp
+
+
+def _launch(argv: list[str], nproc: int, args: argparse.Namespace) -> None:
+    from sparserl_mcore.ckpt.atomic import atomic_output_dir
+    from sparserl_mcore.parallel.launch import launch_local
+
+    with atomic_output_dir(args.out, overwrite=args.overwrite) as tmp:
+        launch_local(["-m", "launchers.convert", *argv, "--out", str(tmp)], nproc, timeout=args.timeout)
+
+
+def preflight_hf(hf_dir: str | pathlib.Path, tp: int, pp: int) -> None:
+    """Config supported, TP/PP possible, every tensor present with the right shape (headers only)."""
+    from model_providers.hf_config import parse_hf_config
+    from sparserl_mcore.ckpt.hf_io import HFCheckpoint
+    from sparserl_mcore.ckpt.layout import ModelLayout
+    from sparserl_mcore.parallel.config import ParallelConfig
+
+    hf = parse_hf_config(hf_dir)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel.validate_model(num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads)
+    step = 128 * tp  # any padded size passes the name/shape check; the ranks use build_spec's
+    HFCheckpoint(hf_dir).check(
+        ModelLayout(hf, tp_size=tp, pp_size=pp, padded_vocab_size=-(-hf.vocab_size // step) * step)
+    )
+
+
+def preflight_mcore(
+    mcore_dir: str | pathlib.Path, tp: int | None, pp: int | None, hf_config_dir: str | None
+) -> tuple[int, int]:
+    """Readable metadata, a layout the model allows, and a matching --hf-config-dir; returns (tp, pp)."""
+    from model_providers.hf_config import parse_hf_config
+    from sparserl_mcore.ckpt.dist_ckpt import HF_SUBDIR, McoreCheckpointMeta
+    from sparserl_mcore.parallel.config import ParallelConfig
+
+    meta = McoreCheckpointMeta.read(mcore_dir)
+    tp, pp = tp or meta.tensor_model_parallel_size, pp or meta.pipeline_model_parallel_size
+    hf = parse_hf_config(pathlib.Path(mcore_dir) / HF_SUBDIR)
+    ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate_model(
+        num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads
+    )
+    if meta.padded_vocab_size % tp:
+        raise ValueError(f"--tp {tp} does not divide the checkpoint's padded vocab {meta.padded_vocab_size}")
+    if hf_config_dir is not None:
+        given = parse_hf_config(hf_config_dir)
+        diff = [f for f in type(hf).__dataclass_fields__ if getattr(hf, f) != getattr(given, f)]
+        if diff:
+            raise ValueError(
+                f"--hf-config-dir {hf_config_dir} does not match the checkpoint: fields {diff} differ"
+            )
+    return tp, pp
+
+
+def parse_size(text: str) -> int:
+    """'2GB' / '500MB' / '100KB' / '1234' -> bytes (powers of 1000, as transformers' max_shard_size)."""
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    upper = text.strip().upper()
+    for unit, scale in units.items():
+        if upper.endswith(unit) and upper[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(upper[: -len(unit)]) * scale)
+    if upper.isdigit():
+        return int(upper)
+    raise ValueError(f"--max-shard-size {text!r}: use a size like 2GB, 500MB or 100KB")
