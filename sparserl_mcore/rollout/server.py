@@ -47,12 +47,15 @@ class ServerConfig:
 
     token: bearer token for the state-changing routes; required when host is not loopback.
     max_batch_requests: most requests the worker puts into one engine.generate call.
+    max_concurrent_batches: engine.generate calls in flight at once; > 1 only for engines whose
+    generate is thread-safe (EmbeddedEngine), see serve_worker.
     """
 
     host: str = "127.0.0.1"
     port: int = 30000
     token: str | None = None
     max_batch_requests: int = 256
+    max_concurrent_batches: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -64,8 +67,9 @@ class ServerConfig:
                 f"host={self.host!r} is reachable from the network but no token is set: pass --token "
                 "(or SPARSERL_SERVE_TOKEN) so only the trainer can update weights, or bind 127.0.0.1"
             )
-        if self.max_batch_requests < 1:
-            raise ValueError(f"max_batch_requests={self.max_batch_requests}: must be >= 1")
+        for name in ("max_batch_requests", "max_concurrent_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
 
 
 def is_loopback(host: str) -> bool:
@@ -85,7 +89,9 @@ def create_app(
     decode: Decode | None = None,
 ) -> FastAPI:
     """The ASGI app; the engine worker starts and stops with the app's lifespan."""
-    worker = EngineWorker(engine, max_batch_requests=cfg.max_batch_requests)
+    worker = EngineWorker(
+        engine, max_batch_requests=cfg.max_batch_requests, max_concurrent=cfg.max_concurrent_batches
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
