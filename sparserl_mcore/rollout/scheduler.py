@@ -187,7 +187,7 @@ class Scheduler:
         self._order += 1
         r.order = self._order
         self._set_pages(r, shared + own)
-        r.n_cached = r.cached_prompt_tokens = len(shared) * self.pool.page_size
+        r.n_cached = r.next_pos = r.cached_prompt_tokens = len(shared) * self.pool.page_size
         self.running.append(r)
         if r.req.sampling.seed is not None:
             r.generator.manual_seed(r.req.sampling.seed)
