@@ -20,7 +20,7 @@ import torch
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, build_tokenizer, make_tiny
 from sparserl_mcore.rollout.client import RemoteEngine, RemoteEngineError
 from sparserl_mcore.rollout.protocol import GenerateRequest, KVStats, Sample, SamplingParams
-from sparserl_mcore.rollout.server import ServerConfig, bind_socket, create_app, make_uvicorn
+from sparserl_mcore.rollout.server import BackgroundServer, ServerConfig, bind_socket, create_app
 from sparserl_mcore.sync.apply import HFReceiver
 from sparserl_mcore.sync.codec import encode_patch
 from sparserl_mcore.sync.diff import make_patch
@@ -110,26 +110,6 @@ class HFReferenceEngine:
         return {"model_path": "tiny", "weight_version": self.version, "kv_compression": "none"}
 
 
-class ThreadServer:
-    """uvicorn serving an app on a free loopback port, in a background thread."""
-
-    def __init__(self, app) -> None:
-        self.sock = bind_socket("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = make_uvicorn(app, log_level="warning")
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> str:
     return str(make_tiny(TinyModelConfig(dtype="bfloat16", seed=3), tmp_path_factory.mktemp("m") / "tiny"))
@@ -146,9 +126,8 @@ def served(hf_dir) -> Iterator[tuple[str, HFReferenceEngine]]:
         encode=lambda text: tok(text)["input_ids"],
         decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
     )
-    server = ThreadServer(app)
-    yield server.url, engine
-    server.stop()
+    with BackgroundServer(app) as server:
+        yield server.url, engine
 
 
 def _greedy(n: int, **kw) -> dict:

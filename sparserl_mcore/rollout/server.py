@@ -23,6 +23,8 @@ import ipaddress
 import logging
 import secrets
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -169,6 +171,36 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def make_uvicorn(app: FastAPI, *, log_level: str = "info") -> uvicorn.Server:
     """The uvicorn server for `app`; run it with `.run(sockets=[bind_socket(...)])`."""
     return uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+
+
+class BackgroundServer:
+    """uvicorn serving `app` on a background thread (tests, in-process demos); a context manager.
+
+    Binds before starting, so `url` is known at once (port 0 picks a free port); `__enter__`
+    returns once the server accepts connections.
+    """
+
+    def __init__(self, app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self._sock = bind_socket(host, port)
+        bound_host, bound_port = self._sock.getsockname()[:2]
+        self.url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
+        self._server = make_uvicorn(app, log_level=log_level)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="sparserl-http", daemon=True
+        )
+
+    def __enter__(self) -> BackgroundServer:
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"HTTP server on {self.url} exited during startup")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self._sock.close()
 
 
 def _add_weight_routes(app: FastAPI, worker: EngineWorker, auth: Callable[..., None]) -> None:
