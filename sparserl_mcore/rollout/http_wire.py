@@ -137,11 +137,11 @@ def _finish_reason(sample: Sample) -> dict[str, Any]:
 
 
 def generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
-    """The batch /generate body `RemoteEngine` sends (always with log-probs)."""
+    """The batch /generate body `RemoteEngine` sends (always with log-probs; empty rids get uuids)."""
     return {
         "input_ids": [list(r.input_ids) for r in requests],
         "sampling_params": [_params_json(r.sampling) for r in requests],
-        "rid": [r.rid for r in requests],
+        "rid": [r.rid or uuid.uuid4().hex for r in requests],
         "return_logprob": True,
     }
 

@@ -1,0 +1,213 @@
+"""`sparserl serve` with the real EmbeddedEngine: the CLI as a subprocess over loopback, and the
+in-process app where the test needs to look inside the engine (aborts free their pages, pause ->
+weight update -> continue). References: HF transformers greedy decoding on the same weights."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
+from sparserl_mcore.cli import main
+from sparserl_mcore.rollout.client import RemoteEngine, RemoteEngineError
+from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
+from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
+from sparserl_mcore.rollout.server import BackgroundServer, ServerConfig, create_app
+from sparserl_mcore.sync.codec import encode_patch
+from sparserl_mcore.sync.diff import make_patch
+
+TOKEN = "serve-test-token-42"
+PROMPT = (7, 19, 33, 40, 41, 42)
+BUDGET = 32
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> pathlib.Path:
+    return make_tiny(TinyModelConfig(dtype="bfloat16", seed=5), tmp_path_factory.mktemp("m") / "tiny")
+
+
+def _weights(hf_dir: pathlib.Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _hf_greedy(hf_dir: pathlib.Path, weights: dict[str, torch.Tensor], prompt, n: int) -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
+def _lowered_first_token(weights: dict[str, torch.Tensor], token: int) -> dict[str, torch.Tensor]:
+    new = {k: v.clone() for k, v in weights.items()}
+    new["lm_head.weight"][token] -= 4.0  # greedy can no longer pick it first
+    return new
+
+
+@pytest.fixture(scope="module")
+def cli_server(hf_dir) -> Iterator[tuple[str, subprocess.Popen]]:
+    env = {k: v for k, v in os.environ.items() if k != "SPARSERL_SERVE_TOKEN"}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "sparserl_mcore", "serve", "--hf-dir", str(hf_dir), "--port", "0",
+           "--token", TOKEN, "--device", "cpu", "--capacity-pages", "256", "--page-size", "8",
+           "--kv-method", "snapkv", "--kv-budget", str(BUDGET), "--kv-interval", "8", "--kv-window", "4",
+           "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        line = lines.get(timeout=120)
+        assert "listening on http://127.0.0.1:" in line, line
+        yield line.rsplit(" ", 1)[1].strip(), proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_generate_compresses_and_matches_hf(cli_server, hf_dir):
+    url, _ = cli_server
+    with RemoteEngine(url, token=TOKEN) as engine:
+        assert engine.health() and engine.model_info()["kv_compression"]["budget"] == BUDGET
+        short, long = engine.generate(
+            [
+                GenerateRequest(input_ids=PROMPT, sampling=_greedy(8), rid="short"),
+                GenerateRequest(
+                    input_ids=PROMPT, sampling=SamplingParams(max_new_tokens=60, seed=3, ignore_eos=True)
+                ),
+            ]
+        )
+    # Below the budget nothing is compressed: greedy equals HF transformers.
+    assert list(short.output_ids) == _hf_greedy(hf_dir, _weights(hf_dir), PROMPT, 8)
+    assert short.rid == "short" and short.kv_stats.compressions == 0 and short.finish_reason == "length"
+    assert len(long.output_ids) == len(long.output_logprobs) == 60
+    assert long.kv_stats.compressions > 0 and long.kv_stats.peak_retained_tokens <= BUDGET
+    assert all(lp <= 0 for lp in long.output_logprobs)
+
+
+def test_cli_text_prompt_and_token_routes(cli_server):
+    url, _ = cli_server
+    sampling = {"max_new_tokens": 3, "ignore_eos": True}
+    body = {
+        "text": "2+2=",
+        "sampling_params": sampling,
+        "return_logprob": True,
+        "return_text_in_logprobs": True,
+    }
+    r = httpx.post(f"{url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["meta_info"]["prompt_tokens"] == 4
+    assert "".join(item[2] for item in out["meta_info"]["output_token_logprobs"]) == out["text"]
+    assert httpx.post(f"{url}/flush_cache").status_code == 401
+    with RemoteEngine(url) as anonymous, pytest.raises(RemoteEngineError, match="HTTP 401") as err:
+        anonymous.apply_patch(b"\x00" * 16)
+    assert err.value.status_code == 401
+
+
+def test_cli_sparse_patch_changes_outputs_like_hf(cli_server, hf_dir):
+    url, _ = cli_server
+    old = _weights(hf_dir)
+    req = [GenerateRequest(input_ids=PROMPT, sampling=_greedy(6))]
+    with RemoteEngine(url, token=TOKEN) as engine:
+        before = engine.generate(req)[0]
+        new = _lowered_first_token(old, before.output_ids[0])
+        patch = make_patch(old, new, version=1, base_version=0, anchor_version=0)
+        assert engine.apply_patch(encode_patch(patch)) == 1
+        after = engine.generate(req)[0]
+    assert after.weight_version == 1 and after.output_ids[0] != before.output_ids[0]
+    assert list(after.output_ids) == _hf_greedy(hf_dir, new, PROMPT, 6)
+
+
+def test_cli_refuses_public_host_without_token(hf_dir, capsys, monkeypatch):
+    monkeypatch.delenv("SPARSERL_SERVE_TOKEN", raising=False)
+    assert main(["serve", "--hf-dir", str(hf_dir), "--host", "0.0.0.0"]) == 2
+    assert "no token is set" in capsys.readouterr().err
+    assert main(["serve", "--hf-dir", str(hf_dir), "--kv-method", "rkv", "--kv-budget", "64"]) == 2
+    assert "budget=64 <= interval=128" in capsys.readouterr().err
+
+
+@pytest.fixture()
+def embedded(hf_dir) -> Iterator[tuple[str, EmbeddedEngine]]:
+    engine = EmbeddedEngine(hf_dir, EngineConfig(device="cpu", page_size=8, capacity_pages=4096))
+    app = create_app(engine, ServerConfig(token=TOKEN, max_concurrent_batches=4))
+    with BackgroundServer(app) as server:
+        yield server.url, engine
+
+
+def test_disconnect_aborts_in_engine_and_frees_pages(embedded):
+    url, engine = embedded
+    total = engine.stats()["pool_pages"]
+    endless = {"input_ids": list(PROMPT), "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True}}
+    fast: dict = {}
+
+    def other_client():
+        time.sleep(0.3)  # joins while the endless request is decoding
+        fast["r"] = httpx.post(f"{url}/generate", json={"input_ids": [1, 2, 3], "sampling_params":
+                               {"max_new_tokens": 5, "ignore_eos": True}}, timeout=60)  # fmt: skip
+
+    t = threading.Thread(target=other_client)
+    t.start()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/generate", json=endless, timeout=1.5)
+    t.join(60)
+    assert fast["r"].status_code == 200 and fast["r"].json()["meta_info"]["completion_tokens"] == 5
+    deadline = time.monotonic() + 20
+    while not engine.scheduler.idle:  # 20000 tokens would take far longer: it was aborted
+        assert time.monotonic() < deadline, "the disconnected request is still running"
+        time.sleep(0.05)
+    engine.flush_cache()
+    assert engine.stats()["pool_free_pages"] == total
+    assert httpx.get(f"{url}/health").text == "ok"
+
+
+def test_pause_update_continue(embedded, hf_dir):
+    url, engine = embedded
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    old = _weights(hf_dir)
+    first = engine.generate([GenerateRequest(input_ids=PROMPT, sampling=_greedy(4))])[0].output_ids[0]
+    new = _lowered_first_token(old, first)
+    patch = encode_patch(make_patch(old, new, version=7, base_version=0, anchor_version=0))
+    assert httpx.post(f"{url}/pause_generation", headers=auth).status_code == 200
+    result: dict = {}
+    body = {"input_ids": list(PROMPT), "sampling_params": {"temperature": 0, "max_new_tokens": 4,
+            "ignore_eos": True}}  # fmt: skip
+    t = threading.Thread(target=lambda: result.update(r=httpx.post(f"{url}/generate", json=body, timeout=60)))
+    t.start()
+    time.sleep(0.5)
+    assert "r" not in result  # held while paused
+    r = httpx.post(f"{url}/update_weights_from_patch", content=patch, headers={**auth,
+                   "Content-Type": "application/octet-stream"}, timeout=60)  # fmt: skip
+    assert r.status_code == 200 and r.json()["weight_version"] == 7, r.text
+    assert httpx.post(f"{url}/continue_generation", headers=auth).status_code == 200
+    t.join(60)
+    out = result["r"].json()
+    assert out["meta_info"]["weight_version"] == 7
+    assert out["output_ids"] == _hf_greedy(hf_dir, new, PROMPT, 4)
