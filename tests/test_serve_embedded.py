@@ -24,7 +24,8 @@ from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.cli import main
 from sparserl_mcore.rollout.client import RemoteEngine, RemoteEngineError
 from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
-from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
+from sparserl_mcore.rollout.protocol import GenerateRequest, RolloutEngine, SamplingParams
+from sparserl_mcore.rollout.serve_worker import EngineWorker
 from sparserl_mcore.rollout.server import BackgroundServer, ServerConfig, create_app
 from sparserl_mcore.sync.codec import encode_patch
 from sparserl_mcore.sync.diff import make_patch
@@ -211,3 +212,27 @@ def test_pause_update_continue(embedded, hf_dir):
     out = result["r"].json()
     assert out["meta_info"]["weight_version"] == 7
     assert out["output_ids"] == _hf_greedy(hf_dir, new, PROMPT, 4)
+
+
+def test_bad_request_in_a_shared_batch_fails_alone(hf_dir):
+    engine = EmbeddedEngine(hf_dir, EngineConfig(device="cpu", page_size=8, capacity_pages=256))
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        worker.pause()  # both jobs queue up and then start as ONE engine.generate batch
+        good = worker.submit_generate([GenerateRequest(input_ids=PROMPT, sampling=_greedy(3))])
+        bad = worker.submit_generate([GenerateRequest(input_ids=(1, 10_000), sampling=_greedy(3))])
+        worker.resume()
+        assert len(good.future.result(60)[0].output_ids) == 3
+        with pytest.raises(ValueError, match="vocab_size"):
+            bad.future.result(60)
+    finally:
+        worker.stop()
+
+
+def test_remote_engine_is_a_rollout_engine(embedded):
+    url, _ = embedded
+    with RemoteEngine(url, token=TOKEN) as remote:
+        assert isinstance(remote, RolloutEngine)
+        r = httpx.post(f"{url}/generate", json={"input_ids": [1, 10_000]}, timeout=30)
+        assert r.status_code == 400 and "vocab_size" in r.json()["error"]
