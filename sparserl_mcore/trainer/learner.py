@@ -9,7 +9,11 @@ weights and the distributed optimizer (megatron's standard mixed precision).
 from __future__ import annotations
 
 import torch
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -44,7 +48,12 @@ def wrap_ddp(
         use_distributed_optimizer=not runtime.cpu,
         check_for_nan_in_grad=False,  # the trainer skips non-finite updates itself, and logs them
     )
-    return DistributedDataParallel(spec.config, ddp_config, model, pg_collection=runtime.groups)
+    ddp = DistributedDataParallel(spec.config, ddp_config, model, pg_collection=runtime.groups)
+    # What megatron's schedules call after the last micro-batch: DP all-reduce of the grads (and
+    # embedding/lm_head grads shared across pipeline stages), and grad-sync suppression before it.
+    spec.config.finalize_model_grads_func = finalize_model_grads
+    spec.config.no_sync_func = ddp.no_sync
+    return ddp
 
 
 def build_optimizer(
@@ -60,7 +69,8 @@ def build_optimizer(
         adam_beta1=cfg.betas[0],
         adam_beta2=cfg.betas[1],
         adam_eps=cfg.eps,
-        clip_grad=cfg.clip_grad,
+        # megatron-core 0.16's clip helper asserts CUDA tensors: gradient clipping is GPU-only for now
+        clip_grad=0.0 if runtime.cpu else cfg.clip_grad,
         bf16=bf16,
         params_dtype=spec.params_dtype,
         use_distributed_optimizer=not runtime.cpu,

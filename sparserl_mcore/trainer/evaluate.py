@@ -1,0 +1,38 @@
+"""pass@1 on the held-out split under compressed KV (the rollout engines) and dense KV.
+
+Collective: the host rank generates and scores, the numbers are broadcast to every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.distributed as dist
+
+from sparserl_mcore.rollout.protocol import SamplingParams
+from sparserl_mcore.trainer.engine_pool import EnginePool
+from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, RewardFn, make_requests
+
+
+class Evaluator:
+    def __init__(self, cfg: Any, prompts: list[Prompt], reward_fn: RewardFn, rollout: Any, *, seed: int):
+        self.cfg, self.prompts, self.reward_fn, self.seed = cfg, prompts, reward_fn, seed
+        self.sampling: SamplingParams = dataclasses.replace(rollout.sampling, temperature=cfg.temperature)
+
+    def _pass_at_1(self, pool: EnginePool) -> float:
+        requests = make_requests(
+            self.prompts, tag="eval", group_size=1, sampling=self.sampling, run_seed=self.seed
+        )
+        samples = pool.generate(requests)
+        return sum(self.reward_fn(s, p) for s, p in zip(samples, self.prompts, strict=True)) / len(samples)
+
+    def run(self, compressed: EnginePool | None, dense: EnginePool | None) -> dict[str, float]:
+        out: list[Any] = [{}]
+        if dist.get_rank() == HOST_RANK and self.prompts:
+            if self.cfg.compressed:
+                out[0]["eval/pass1_compressed"] = self._pass_at_1(compressed)
+            if self.cfg.dense and dense is not None:
+                out[0]["eval/pass1_dense"] = self._pass_at_1(dense)
+        dist.broadcast_object_list(out, src=HOST_RANK)
+        return out[0]

@@ -1,0 +1,282 @@
+"""The RL loop. `train(cfg)` runs on every learner rank; one step is the list in `Trainer.step`:
+
+    prompts -> rollouts (host rank, one engine interface) -> rewards -> GRPO advantages
+    -> dense pi_old (+ pi_ref) recompute -> up to K update epochs with DGG -> sparse weight sync
+    -> periodic eval (dense and compressed KV) -> metrics -> checkpoint
+
+Collective discipline: every rank walks the same steps in the same order; whatever only the host
+rank knows (samples, rewards, engine failures, eval scores) reaches the others by broadcast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparserl_mcore import parallel
+from sparserl_mcore.config import RunConfig, load_config
+from sparserl_mcore.loss import megatron_step
+from sparserl_mcore.trainer import checkpoint
+from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
+from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
+from sparserl_mcore.trainer.rollouts import generate_and_score
+
+EXIT_OK, EXIT_NO_ENGINE = 0, 3
+
+
+@dataclasses.dataclass
+class LoopState:
+    """What a checkpoint must carry besides model/optimizer/scheduler/RNG to resume exactly."""
+
+    step: int = 0  # completed RL steps
+    sync_version: int = 0  # weight version the rollout engines hold
+    rollouts: int = 0  # sequences sampled so far (x-axis of sample efficiency)
+    skipped_updates: int = 0  # non-finite loss/gradient updates dropped
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dgg: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    exit_code: int
+    steps: int
+    metrics_path: Path | None = None
+    plot_path: Path | None = None
+    checkpoint_path: Path | None = None
+    hf_path: Path | None = None
+    message: str = ""
+
+
+def train_from_config(path: str | Path, overrides: Sequence[str] = ()) -> RunSummary:
+    return train(load_config(path, overrides))
+
+
+def train(cfg: RunConfig) -> RunSummary:
+    """Initialise this rank, run the loop, tear down (also on error)."""
+    runtime = parallel.initialize(cfg.parallel, seed=cfg.train.seed)
+    try:
+        from sparserl_mcore.trainer.setup import build_trainer
+
+        return build_trainer(cfg, runtime).fit()
+    finally:
+        parallel.shutdown()
+
+
+class Trainer:
+    """Holds the parts built by `setup.build_trainer`; `fit` drives them step by step."""
+
+    def __init__(self, cfg: RunConfig, runtime: Any, parts: Any):
+        self.cfg, self.runtime, self.parts = cfg, runtime, parts
+        self.state = LoopState()
+
+    # -- the run -------------------------------------------------------------------------------
+    def fit(self) -> RunSummary:
+        self.resume()
+        p = self.parts
+        if self.cfg.eval.at_start and self.state.step == 0:
+            p.telemetry.log(self.evaluate(), step=0)
+        try:
+            while self.state.step < self.cfg.train.steps:
+                self.step()
+                if self._checkpoint_due():
+                    self.save()
+        except NoEngineLeftError as exc:
+            ckpt = self.save() if self.cfg.checkpoint.dir else None
+            p.telemetry.event("stopped", {"reason": str(exc), "checkpoint": str(ckpt)})
+            return self._summary(EXIT_NO_ENGINE, ckpt, message=f"no rollout engine left: {exc}")
+        if self.cfg.eval.every == 0 or self.state.step % self.cfg.eval.every:
+            p.telemetry.log(self.evaluate(), step=self.state.step)
+        ckpt = self.save() if self.cfg.checkpoint.dir else None
+        hf = p.learner.export_hf(self.cfg.checkpoint.save_hf) if self.cfg.checkpoint.save_hf else None
+        return self._summary(EXIT_OK, ckpt, hf=hf)
+
+    def step(self) -> None:
+        """One RL step, as a list of named steps."""
+        cfg, p, step = self.cfg, self.parts, self.state.step + 1
+        timer = _Timer()
+        prompts = p.data.next_prompts(cfg.train.prompts_per_step)
+        with timer("rollout"):
+            samples, rewards = generate_and_score(
+                p.pool,
+                prompts,
+                tag=f"step{step}",
+                group_size=cfg.rollout.group_size,
+                sampling=cfg.rollout.sampling,
+                run_seed=cfg.train.seed,
+                reward_fn=p.reward_fn,
+            )
+        batch = build_batch(
+            samples,
+            rewards,
+            group_size=cfg.rollout.group_size,
+            normalize_std=cfg.loss.advantage_std_normalize,
+        )
+        metrics = rollout_metrics(samples, batch, p.kv_bytes_per_token)
+        if cfg.train.filter_zero_variance_groups:
+            batch = batch.select(informative_rows(batch.rewards_B, cfg.rollout.group_size))
+        batch = self._trim(batch)
+        metrics["train/sequences"] = batch.size
+        if batch.size:
+            with timer("update"):
+                metrics.update(self.update(batch))
+        if step % cfg.sync.every == 0:
+            with timer("sync"):
+                metrics.update(p.syncer.sync([p.pool, p.dense_pool], version=step))
+            self.state.sync_version = step
+        if cfg.eval.every and step % cfg.eval.every == 0:
+            with timer("eval"):
+                metrics.update(self.evaluate())
+        self.state.step, self.state.rollouts = step, self.state.rollouts + len(samples)
+        metrics.update(timer.metrics(), **{"train/rollouts": self.state.rollouts})
+        p.telemetry.log(metrics, step=step)
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        return self.parts.evaluator.run(self.parts.pool, self.parts.dense_pool)
+
+    def _trim(self, batch: RolloutBatch) -> RolloutBatch:
+        """Drop trailing rows so the batch splits into whole micro-batches on every DP rank and into
+        optimizer updates of about train.global_batch_size sequences (zero-variance filtering makes
+        the size vary)."""
+        step = self.cfg.train.micro_batch_size * self.runtime.dp_size
+        updates = max(1, round(batch.size / self.cfg.train.global_batch_size))
+        keep = batch.size // (step * updates) * step * updates
+        if keep == 0:
+            updates, keep = 1, batch.size // step * step
+        self._updates_per_epoch = updates
+        return batch.select(slice(0, keep))
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """pi_ref recompute (KL on), then up to K epochs with DGG (pi_old is recomputed inside)."""
+        p, rt = self.parts, self.runtime
+        learner = p.learner
+        rows = torch.arange(batch.size).tensor_split(rt.dp_size)[rt.dp_rank]
+        local = batch.select(rows)
+        logp_ref = None
+        if p.ref is not None:
+            logp_ref = megatron_step.compute_logprobs(
+                p.ref,
+                local.tokens_BT,
+                micro_batch_size=learner.update_cfg.micro_batch_size,
+                temperature=learner.update_cfg.temperature,
+                vocab_size=learner.update_cfg.vocab_size,
+                runtime=rt,
+            )
+        update_batch = megatron_step.UpdateBatch(
+            tokens_BT=local.tokens_BT,
+            mask_BT=local.mask_BT,
+            advantages_B=local.advantages_B,
+            logp_sparse_BT=local.logp_sparse_BT,
+            logp_ref_BT=logp_ref,
+        )
+        cfg = dataclasses.replace(learner.update_cfg, minibatches_per_epoch=self._updates_per_epoch)
+        result = megatron_step.train_on_batch(
+            learner.model,
+            learner.optimizer,
+            update_batch,
+            cfg=cfg,
+            gate=learner.gate,
+            runtime=rt,
+            scheduler=learner.scheduler,
+        )
+        skipped = sum(u.get("train/found_inf", 0.0) > 0 for u in result.updates)
+        if skipped:
+            self.state.skipped_updates += skipped
+            p.telemetry.event("nonfinite_update_skipped", {"step": self.state.step + 1, "updates": skipped})
+        return {
+            **result.metrics,
+            "dgg/gates": float(sum(d.gate for d in result.decisions)),
+            "train/skipped_nonfinite": float(skipped),
+        }
+
+    def _checkpoint_due(self) -> bool:
+        every = self.cfg.checkpoint.every
+        return bool(every) and self.state.step % every == 0 and self.state.step < self.cfg.train.steps
+
+    def save(self) -> Path:
+        p = self.parts
+        self.state.data = p.data.state_dict()
+        self.state.dgg = p.learner.dgg_state()
+        # only the host rank holds engines; its syncer version is the truth for every rank
+        self.state.sync_version = p.syncer.version
+        return checkpoint.save_checkpoint(
+            self.cfg.checkpoint.dir,
+            self.state.step,
+            model=p.learner.model,
+            optimizer=p.learner.optimizer,
+            scheduler=p.learner.scheduler,
+            loop_state=dataclasses.asdict(self.state),
+            keep=self.cfg.checkpoint.keep_last,
+        )
+
+    def resume(self) -> None:
+        """Continue from the latest checkpoint (if any), then bring every engine to these weights."""
+        p, ckpt_cfg = self.parts, self.cfg.checkpoint
+        path = checkpoint.latest_checkpoint(ckpt_cfg.dir) if ckpt_cfg.dir and ckpt_cfg.resume else None
+        if path is not None:
+            loop = checkpoint.load_checkpoint(
+                path, model=p.learner.model, optimizer=p.learner.optimizer, scheduler=p.learner.scheduler
+            )
+            self.state = LoopState(**loop)
+            p.data.load_state_dict(self.state.data)
+            p.learner.load_dgg_state(self.state.dgg)
+            p.telemetry.event("resumed", {"checkpoint": str(path), "step": self.state.step})
+        p.syncer.full_sync([p.pool, p.dense_pool], version=self.state.sync_version)
+
+    def _summary(
+        self, code: int, ckpt: Path | None, *, hf: Path | None = None, message: str = ""
+    ) -> RunSummary:
+        paths = self.parts.telemetry.close()
+        return RunSummary(
+            exit_code=code,
+            steps=self.state.step,
+            metrics_path=paths.get("metrics"),
+            plot_path=paths.get("plot"),
+            checkpoint_path=ckpt,
+            hf_path=hf,
+            message=message,
+        )
+
+
+def rollout_metrics(samples: Sequence[Any], batch: Any, kv_bytes_per_token: int) -> dict[str, float]:
+    """Reward and KV statistics of one step's samples (before the zero-variance filter).
+
+    dense_kv_bytes: what the longest request's KV would take uncompressed (prompt + output tokens).
+    """
+    peak_kv = max((s.kv_stats.peak_kv_bytes for s in samples), default=0)
+    longest = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
+    lengths = torch.tensor([len(s.output_ids) for s in samples], dtype=torch.float32)
+    return {
+        "rollout/reward_mean": float(batch.rewards_B.mean()),
+        "rollout/response_len_mean": float(lengths.mean()),
+        "rollout/peak_kv_bytes": float(peak_kv),
+        "rollout/dense_kv_bytes": float(longest * kv_bytes_per_token),
+        "rollout/peak_retained_tokens": float(max(s.kv_stats.peak_retained_tokens for s in samples)),
+        "rollout/truncated_frac": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
+    }
+
+
+class _Timer:
+    """Wall time of named phases, reported as time/<phase>_s."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._name = ""
+
+    def __call__(self, name: str) -> _Timer:
+        self._name = name
+        return self
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds[self._name] = time.perf_counter() - self._start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{k}_s": v for k, v in self.seconds.items()}

@@ -1,0 +1,195 @@
+"""Assemble a `Trainer` from a `RunConfig`: the learner on every rank, engines on the host rank.
+
+Config translation lives here (the run schema -> each component's own small config), so the
+components never see the run schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from sparserl_mcore import loss
+from sparserl_mcore.ckpt.hf_io import load_hf_weights
+from sparserl_mcore.ckpt.layout import layout_for
+from sparserl_mcore.config import RunConfig
+from sparserl_mcore.loss import megatron_step
+from sparserl_mcore.loss.dgg import DGGConfig, DynamicGradientGate
+from sparserl_mcore.rewards import build_reward
+from sparserl_mcore.sync.codec import CodecConfig
+from sparserl_mcore.trainer import learner as learner_lib
+from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
+from sparserl_mcore.trainer.evaluate import Evaluator
+from sparserl_mcore.trainer.loop import Trainer
+from sparserl_mcore.trainer.prompts import PromptData
+from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt
+from sparserl_mcore.trainer.run_log import RunLog
+from sparserl_mcore.trainer.weight_sync import WeightSyncer
+
+AGGREGATION = {"seq_mean_token_mean": "seq_mean", "token_mean": "token_mean"}
+SYNC_ENCODING = {"overwrite": "overwrite", "xor": "xor"}
+
+
+def update_config(cfg: RunConfig, vocab_size: int) -> megatron_step.UpdateConfig:
+    c, lc = cfg.loss.correction, cfg.loss
+    return megatron_step.UpdateConfig(
+        micro_batch_size=cfg.train.micro_batch_size,
+        temperature=cfg.rollout.sampling.temperature or 1.0,
+        vocab_size=vocab_size,
+        correction=loss.CorrectionConfig(
+            mode=c.mode,
+            veto_threshold=c.veto_threshold,
+            reject_low=c.token_low,
+            reject_high=c.token_high,
+            truncate_max=c.weight_cap,
+            normalize=c.normalize_weights,
+            log_ratio_clamp=c.log_ratio_clamp,
+        ),
+        policy=loss.PolicyLossConfig(
+            clip_eps=lc.clip_eps,
+            clip_eps_high=lc.clip_eps_high if lc.clip_eps_high is not None else lc.clip_eps,
+            kl_coef=lc.kl_coef,
+            entropy_coef=lc.entropy_coef,
+            aggregation=AGGREGATION[lc.aggregation],
+        ),
+    )
+
+
+def dgg_config(cfg: RunConfig) -> DGGConfig:
+    d = cfg.dgg
+    return DGGConfig(
+        enabled=d.enabled, max_reuse=d.max_reuse, tau=d.tau, window=d.window, statistic=d.statistic
+    )
+
+
+@dataclasses.dataclass
+class Learner:
+    """The policy being trained and what checkpoints/sync/update need of it."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    spec: Any
+    layout: Any
+    gate: DynamicGradientGate
+    update_cfg: megatron_step.UpdateConfig
+
+    def dgg_state(self) -> dict:
+        return self.gate.state_dict()
+
+    def load_dgg_state(self, state: dict) -> None:
+        if state:
+            self.gate.load_state_dict(state)
+
+
+def build_learner(cfg: RunConfig, runtime: Any) -> Learner:
+    spec, model = learner_lib.build_model(cfg.model.hf_path, cfg.model.params_dtype, runtime)
+    layout = layout_for(spec)
+    load_hf_weights(model, layout, cfg.model.hf_path, tp_rank=runtime.tp_rank, pp_rank=runtime.pp_rank)
+    ddp = learner_lib.wrap_ddp(model, spec, runtime)
+    optimizer, scheduler = learner_lib.build_optimizer(ddp, cfg.optimizer, spec, runtime)
+    return Learner(
+        model=ddp,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        spec=spec,
+        layout=layout,
+        gate=DynamicGradientGate(dgg_config(cfg)),
+        update_cfg=update_config(cfg, spec.vocab_size),
+    )
+
+
+def build_reference(cfg: RunConfig, runtime: Any) -> torch.nn.Module | None:
+    """Frozen pi_ref for the KL term (only when loss.kl_coef > 0)."""
+    if cfg.loss.kl_coef == 0:
+        return None
+    path = cfg.model.ref_path or cfg.model.hf_path
+    spec, model = learner_lib.build_model(path, cfg.model.params_dtype, runtime)
+    load_hf_weights(model, layout_for(spec), path, tp_rank=runtime.tp_rank, pp_rank=runtime.pp_rank)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def build_engines(cfg: RunConfig, *, compressed: bool) -> dict[str, Any]:
+    """Host rank only: the rollout engines (compressed KV as configured) or a dense eval engine."""
+    rc = cfg.rollout
+    if rc.engine == "remote" and compressed:
+        from sparserl_mcore.rollout.client import RemoteEngine
+
+        token = os.environ.get(rc.token_env) if rc.token_env else None
+        return {url: RemoteEngine(url, token, timeout=rc.request_timeout_s, retries=0) for url in rc.urls}
+    from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
+    from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
+
+    kv = rc.kv if compressed else KVCompressionConfig(method="none")
+    name = "embedded" if compressed else "embedded-dense"
+    return {name: EmbeddedEngine(cfg.model.hf_path, EngineConfig(kv_compression=kv, seed=cfg.train.seed))}
+
+
+@dataclasses.dataclass
+class Parts:
+    """What the loop drives. pool / dense_pool exist on the host rank only (None elsewhere)."""
+
+    learner: Learner
+    ref: torch.nn.Module | None
+    pool: EnginePool | None
+    dense_pool: EnginePool | None
+    data: PromptData
+    reward_fn: Any
+    syncer: WeightSyncer
+    evaluator: Evaluator
+    telemetry: RunLog
+    kv_bytes_per_token: int
+
+
+def kv_bytes_per_token(spec: Any, runtime: Any) -> int:
+    """K+V bytes one token takes over all layers in the embedded engine (fp32 on CPU, bf16 on GPU)."""
+    element = 4 if runtime.cpu else 2
+    return 2 * spec.hf.num_layers * spec.hf.num_kv_heads * spec.hf.head_dim * element
+
+
+def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
+    host = runtime.rank == HOST_RANK
+    log = RunLog(cfg.telemetry, enabled=host)
+    pool_cfg = PoolConfig(
+        chunk_size=cfg.rollout.group_size,
+        chunk_timeout_s=cfg.rollout.request_timeout_s,
+        max_attempts=cfg.rollout.max_retries + 1,
+    )
+    pool = EnginePool(build_engines(cfg, compressed=True), pool_cfg, log.event) if host else None
+    dense_pool = None
+    if host and cfg.eval.dense:
+        dense_pool = EnginePool(build_engines(cfg, compressed=False), pool_cfg, log.event)
+    data = PromptData(cfg.data, cfg.model.hf_path, seed=cfg.train.seed)
+    reward = build_reward(cfg.reward.name, cfg.reward.kwargs)
+
+    def reward_fn(sample: Any, prompt: Prompt) -> float:
+        return float(reward(data.decode(sample.output_ids), prompt.answer))
+
+    learner = build_learner(cfg, runtime)
+    syncer = WeightSyncer(
+        learner.model,
+        learner.layout,
+        runtime,
+        CodecConfig(encoding=SYNC_ENCODING[cfg.sync.encoding], zstd_level=cfg.sync.zstd_level or None),
+        log.event,
+    )
+    evaluator = Evaluator(
+        cfg.eval, data.eval_prompts(cfg.eval.num_prompts), reward_fn, cfg.rollout, seed=cfg.train.seed
+    )
+    parts = Parts(
+        learner=learner,
+        ref=build_reference(cfg, runtime),
+        pool=pool,
+        dense_pool=dense_pool,
+        data=data,
+        reward_fn=reward_fn,
+        syncer=syncer,
+        evaluator=evaluator,
+        telemetry=log,
+        kv_bytes_per_token=kv_bytes_per_token(learner.spec, runtime),
+    )
+    return Trainer(cfg, runtime, parts)
