@@ -73,12 +73,16 @@ def _read_parquet(path: Path, prompt_key: str, answer_key: str) -> list[Example]
     table = pq.read_table(path, columns=[prompt_key, answer_key])
     prompts, answers = table.column(prompt_key).to_pylist(), table.column(answer_key).to_pylist()
     return [
-        Example(_check_value(p, prompt_key, f"{path}:row {i}"), _check_value(a, answer_key, f"{path}:row {i}"), i)
+        Example(
+            _check_value(p, prompt_key, f"{path}:row {i}"), _check_value(a, answer_key, f"{path}:row {i}"), i
+        )
         for i, (p, a) in enumerate(zip(prompts, answers, strict=True))
     ]
 
 
-def read_examples(path: str | os.PathLike, *, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:
+def read_examples(
+    path: str | os.PathLike, *, prompt_key: str = "prompt", answer_key: str = "answer"
+) -> list[Example]:
     """All rows of a .jsonl or .parquet file; errors name the file, line/row and key."""
     path = Path(path)
     if path.suffix not in SUFFIXES:
@@ -140,7 +144,13 @@ class PromptSampler:
         return out
 
     def state_dict(self) -> dict[str, int | bool]:
-        return {"n": self.n, "seed": self.seed, "shuffle": self.shuffle, "epoch": self.epoch, "offset": self.offset}
+        return {
+            "n": self.n,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "offset": self.offset,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a saved position; refuses a state taken over a different dataset or seed."""

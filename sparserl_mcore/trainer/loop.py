@@ -92,7 +92,11 @@ class Trainer:
         if self.cfg.eval.every == 0 or self.state.step % self.cfg.eval.every:
             p.telemetry.log(self.evaluate(), step=self.state.step)
         ckpt = self.save() if self.cfg.checkpoint.dir else None
-        hf = p.learner.export_hf(self.cfg.checkpoint.save_hf) if self.cfg.checkpoint.save_hf else None
+        hf = None
+        if self.cfg.checkpoint.save_hf:
+            hf = p.learner.export_hf(
+                self.cfg.checkpoint.save_hf, runtime=self.runtime, source_dir=self.cfg.model.hf_path
+            )
         return self._summary(EXIT_OK, ckpt, hf=hf)
 
     def step(self) -> None:
