@@ -27,8 +27,8 @@ PANELS: tuple[tuple[str, tuple[tuple[str, str], ...], bool], ...] = (
     (
         "Sparse-RL correction",
         (
-            ("correction/vetoed_sequences", "vetoed seqs"),
-            ("correction/rejected_token_frac", "rejected tok frac"),
+            ("correction/vetoed_frac", "vetoed seq frac"),
+            ("correction/rejected_token_frac", "rejected token frac"),
         ),
         False,
     ),
