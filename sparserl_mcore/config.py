@@ -3,8 +3,10 @@
 `RunConfig` nests one small frozen dataclass per concern. Sections owned by other components are
 their own config classes, reused here rather than redefined (one owner per concept):
 `parallel` is the runtime's `ParallelConfig`, `rollout.kv` the serve engineer's
-`KVCompressionConfig`, `rollout.sampling` the engine's `SamplingParams`, `loss.correction` and
-`dgg` the loss engineer's configs, `sync` the sync engineer's config.
+`KVCompressionConfig`, `rollout.sampling` the engine's `SamplingParams`, `loss.correction`,
+`loss.policy` and `dgg` the loss engineer's `CorrectionConfig`, `PolicyLossConfig` and
+`DGGConfig`, `sync.codec` and `sync.directory` the sync engineer's `CodecConfig` and
+`DirectoryConfig`.
 
 Everything is validated while the config is built, before any process group or model exists:
 an unknown key names itself and lists the allowed keys; a bad value names the key and the allowed
@@ -206,11 +208,16 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # The schema
 # ---------------------------------------------------------------------------------------------
-# Imported after the generic machinery: these modules are pure Python (no torch at import time
-# except the rollout protocol, which the trainer imports anyway).
+# Component configs owned elsewhere, reused as sections (imported after the generic machinery,
+# which needs none of them).
+from sparserl_mcore.loss.correction import CorrectionConfig  # noqa: E402
+from sparserl_mcore.loss.dgg import DGGConfig  # noqa: E402
+from sparserl_mcore.loss.policy import PolicyLossConfig  # noqa: E402
 from sparserl_mcore.parallel.config import ParallelConfig  # noqa: E402
 from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig  # noqa: E402
 from sparserl_mcore.rollout.protocol import SamplingParams  # noqa: E402
+from sparserl_mcore.sync.codec import CodecConfig  # noqa: E402
+from sparserl_mcore.sync.transport_dir import DirectoryConfig  # noqa: E402
 
 
 def _positive(section: object, *names: str) -> None:
@@ -418,97 +425,33 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CorrectionConfig:
-    """Sparse-RL mismatch correction between the dense pi_old and the compressed sampler.
-
-    mode: "off" (plain GRPO on sparse rollouts), "tis" (truncated weights only) or "sparse_rl"
-    (sequence veto + token rejection + truncated, batch-normalised weights). Defaults are the
-    released Sparse-RL code's values.
-    """
-
-    mode: Literal["off", "tis", "sparse_rl"] = "sparse_rl"
-    veto_threshold: float = 1e-4
-    token_low: float = 0.5
-    token_high: float = 1.5
-    weight_cap: float = 1.5
-    normalize_weights: bool = True
-    log_ratio_clamp: float = 20.0
-
-    def __post_init__(self) -> None:
-        _positive(self, "veto_threshold", "token_low", "weight_cap", "log_ratio_clamp")
-        if not self.token_low < 1.0 < self.token_high:
-            raise ValueError(f"token_low={self.token_low}, token_high={self.token_high}: need low < 1 < high")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """Decoupled three-policy PPO with Sparse-RL correction, k3 KL to pi_ref and entropy bonus.
-
-    clip_eps_high: upper clip (None = clip_eps). kl_coef 0 turns the reference model off.
-    aggregation: "seq_mean_token_mean" (Sparse-RL: per-sequence mean, then batch mean; vetoed
-    sequences count in the denominator) or "token_mean".
-    """
+    """The RL objective: the loss engineer's Sparse-RL correction and policy-loss configs, plus the
+    GRPO advantage normalisation (divide by the group std, or only centre)."""
 
     correction: CorrectionConfig = dataclasses.field(default_factory=CorrectionConfig)
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    kl_coef: float = 1e-4
-    entropy_coef: float = 0.0
-    aggregation: Literal["seq_mean_token_mean", "token_mean"] = "seq_mean_token_mean"
+    policy: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
     advantage_std_normalize: bool = True
-
-    def __post_init__(self) -> None:
-        _positive(self, "clip_eps")
-        if self.clip_eps_high is not None and self.clip_eps_high <= 0:
-            raise ValueError(f"clip_eps_high={self.clip_eps_high}: must be > 0 or null (= clip_eps)")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef={self.kl_coef}: must be >= 0 (0 = no reference model)")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DGGConfig:
-    """Dynamic Gradient Gating over up to max_reuse update epochs per rollout batch.
-
-    statistic: z-score of the lm_head gradient energy "g" or of its increment "dg" over the last
-    `window` updates; an update with z > tau (reuse index k > 1, window full) is dropped and the
-    reuse loop ends. enabled=false with max_reuse=K is fixed K-epoch reuse.
-    """
-
-    enabled: bool = True
-    max_reuse: int = 4
-    window: int = 8
-    statistic: Literal["g", "dg"] = "g"
-    tau: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.max_reuse < 1:
-            raise ValueError(f"max_reuse={self.max_reuse}: must be >= 1 (1 = single-use GRPO)")
-        if self.window < 2:
-            raise ValueError(f"window={self.window}: a z-score needs >= 2 past updates")
-        _positive(self, "tau")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyncConfig:
     """Sparse BF16 weight sync from the learner to every rollout engine.
 
-    encoding: "overwrite" (new values, idempotent) or "xor" (smaller after zstd, apply once);
-    zstd_level 0 = no compression; anchor_every: a full checkpoint every N versions;
-    every: steps between syncs; transport: how patches travel ("inproc" for the embedded engine,
-    "http" to remote servers, "directory" via a shared filesystem at `dir`).
+    codec: the sync engineer's patch encoding (value encoding, zstd level); directory: anchors and
+    retention of the shared-filesystem transport; every: steps between syncs; transport: how
+    patches travel ("inproc" to the embedded engine, "http" to remote servers, "directory" via
+    a filesystem at `dir` that every engine reads).
     """
 
-    encoding: Literal["overwrite", "xor"] = "overwrite"
-    zstd_level: int = 1
-    anchor_every: int = 10
+    codec: CodecConfig = dataclasses.field(default_factory=CodecConfig)
+    directory: DirectoryConfig = dataclasses.field(default_factory=DirectoryConfig)
     every: int = 1
     transport: Literal["inproc", "http", "directory"] = "inproc"
     dir: str | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.zstd_level <= 22:
-            raise ValueError(f"zstd_level={self.zstd_level}: must be in 0..22 (0 = off)")
-        _positive(self, "anchor_every", "every")
+        _positive(self, "every")
         if self.transport == "directory" and not self.dir:
             raise ValueError("transport='directory' needs dir: a path every engine can read")
 

@@ -45,7 +45,7 @@ def demo_config(out: Path, steps: int, tp: int) -> dict:
             "kv": {"method": "snapkv", "budget": KV_BUDGET, "interval": 4, "window": 4, "kernel_size": 3},
         },
         "reward": {"name": "running_sum"},
-        "loss": {"correction": {"mode": "sparse_rl"}, "kl_coef": 0.0},
+        "loss": {"correction": {"mode": "sparse_rl"}, "policy": {"kl_coef": 0.0}},
         "dgg": {"enabled": True, "max_reuse": 4, "window": 4, "tau": 0.5},
         "sync": {"transport": "inproc", "every": 1},
         "optimizer": {"lr": 2e-4, "weight_decay": 0.0, "clip_grad": 1.0},

@@ -15,14 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparserl_mcore import loss
 from sparserl_mcore.ckpt.hf_io import copy_hf_metadata, export_hf_weights, load_hf_weights, write_index
 from sparserl_mcore.ckpt.layout import layout_for
 from sparserl_mcore.config import RunConfig
 from sparserl_mcore.loss import megatron_step
-from sparserl_mcore.loss.dgg import DGGConfig, DynamicGradientGate
+from sparserl_mcore.loss.dgg import DynamicGradientGate
 from sparserl_mcore.rewards import build_reward
-from sparserl_mcore.sync.codec import CodecConfig
 from sparserl_mcore.trainer import learner as learner_lib
 from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
 from sparserl_mcore.trainer.evaluate import Evaluator
@@ -32,39 +30,14 @@ from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt
 from sparserl_mcore.trainer.run_log import RunLog
 from sparserl_mcore.trainer.weight_sync import WeightSyncer
 
-AGGREGATION = {"seq_mean_token_mean": "seq_mean", "token_mean": "token_mean"}
-SYNC_ENCODING = {"overwrite": "overwrite", "xor": "xor"}
-
 
 def update_config(cfg: RunConfig, vocab_size: int) -> megatron_step.UpdateConfig:
-    c, lc = cfg.loss.correction, cfg.loss
     return megatron_step.UpdateConfig(
         micro_batch_size=cfg.train.micro_batch_size,
         temperature=cfg.rollout.sampling.temperature or 1.0,
         vocab_size=vocab_size,
-        correction=loss.CorrectionConfig(
-            mode=c.mode,
-            veto_threshold=c.veto_threshold,
-            reject_low=c.token_low,
-            reject_high=c.token_high,
-            truncate_max=c.weight_cap,
-            normalize=c.normalize_weights,
-            log_ratio_clamp=c.log_ratio_clamp,
-        ),
-        policy=loss.PolicyLossConfig(
-            clip_eps=lc.clip_eps,
-            clip_eps_high=lc.clip_eps_high if lc.clip_eps_high is not None else lc.clip_eps,
-            kl_coef=lc.kl_coef,
-            entropy_coef=lc.entropy_coef,
-            aggregation=AGGREGATION[lc.aggregation],
-        ),
-    )
-
-
-def dgg_config(cfg: RunConfig) -> DGGConfig:
-    d = cfg.dgg
-    return DGGConfig(
-        enabled=d.enabled, max_reuse=d.max_reuse, tau=d.tau, window=d.window, statistic=d.statistic
+        correction=cfg.loss.correction,
+        policy=cfg.loss.policy,
     )
 
 
@@ -134,14 +107,14 @@ def build_learner(cfg: RunConfig, runtime: Any) -> Learner:
         scheduler=scheduler,
         spec=spec,
         layout=layout,
-        gate=DynamicGradientGate(dgg_config(cfg)),
+        gate=DynamicGradientGate(cfg.dgg),
         update_cfg=update_config(cfg, spec.vocab_size),
     )
 
 
 def build_reference(cfg: RunConfig, runtime: Any) -> torch.nn.Module | None:
-    """Frozen pi_ref for the KL term (only when loss.kl_coef > 0)."""
-    if cfg.loss.kl_coef == 0:
+    """Frozen pi_ref for the KL term (only when loss.policy.kl_coef > 0)."""
+    if cfg.loss.policy.kl_coef == 0:
         return None
     path = cfg.model.ref_path or cfg.model.hf_path
     spec, model = learner_lib.build_model(path, cfg.model.params_dtype, runtime)
@@ -211,7 +184,7 @@ def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
         learner.model,
         learner.layout,
         runtime,
-        CodecConfig(encoding=SYNC_ENCODING[cfg.sync.encoding], zstd_level=cfg.sync.zstd_level or None),
+        cfg.sync.codec,
         log.event,
     )
     evaluator = Evaluator(
