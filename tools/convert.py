@@ -36,16 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
         p.add_argument("--timeout", type=float, default=None, help="seconds before the ranks are killed")
-    verify = sub.add_parser("verify", help="compare megatron logits with HF transformers", add_help=False)
-    verify.add_argument("rest", nargs=argparse.REMAINDER)
+    verify = sub.add_parser("verify", help="compare megatron logits with HF transformers")
+    importlib.import_module("tools.verify").add_arguments(verify)  # cheap: no torch at import time
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "verify":
-        verify = importlib.import_module("tools.verify")
-        parser = argparse.ArgumentParser(prog="sparserl convert verify")
-        verify.add_arguments(parser)
-        return int(verify.run(parser.parse_args(args.rest)) or 0)
+        return int(importlib.import_module("tools.verify").run(args) or 0)
     from sparserl_mcore.ckpt.hf_io import CheckpointError
     from sparserl_mcore.parallel.launch import LaunchError
 

@@ -76,16 +76,32 @@ def _launch_env() -> _LaunchEnv:
     return _LaunchEnv(0, 1, 0)
 
 
+_generation = 0  # how many worlds this process has initialised (see _init_process_group)
+
+
 def _init_process_group(launch: _LaunchEnv, backend: str, device: torch.device) -> None:
+    """Rendezvous through the launcher's store, under a per-initialisation key prefix.
+
+    torchrun's agent store outlives a process group, so a second `initialize` in the same processes
+    (tests, conversion re-sharding) would read the previous world's stale gloo addresses; every
+    rank counts its initialisations identically, so a prefix per generation keeps them apart.
+    """
+    global _generation
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised; call parallel.shutdown() first")
     if launch.world_size == 1 and "MASTER_ADDR" not in os.environ:
         # A plain single process: no rendezvous needed.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return
+    store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size))
+    _generation += 1
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
-        backend, init_method="env://", rank=launch.rank, world_size=launch.world_size, **kwargs
+        backend,
+        store=dist.PrefixStore(f"sparserl/world{_generation}", store),
+        rank=launch.rank,
+        world_size=launch.world_size,
+        **kwargs,
     )
 
 
@@ -144,7 +160,10 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
 
 
 def shutdown() -> None:
-    """Tear down megatron parallel state and torch.distributed, and leave the CPU mode."""
+    """Tear down megatron parallel state and torch.distributed, and leave the CPU mode.
+
+    No barrier: a rank leaving on an exception must not wait for peers stuck in a collective.
+    """
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

@@ -1,0 +1,102 @@
+"""Multi-rank half of tests/test_parity.py, run once under torchrun with 2 ranks.
+
+    parity_worker.py OUT_DIR HF_DIR...
+
+For each layout (TP, PP) in LAYOUTS (the runtime re-initialised each time; (1, 1) runs as DP=2) and
+every HF checkpoint: build the megatron model with model_providers, load the HF
+weights with sparserl_mcore.ckpt (each rank reads its own slices), run forward-only logits through
+megatron's schedules (2 micro-batches) and, on the reporting rank, compare with HF transformers.
+Also records each rank's draws from the model-parallel RNG stream and the default stream, so the
+test can check megatron's per-TP-rank seeding through the CPU RNG tracker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ((1, 1), (2, 1), (1, 2))
+TOKENS = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1234))
+
+
+def rng_draws(rt) -> list[dict]:
+    from megatron.core import tensor_parallel
+
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        model_parallel = torch.rand(4).tolist()
+    default = torch.rand(4).tolist()
+    mine = {
+        "tp_rank": rt.tp_rank,
+        "pp_rank": rt.pp_rank,
+        "model_parallel": model_parallel,
+        "default": default,
+    }
+    draws: list = [None] * rt.world_size
+    dist.all_gather_object(draws, mine)
+    return draws
+
+
+def _reporting(rt) -> bool:
+    return rt.is_last_stage and rt.tp_rank == 0 and rt.dp_rank == 0
+
+
+def parity(rt, hf_dir: str) -> dict | None:
+    from transformers import AutoModelForCausalLM
+
+    from model_providers import build_model, build_spec
+    from sparserl_mcore.ckpt.hf_io import load_hf_weights
+    from sparserl_mcore.ckpt.layout import layout_for
+    from sparserl_mcore.parallel.forward import forward_logits
+
+    spec = build_spec(hf_dir, rt.parallel, params_dtype="float32")
+    model = build_model(
+        spec, pre_process=rt.is_first_stage, post_process=rt.is_last_stage, pg_collection=rt.groups
+    )
+    load_hf_weights(model, layout_for(spec), hf_dir, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank)
+    got = forward_logits(
+        model.eval(), TOKENS, micro_batch_size=2, vocab_size=spec.vocab_size, groups=rt.groups
+    )
+    if not _reporting(rt):
+        return None
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference(input_ids=TOKENS).logits
+    max_abs = (got - want).abs().max().item()
+    return {
+        "shape": list(got.shape),
+        "padded_vocab": spec.padded_vocab_size,
+        "max_abs": max_abs,
+        "max_rel": max_abs / want.abs().max().item(),
+    }
+
+
+def run_layout(tp: int, pp: int, hf_dirs: list[str]) -> dict | None:
+    from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
+
+    rt = initialize(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=7)
+    try:
+        results = {"rng": rng_draws(rt), "parity": {}}
+        for hf_dir in hf_dirs:
+            found = parity(rt, hf_dir)
+            if found is not None:
+                results["parity"][pathlib.Path(hf_dir).name] = found
+        return results if _reporting(rt) else None
+    finally:
+        shutdown()
+
+
+def main() -> int:
+    out_dir, hf_dirs = pathlib.Path(sys.argv[1]), sys.argv[2:]
+    reported = {f"{tp},{pp}": run_layout(tp, pp, hf_dirs) for tp, pp in LAYOUTS}
+    reported = {layout: found for layout, found in reported.items() if found is not None}
+    (out_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(reported))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
