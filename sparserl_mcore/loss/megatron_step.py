@@ -1,0 +1,358 @@
+"""The RL update inside megatron-core: log-prob recompute and K reuse epochs gated by DGG.
+
+Public API (the trainer calls these; shapes use the legend B = this DP rank's sequences,
+T = tokens per sequence; per-token tensors are indexed by the position of the token they score,
+i.e. the log-prob of tokens_BT[:, t] comes from the logits at t - 1, so mask_BT[:, 0] must be 0):
+
+    compute_logprobs(model, tokens_BT, *, micro_batch_size, temperature, vocab_size, runtime)
+        -> [B, T] float32 on the last pipeline stage, None elsewhere (forward only; pi_old, pi_ref).
+    train_on_batch(model, optimizer, batch, *, cfg, gate, runtime, scheduler=None) -> UpdateResult
+        up to K = gate.cfg.max_reuse epochs over the batch, each of `minibatches_per_epoch`
+        optimizer updates; DGG decides between `prepare_grads()` and `step_with_ready_grads()`.
+
+Every rank of the job calls both with its DP slice (identical on the TP/PP ranks of one
+model-parallel group). All normalisers are global: the Sparse-RL weight mean and the loss
+denominators are all-reduced over DP before the loss is evaluated, and each micro-batch's loss
+is its share of the global loss; megatron's averaging over micro-batches and DP ranks is undone
+by one scale factor so the accumulated gradient is exactly the gradient of the global loss.
+Metrics are reduced over micro-batches and DP on the last stage and broadcast over PP, so every
+rank returns the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.utils import get_model_config
+from torch import Tensor
+
+from sparserl_mcore.loss.correction import CorrectionConfig, CorrectionTotals, sparse_rl_correction
+from sparserl_mcore.loss.dgg import DynamicGradientGate, GateDecision
+from sparserl_mcore.loss.lm_head_grad import leaf_optimizers, lm_head_grad_energy
+from sparserl_mcore.loss.policy import PolicyLossConfig, policy_loss
+from sparserl_mcore.loss.totals import LossTotals, reduce_metrics
+from sparserl_mcore.loss.vocab_parallel import vocab_parallel_logprobs
+from sparserl_mcore.parallel.forward import forward_only
+from sparserl_mcore.parallel.runtime import Runtime
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateConfig:
+    """How a rollout batch is consumed. K (max reuse) and the gate live in DGGConfig."""
+
+    micro_batch_size: int = 1
+    minibatches_per_epoch: int = 1
+    temperature: float = 1.0
+    vocab_size: int | None = None  # the HF vocabulary; Megatron's padding ids above it are excluded
+    policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "minibatches_per_epoch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (the sampler's temperature)")
+
+
+@dataclass(frozen=True)
+class UpdateBatch:
+    """This DP rank's slice of a rollout batch (see the module docstring for the convention)."""
+
+    tokens_BT: Tensor  # int64
+    mask_BT: Tensor  # 1 on response tokens
+    advantages_B: Tensor  # GRPO advantage per sequence ([B, T] also accepted)
+    logp_sparse_BT: Tensor  # the sampler's log-probs, 0 outside the mask
+    logp_ref_BT: Tensor | None = None  # reference log-probs (last stage) for the KL term
+
+    def check(self, cfg: UpdateConfig) -> None:
+        b, t = self.tokens_BT.shape
+        for name in ("mask_BT", "logp_sparse_BT"):
+            if tuple(getattr(self, name).shape) != (b, t):
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, tokens_BT {(b, t)}")
+        if bool(self.mask_BT[:, 0].any()):
+            raise ValueError("mask_BT[:, 0] is set: the first token has no logits before it to score it")
+        step = cfg.minibatches_per_epoch * cfg.micro_batch_size
+        if b % step:
+            raise ValueError(
+                f"{b} sequences on this DP rank do not split into minibatches_per_epoch="
+                f"{cfg.minibatches_per_epoch} x micro_batch_size={cfg.micro_batch_size}"
+            )
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What one rollout batch did to the model; identical on every rank.
+
+    metrics: correction/* (once per batch), policy/* averaged over the applied updates,
+    train/updates, train/epochs, dgg/gated. updates: per optimizer update (applied or gated):
+    policy/*, dgg/*, train/grad_norm, train/lr.
+    """
+
+    metrics: dict[str, float]
+    updates: list[dict[str, float]]
+    gated: bool
+    decisions: list[GateDecision]
+
+
+def _token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor, *, runtime: Runtime, cfg: UpdateConfig):
+    """[B, T] log-probs and entropies from TP-local logits; position 0 (no context) is 0."""
+    v_local = logits_BTV.shape[-1]
+    logp, ent = vocab_parallel_logprobs(
+        logits_BTV[:, :-1],
+        tokens_BT[:, 1:],
+        group=runtime.groups.tp,
+        vocab_start=runtime.tp_rank * v_local,
+        vocab_size=cfg.vocab_size,
+        temperature=cfg.temperature,
+    )
+    pad = (1, 0)
+    return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(ent, pad)
+
+
+def compute_logprobs(
+    model: torch.nn.Module,
+    tokens_BT: Tensor,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    vocab_size: int | None,
+    runtime: Runtime,
+) -> Tensor | None:
+    """Per-token log-probs of `tokens_BT` under `model` (forward only, no vocab gather)."""
+    cfg = UpdateConfig(micro_batch_size=micro_batch_size, temperature=temperature, vocab_size=vocab_size)
+
+    def post(logits_BTV: Tensor, tokens: Tensor) -> Tensor:
+        return _token_logprobs(logits_BTV, tokens, runtime=runtime, cfg=cfg)[0]
+
+    tokens_BT = tokens_BT.to(runtime.device)
+    outputs = forward_only(
+        model, list(tokens_BT.split(micro_batch_size)), post_fn=post, groups=runtime.groups
+    )
+    return torch.cat(outputs) if runtime.is_last_stage else None
+
+
+def _loss_func(
+    mb: dict, logits_BTV: Tensor, *, totals: LossTotals, scale: float, runtime: Runtime, cfg: UpdateConfig
+):
+    """megatron's loss_func contract: (loss, metrics); `scale` undoes its micro-batch/DP averaging."""
+    logp, ent = _token_logprobs(logits_BTV, mb["tokens"], runtime=runtime, cfg=cfg)
+    entropy = ent if cfg.policy.entropy_coef > 0 else ent.detach()
+    loss, metrics = policy_loss(
+        logp,
+        mb["logp_old"],
+        mb["advantages"],
+        mb["mask"],
+        mb["weights"],
+        cfg.policy,
+        mb["logp_ref"],
+        entropy=entropy,
+        totals=totals,
+    )
+    return loss * scale, metrics
+
+
+def _forward_step(loss_fn, data_iterator, model):
+    mb = next(data_iterator)
+    tokens = mb["tokens"]
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    return model(tokens, position_ids, None), partial(loss_fn, mb)
+
+
+def _micro_batches(tensors: dict[str, Tensor | None], rows: slice, size: int) -> list[dict]:
+    """Split rows of every (optional) tensor into micro-batches of `size` sequences."""
+    out = []
+    for start in range(rows.start, rows.stop, size):
+        sl = slice(start, start + size)
+        out.append({k: None if v is None else v[sl] for k, v in tensors.items()})
+    return out
+
+
+def _forward_backward(model, micro_batches: list[dict], loss_fn, runtime: Runtime) -> list[dict]:
+    b, t = micro_batches[0]["tokens"].shape
+    kwargs = {"pg_collection": runtime.groups}
+    if runtime.pp_size > 1:
+        kwargs["p2p_communicator"] = P2PCommunicator(
+            pp_group=runtime.groups.pp, config=get_model_config(model)
+        )
+    return get_forward_backward_func(pp_size=runtime.pp_size)(
+        forward_step_func=partial(_forward_step, loss_fn),
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=t,
+        micro_batch_size=b,
+        forward_only=False,
+        **kwargs,
+    )
+
+
+def _wire_model_config(model, optimizer) -> None:
+    """What megatron's own training loop sets on the model config before forward_backward."""
+    config = get_model_config(model)
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+
+
+def _clip_and_norm(optimizer) -> float:
+    """Global grad norm (and clipping when clip_grad > 0), as ChainedOptimizer.step does it."""
+    grad_norm = float(optimizer.get_grad_norm())
+    for leaf in leaf_optimizers(optimizer):
+        params = leaf.get_parameters() if not getattr(leaf, "is_stub_optimizer", False) else []
+        if params and leaf.config.clip_grad > 0:
+            decoupled = leaf.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            clip_grad_by_total_norm_fp32(params, leaf.config.clip_grad, grad_norm, decoupled)
+    return grad_norm
+
+
+def _agree(flag: bool, device: torch.device) -> bool:
+    """OR of a boolean over every rank of the job: collective control flow must not diverge."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def _broadcast_from_last_stage(obj, runtime: Runtime):
+    if runtime.pp_size == 1:
+        return obj
+    box = [obj]
+    src = dist.get_global_rank(runtime.groups.pp, runtime.pp_size - 1)
+    dist.broadcast_object_list(box, src=src, group=runtime.groups.pp)
+    return box[0]
+
+
+def _correct(batch: UpdateBatch, logp_old: Tensor, cfg: UpdateConfig, runtime: Runtime):
+    """Sparse-RL weights and mask with the weight mean taken over the global (DP) batch."""
+    mask = batch.mask_BT.to(runtime.device)
+    logp_sparse = batch.logp_sparse_BT.to(runtime.device)
+    totals = CorrectionTotals.local(logp_old, logp_sparse, mask, cfg.correction).all_reduce(runtime.groups.dp)
+    weights, mask, metrics = sparse_rl_correction(logp_old, logp_sparse, mask, cfg.correction, totals=totals)
+    return weights, mask, reduce_metrics([metrics], runtime.groups.dp)
+
+
+def _one_update(
+    model, optimizer, data: dict, rows: slice, reuse_index: int, *, cfg, gate, runtime, scheduler
+):
+    """forward_backward over one minibatch, then DGG between prepare_grads and the step."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    micro_batches = _micro_batches(data, rows, cfg.micro_batch_size)
+    totals = None
+    if runtime.is_last_stage:
+        totals = LossTotals.local(data["mask"][rows]).all_reduce(runtime.groups.dp)
+    # megatron divides each micro-batch loss by their number and the gradient by the DP size.
+    scale = float(len(micro_batches) * runtime.dp_size)
+    loss_fn = partial(_loss_func, totals=totals, scale=scale, runtime=runtime, cfg=cfg)
+    pieces = _forward_backward(model, micro_batches, loss_fn, runtime)
+    found_inf = bool(optimizer.prepare_grads())
+    energy = lm_head_grad_energy(
+        model, optimizer, is_last_stage=runtime.is_last_stage, dp_group=runtime.groups.dp, group=None
+    )
+    decision = gate.decide(energy, reuse_index)
+    decision = replace(decision, gate=_agree(decision.gate, runtime.device))
+    record = {**decision.as_metrics(), "train/found_inf": float(found_inf)}
+    if not decision.gate and not found_inf:
+        record["train/grad_norm"] = _clip_and_norm(optimizer)
+        optimizer.step_with_ready_grads()
+        if scheduler is not None:
+            scheduler.step(1)
+        gate.update(decision)
+    record["train/lr"] = float(optimizer.param_groups[0]["lr"])
+    if runtime.is_last_stage:
+        record.update(reduce_metrics(pieces, runtime.groups.dp))
+    return record, decision
+
+
+def train_on_batch(
+    model,
+    optimizer,
+    batch: UpdateBatch,
+    *,
+    cfg: UpdateConfig,
+    gate: DynamicGradientGate,
+    runtime: Runtime,
+    scheduler=None,
+) -> UpdateResult:
+    """Up to K = gate.cfg.max_reuse epochs over `batch`; a gated update is dropped and ends the reuse.
+
+    Args:
+        model: this rank's GPTModel stage wrapped in megatron DistributedDataParallel.
+        optimizer: from `get_megatron_optimizer` over [model] (distributed or not).
+        batch: this DP rank's slice; pi_old log-probs are recomputed here from the current weights.
+        gate: DGG state carried across rollout batches (its window spans batches).
+        scheduler: megatron OptimizerParamScheduler; ticked once per APPLIED update only.
+    """
+    batch.check(cfg)
+    if runtime.cp_size != 1:
+        raise ValueError(f"context_parallel_size={runtime.cp_size}: the RL loss supports CP = 1 only")
+    _wire_model_config(model, optimizer)
+    logp_old = compute_logprobs(
+        model,
+        batch.tokens_BT,
+        micro_batch_size=cfg.micro_batch_size,
+        temperature=cfg.temperature,
+        vocab_size=cfg.vocab_size,
+        runtime=runtime,
+    )
+    data = _stage_data(batch, logp_old, runtime)
+    correction_metrics = {}
+    if runtime.is_last_stage:
+        data["weights"], data["mask"], correction_metrics = _correct(batch, logp_old, cfg, runtime)
+    per_minibatch = batch.tokens_BT.shape[0] // cfg.minibatches_per_epoch
+    updates, decisions = [], []
+    for k in range(1, gate.cfg.max_reuse + 1):
+        for j in range(cfg.minibatches_per_epoch):
+            rows = slice(j * per_minibatch, (j + 1) * per_minibatch)
+            record, decision = _one_update(
+                model, optimizer, data, rows, k, cfg=cfg, gate=gate, runtime=runtime, scheduler=scheduler
+            )
+            updates.append(record)
+            decisions.append(decision)
+            if decision.gate:
+                break
+        if decisions[-1].gate:
+            break
+    correction_metrics, updates = _broadcast_from_last_stage((correction_metrics, updates), runtime)
+    return UpdateResult(
+        metrics=_summary(correction_metrics, updates, decisions),
+        updates=updates,
+        gated=decisions[-1].gate,
+        decisions=decisions,
+    )
+
+
+def _stage_data(batch: UpdateBatch, logp_old: Tensor | None, runtime: Runtime) -> dict[str, Tensor | None]:
+    """Per-row tensors of this stage: the first stage embeds tokens, the last computes the loss."""
+    last = runtime.is_last_stage
+    to = runtime.device
+    return {
+        "tokens": batch.tokens_BT.to(to),
+        "advantages": batch.advantages_B.to(to) if last else None,
+        "logp_old": logp_old,
+        "logp_ref": batch.logp_ref_BT.to(to) if last and batch.logp_ref_BT is not None else None,
+        "mask": None,
+        "weights": None,
+    }
+
+
+def _summary(
+    correction: dict[str, float], updates: list[dict], decisions: list[GateDecision]
+) -> dict[str, float]:
+    applied = [u for u, d in zip(updates, decisions, strict=True) if not d.gate and not u["train/found_inf"]]
+    pool = applied or updates
+    policy = {k: sum(u[k] for u in pool) / len(pool) for k in pool[0] if k.startswith("policy/")}
+    return {
+        **correction,
+        **policy,
+        "train/updates": float(len(applied)),
+        "train/epochs": float(decisions[-1].reuse_index),
+        "dgg/gated": float(decisions[-1].gate),
+    }
