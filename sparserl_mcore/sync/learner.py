@@ -1,0 +1,277 @@
+"""Learner side: every rank diffs its OWN BF16 shard; only (HF index, value) pairs move.
+
+Per sync (collective over the learner ranks):
+1. each rank compares the bits of the parameters it owns against its host snapshot: with the
+   megatron distributed optimizer, the param range its DP rank updates (`distributed_optimizer_ranges`),
+   else an even split of every parameter over the DP ranks, so no index is emitted twice and none
+   is missed; only params the layout emits are diffed (tp_rank > 0 norm replicas, the tied output
+   copy and vocab padding map to nothing);
+2. changed local flat indices become (HF name, HF flat index) through `ckpt.layout.to_hf_index`;
+3. the pairs are gathered to the PP stage's source rank (tp = dp = cp = 0), which merges them,
+   applies them to its HF-layout mirror of the stage (for the old bits of delta encodings and the
+   xxh3-128 digests), exchanges per-tensor digests with the other stage sources (16 bytes per
+   tensor) and encodes its fragment of the version's patch.
+
+Memory: each rank keeps a host copy of its owned slice (2 bytes x params / (TP x PP x DP)); each
+stage source keeps an HF-layout mirror of its stage (2 bytes x stage params), filled by one dense
+gather at construction, which also serves full syncs (anchors, fallbacks) without touching the
+trainer's GPUs again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sparserl_mcore.ckpt.layout import ModelLayout
+from sparserl_mcore.sync.codec import CodecConfig, Patch, TensorChange, encode_patch
+from sparserl_mcore.sync.hashing import bits_view, dtype_name, model_digest, tensor_digest
+
+Ranges = dict[str, tuple[int, int]]
+
+
+def mcore_name(name: str) -> str:
+    """Parameter name without DDP / Float16Module wrapper prefixes."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def distributed_optimizer_ranges(optimizer, model: torch.nn.Module) -> Ranges:
+    """{param name: (start, end)} of the flat param range this DP rank's distributed optimizer updates."""
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    by_param: dict[torch.nn.Parameter, tuple[int, int]] = {}
+    for opt in inner:
+        if not hasattr(opt, "gbuf_ranges"):
+            raise ValueError(f"{type(opt).__name__} is not a megatron DistributedOptimizer (no gbuf_ranges)")
+        for gbuf_range_map in opt.gbuf_ranges:
+            for buckets in gbuf_range_map.values():
+                for bucket in buckets:
+                    for param, ranges in bucket["param_map"].items():
+                        r = ranges["param"]
+                        if param in by_param:  # a param split over buckets: contiguous pieces
+                            lo, hi = by_param[param]
+                            r0, r1 = min(lo, r.start), max(hi, r.end)
+                            by_param[param] = (r0, r1)
+                        else:
+                            by_param[param] = (r.start, r.end)
+    # a param wholly inside other DP ranks' ranges is owned by none of this rank's buckets
+    return {mcore_name(n): by_param.get(p, (0, 0)) for n, p in model.named_parameters()}
+
+
+def even_ranges(model: torch.nn.Module, dp_rank: int, dp_size: int) -> Ranges:
+    """Each param's flat range split evenly over the DP ranks (replicated params, no dist-opt)."""
+    out = {}
+    for name, p in model.named_parameters():
+        n = p.numel()
+        out[mcore_name(name)] = (n * dp_rank // dp_size, n * (dp_rank + 1) // dp_size)
+    return out
+
+
+@dataclass(frozen=True)
+class SyncGroups:
+    """Process groups of the learner-side sync (built once, collectively, by `build_sync_groups`)."""
+
+    stage: dist.ProcessGroup  # every rank of this PP stage (megatron's tp_dp_cp group)
+    stage_source: int  # global rank that assembles this stage's fragment
+    sources: dist.ProcessGroup | None  # the PP stage sources (None on other ranks)
+    source_ranks: tuple[int, ...]  # global ranks of the stage sources, by pp rank
+
+
+def build_sync_groups(runtime) -> SyncGroups:
+    """Collective over all learner ranks: find each stage's source rank and group the sources."""
+    coords = [None] * runtime.world_size
+    dist.all_gather_object(
+        coords, (runtime.rank, runtime.pp_rank, runtime.tp_rank, runtime.dp_rank, runtime.cp_rank)
+    )
+    sources = tuple(sorted((pp, rank) for rank, pp, tp, dp, cp in coords if tp == dp == cp == 0))
+    source_ranks = tuple(rank for _, rank in sources)
+    group = dist.new_group(list(source_ranks))
+    return SyncGroups(
+        stage=runtime.groups.tp_dp_cp,
+        stage_source=source_ranks[runtime.pp_rank],
+        sources=group if runtime.rank in source_ranks else None,
+        source_ranks=source_ranks,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardSyncConfig:
+    codec: CodecConfig = CodecConfig()
+
+
+class ShardSyncer:
+    """Makes each version's patch fragment from this rank's BF16 shard; see the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layout: ModelLayout,
+        *,
+        tp_rank: int,
+        pp_rank: int,
+        groups: SyncGroups,
+        owned: Ranges,
+        version: int = 0,
+        config: ShardSyncConfig = ShardSyncConfig(),
+    ) -> None:
+        self.layout, self.tp_rank, self.pp_rank = layout, tp_rank, pp_rank
+        self.groups, self.config, self.version = groups, config, version
+        self.rank = dist.get_rank()
+        shard = layout.shard(tp_rank, pp_rank)
+        self.params: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters():
+            name = mcore_name(name)
+            if name not in shard:
+                raise KeyError(f"model parameter {name!r} is not in {layout!r} shard ({tp_rank}, {pp_rank})")
+            if shard[name].emit:
+                dtype_name(p.dtype)  # 16-bit weights only
+                self.params[name] = p
+        self.owned = {n: owned[n] for n in self.params}
+        self.snapshot = {n: self._owned_bits(n).copy() for n in self.params}
+        self.mirror = self._gather_mirror()
+        self.mirror_digests = {n: tensor_digest(t) for n, t in self.mirror.items()}
+        self.all_digests: dict[str, bytes] = {}
+        dtype = dtype_name(next(p for _, p in model.named_parameters()).dtype)
+        self.meta = {n: (dtype, shape) for n, shape in layout.hf_shapes.items()}
+
+    @property
+    def is_source(self) -> bool:
+        return self.rank == self.groups.stage_source
+
+    def _owned_bits(self, name: str) -> np.ndarray:
+        start, end = self.owned[name]
+        return bits_view(self.params[name])[start:end]
+
+    def _pieces(self) -> Iterator[tuple[str, slice, slice | None, torch.Tensor]]:
+        for name, p in self.params.items():
+            start, end = self.owned[name]
+            if start == 0 and end > 0:  # one DP rank ships each param's dense pieces (mirror build)
+                yield from self.layout.hf_pieces(
+                    self.layout.param(name, self.tp_rank, self.pp_rank), p.detach().cpu()
+                )
+
+    def _gather_mirror(self) -> dict[str, torch.Tensor]:
+        """The stage's HF tensors, assembled densely on the stage source (once)."""
+        pieces = [(n, r, c, t.clone()) for n, r, c, t in self._pieces()]
+        gathered = [None] * dist.get_world_size(self.groups.stage) if self.is_source else None
+        dist.gather_object(pieces, gathered, dst=self.groups.stage_source, group=self.groups.stage)
+        if not self.is_source:
+            return {}
+        mirror: dict[str, torch.Tensor] = {}
+        for name, rows, cols, tensor in (item for part in gathered for item in part):
+            if name not in mirror:
+                mirror[name] = torch.zeros(self.layout.hf_shapes[name], dtype=tensor.dtype)
+            target = mirror[name][rows] if cols is None else mirror[name][rows, cols]
+            target.copy_(tensor)
+        return mirror
+
+    def _local_changes(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """(hf_name, hf flat indices, new bits) for every changed element this rank owns."""
+        out = []
+        for name in self.params:
+            cur = self._owned_bits(name)
+            changed = np.flatnonzero(cur != self.snapshot[name])
+            if not changed.size:
+                continue
+            new_bits = cur[changed]
+            self.snapshot[name][changed] = new_bits
+            local = torch.from_numpy(changed + self.owned[name][0])
+            for hf_name, pos, hf_idx in self.layout.to_hf_index(name, local, self.tp_rank, self.pp_rank):
+                out.append((hf_name, hf_idx.numpy(), new_bits[pos.numpy()]))
+        return out
+
+    def _merge_into_mirror(self, gathered: list[list]) -> list[TensorChange]:
+        per_tensor: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for name, idx, bits in (item for part in gathered for item in part):
+            per_tensor.setdefault(name, []).append((idx, bits))
+        changes = []
+        for name in sorted(per_tensor):
+            idx = np.concatenate([i for i, _ in per_tensor[name]])
+            bits = np.concatenate([b for _, b in per_tensor[name]])
+            order = np.argsort(idx, kind="stable")
+            idx, bits = idx[order], bits[order]
+            if idx.size > 1 and not (np.diff(idx) > 0).all():
+                raise RuntimeError(
+                    f"{name}: an HF element was reported by two learner ranks (layout/range bug)"
+                )
+            flat = bits_view(self.mirror[name])
+            old = flat[idx].copy()
+            flat[idx] = bits
+            self.mirror_digests[name] = tensor_digest(self.mirror[name])
+            changes.append(
+                TensorChange(
+                    name=name,
+                    dtype=dtype_name(self.mirror[name].dtype),
+                    shape=tuple(self.mirror[name].shape),
+                    indices=idx,
+                    new_bits=bits,
+                    old_bits=old,
+                    digest=self.mirror_digests[name],
+                )
+            )
+        return changes
+
+    def _model_fields(self) -> dict:
+        digests = dict(self.mirror_digests)
+        if self.groups.sources is not None and dist.get_world_size(self.groups.sources) > 1:
+            parts = [None] * dist.get_world_size(self.groups.sources)
+            dist.all_gather_object(parts, self.mirror_digests, group=self.groups.sources)
+            digests = {k: v for part in parts for k, v in part.items()}
+        if set(digests) != set(self.layout.hf_shapes):
+            missing = sorted(set(self.layout.hf_shapes) - set(digests))[:5]
+            raise RuntimeError(f"stage mirrors do not cover the HF model; missing {missing}")
+        self.all_digests = digests
+        return {
+            "model_digest": model_digest(digests, self.meta),
+            "model_tensors": len(self.layout.hf_shapes),
+            "model_numel": sum(int(np.prod(s)) for s in self.layout.hf_shapes.values()),
+        }
+
+    def make_patch(self, version: int, *, anchor_version: int = 0) -> list[bytes]:
+        """Collective: this version's fragment (a one-element list) on stage sources, [] elsewhere."""
+        if version <= self.version:
+            raise ValueError(f"version {version} must be newer than the last synced {self.version}")
+        local = self._local_changes()
+        gathered = [None] * dist.get_world_size(self.groups.stage) if self.is_source else None
+        dist.gather_object(local, gathered, dst=self.groups.stage_source, group=self.groups.stage)
+        base, self.version = self.version, version
+        if not self.is_source:
+            return []
+        changes = self._merge_into_mirror(gathered)
+        patch = Patch(
+            version=version,
+            base_version=base,
+            anchor_version=anchor_version,
+            tensors=tuple(changes),
+            fragment=(self.pp_rank, self.layout.pp_size),
+            **self._model_fields(),
+        )
+        return [encode_patch(patch, self.config.codec)]
+
+    def full_parts(self) -> list[bytes]:
+        """This stage's dense fragment of the last synced version; collective over the stage sources."""
+        if not self.is_source:
+            return []
+        if not self.all_digests:
+            self._model_fields()
+        changes = tuple(
+            TensorChange(name=n, dtype=dtype_name(t.dtype), shape=tuple(t.shape), indices=None,
+                         new_bits=bits_view(t).copy(), old_bits=None, digest=self.mirror_digests[n])
+            for n, t in sorted(self.mirror.items())
+        )  # fmt: skip
+        patch = Patch(
+            version=self.version,
+            base_version=None,
+            anchor_version=self.version,
+            model_digest=model_digest(self.all_digests, self.meta),
+            model_tensors=len(self.layout.hf_shapes),
+            model_numel=sum(int(np.prod(s)) for s in self.layout.hf_shapes.values()),
+            tensors=changes,
+            fragment=(self.pp_rank, self.layout.pp_size),
+        )
+        return [encode_patch(patch, self.config.codec)]
