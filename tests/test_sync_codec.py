@@ -136,3 +136,23 @@ def test_config_validation_names_the_field():
         CodecConfig(encoding="delta")
     with pytest.raises(ValueError, match="zstd_level=0"):
         CodecConfig(zstd_level=0)
+
+
+def test_fragments_apply_together_only(weights):
+    new = _adam_like_step(weights, 1e-3, seed=6)
+    patch = make_patch(weights, new, version=1, base_version=0, anchor_version=0)
+    half = len(patch.tensors) // 2
+    parts = [
+        encode_patch(dataclasses.replace(patch, tensors=patch.tensors[:half], fragment=(0, 2))),
+        encode_patch(dataclasses.replace(patch, tensors=patch.tensors[half:], fragment=(1, 2))),
+    ]
+    for bad in ([parts[0]], parts[1], parts[0] + parts[0] + parts[1], parts[0] + parts[1][:-1]):
+        receiver = HFReceiver({k: v.clone() for k, v in weights.items()}, version=0)
+        with pytest.raises(PatchError):
+            receiver.apply(bad)
+        assert _equal(receiver.state, weights)
+    for good in (parts, parts[1] + parts[0]):  # a list, or one concatenated blob in any order
+        receiver = HFReceiver({k: v.clone() for k, v in weights.items()}, version=0)
+        receiver.apply(good)
+        assert _equal(receiver.state, new)
+    assert inspect_patch(b"".join(parts))["fragments"] == 2

@@ -455,17 +455,40 @@ def merge_fragments(fragments: list[DecodedPatch]) -> DecodedPatch:
     return dataclasses.replace(first, tensors=tensors, fragment=(0, 1))
 
 
+def split_fragments(data: bytes) -> list[bytes]:
+    """Cut a concatenation of encoded fragments (`b"".join(parts)`) at their framing lengths."""
+    parts, offset = [], 0
+    while offset < len(data):
+        if len(data) - offset < _PREFIX.size + DIGEST_BYTES:
+            raise PatchError(
+                f"patch is truncated: {len(data) - offset} trailing bytes cannot hold a fragment"
+            )
+        _, _, _, _, header_len, body_len, _ = _PREFIX.unpack_from(data, offset)
+        end = offset + _PREFIX.size + header_len + body_len + DIGEST_BYTES
+        if end > len(data):
+            raise PatchError(
+                f"patch is truncated: a fragment needs {end - offset} bytes, {len(data) - offset} left"
+            )
+        parts.append(bytes(data[offset:end]))
+        offset = end
+    return parts
+
+
 def decode_fragments(parts: bytes | list[bytes]) -> DecodedPatch:
-    """Decode one patch, or the fragments of one version (all validated before returning)."""
+    """Decode one patch, or the fragments of one version: a list, or their concatenation.
+
+    Every fragment is validated before anything is returned.
+    """
     if isinstance(parts, bytes | bytearray | memoryview):
-        parts = [bytes(parts)]
+        parts = split_fragments(bytes(parts)) or [b""]
     return merge_fragments([decode_patch(p) for p in parts])
 
 
 def inspect_patch(data: bytes) -> dict:
     """Validated summary of a patch: versions, encoding, per-tensor nnz/sparsity, byte counts."""
-    compression, header = read_header(data)
-    patch = decode_patch(data)
+    parts = split_fragments(data) or [b""]
+    compression, _ = read_header(parts[0])
+    patch = decode_fragments(parts)
     changed = sum(t.stored.size for t in patch.tensors)
     return {
         "format_version": FORMAT_VERSION,
@@ -476,7 +499,7 @@ def inspect_patch(data: bytes) -> dict:
         "encoding": patch.encoding,
         "compression": COMPRESSIONS[compression],
         "bytes": len(data),
-        "body_raw_bytes": sum(header["streams"].values()),
+        "fragments": len(parts),
         "model_tensors": patch.model_tensors,
         "model_numel": patch.model_numel,
         "changed_elements": changed,
