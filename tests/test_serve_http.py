@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, build_tokenizer, make_tiny
-from sparserl_mcore.rollout.client import RemoteEngine, RemoteEngineError
+from sparserl_mcore.rollout.client import RemoteEngine, RemoteEngineError, RemoteValueError
 from sparserl_mcore.rollout.protocol import GenerateRequest, KVStats, Sample, SamplingParams
 from sparserl_mcore.rollout.server import BackgroundServer, ServerConfig, bind_socket, create_app
 from sparserl_mcore.sync.apply import HFReceiver
@@ -252,14 +252,15 @@ def test_public_host_needs_token():
 def test_sparse_patch_and_full_update_through_routes(served, hf_dir):
     url, engine = served
     req = [GenerateRequest(input_ids=PROMPT, sampling=SamplingParams(**_greedy(8)), rid="p")]
-    with RemoteEngine(url, token=TOKEN) as client:
+    with RemoteEngine(url, token=TOKEN, bucket_bytes=64 * 1024) as client:  # several full-update buckets
         before = client.generate(req)[0]
         old = {k: v.clone() for k, v in engine.receiver.state.items()}
         new = {k: v.clone() for k, v in old.items()}
         new["lm_head.weight"][before.output_ids[0]] -= 4.0  # the first greedy token becomes unlikely
         patch = encode_patch(make_patch(old, new, version=1, base_version=0, anchor_version=0))
-        with pytest.raises(RemoteEngineError, match="HTTP 400"):
+        with pytest.raises(ValueError, match="HTTP 400") as rejected:  # what the trainer's fallback catches
             client.apply_patch(patch[:-7])  # truncated: rejected, nothing applied
+        assert isinstance(rejected.value, RemoteValueError)
         assert client.generate(req)[0].output_ids == before.output_ids
         assert client.apply_patch(patch) == 1
         after = client.generate(req)[0]

@@ -2,8 +2,10 @@
 
 Failures surface as `RemoteEngineError` (a RuntimeError) naming the URL, the route and the cause,
 after a bounded number of retries for transport errors and 5xx answers; 4xx answers (a bad
-request, a wrong token, a patch that does not apply) are raised at once, since repeating them
-cannot help. The trainer's `EnginePool` reacts by moving the work to another engine.
+request, a wrong token) are raised at once, since repeating them cannot help. The trainer's
+`EnginePool` reacts by moving the work to another engine. HTTP 400 is the server's ValueError
+(e.g. a patch that fails verification), so it is raised as `RemoteValueError`, which is also a
+ValueError: callers that fall back to a full sync on ValueError in-process do the same remotely.
 
 Retrying /generate after a transport error can run a request twice on the server; the results of
 the first attempt are discarded, so the trainer still sees exactly one sample per request.
@@ -30,11 +32,17 @@ class RemoteEngineError(RuntimeError):
         self.status_code = status_code
 
 
+class RemoteValueError(RemoteEngineError, ValueError):
+    """The server rejected the input (HTTP 400): what an in-process engine raises as ValueError."""
+
+
 class RemoteEngine:
     """A rollout engine behind `sparserl serve` (or any server with the same routes).
 
     timeout: seconds one HTTP call may take (generation of a whole batch included).
     retries: extra attempts after a transport error or a 5xx answer, with `backoff_s` doubling.
+    bucket_bytes: a full `update_weights` is sent as safetensors requests of at most about this
+    size, so neither side holds a second copy of a large model in memory.
     """
 
     def __init__(
@@ -46,6 +54,7 @@ class RemoteEngine:
         connect_timeout: float = 10.0,
         retries: int = 2,
         backoff_s: float = 0.5,
+        bucket_bytes: int = 512 * 2**20,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url={url!r}: must start with http:// or https://")
@@ -53,9 +62,12 @@ class RemoteEngine:
             raise ValueError(f"timeout={timeout}, connect_timeout={connect_timeout}: must be > 0 seconds")
         if retries < 0:
             raise ValueError(f"retries={retries}: must be >= 0")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes}: must be >= 1")
         self.url = url.rstrip("/")
         self.retries = retries
         self.backoff_s = backoff_s
+        self.bucket_bytes = bucket_bytes
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(
             base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=connect_timeout)
@@ -88,16 +100,23 @@ class RemoteEngine:
             raise RemoteEngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Send HF-named tensors in buckets of about `bucket_bytes`, each a safetensors body.
+
+        Not atomic across buckets: a generation that runs between two buckets sees a mix, so
+        pause generation around the update if requests may be in flight (the trainer syncs
+        between rollout phases).
+        """
         from safetensors.torch import save
 
-        body = save({k: v.detach().cpu().contiguous() for k, v in state_dict.items()})
-        self._call(
-            "POST",
-            "/update_weights_from_safetensors",
-            params={"weight_version": int(version)},
-            content=body,
-            headers={"Content-Type": "application/octet-stream"},
-        )
+        for bucket in _buckets(state_dict, self.bucket_bytes):
+            body = save({k: v.detach().cpu().contiguous() for k, v in bucket.items()})
+            self._call(
+                "POST",
+                "/update_weights_from_safetensors",
+                params={"weight_version": int(version)},
+                content=body,
+                headers={"Content-Type": "application/octet-stream"},
+            )
 
     def apply_patch(self, patch_bytes: bytes) -> int:
         answer = self._call(
@@ -141,15 +160,28 @@ class RemoteEngine:
             if response.status_code < 400:
                 return response
             detail = _detail(response)
-            if response.status_code < 500:
-                raise RemoteEngineError(
-                    f"{self.url}{route}: HTTP {response.status_code}: {detail}",
-                    status_code=response.status_code,
-                )
-            last = f"HTTP {response.status_code}: {detail}"
+            code = response.status_code
+            if code < 500:
+                kind = RemoteValueError if code == 400 else RemoteEngineError
+                raise kind(f"{self.url}{route}: HTTP {code}: {detail}", status_code=code)
+            last = f"HTTP {code}: {detail}"
         raise RemoteEngineError(
             f"{self.url}{route}: failed after {self.retries + 1} attempts; last error {last}"
         )
+
+
+def _buckets(state: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most `limit` bytes (a larger tensor goes alone)."""
+    buckets: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > limit:
+            buckets.append({})
+            size = 0
+        buckets[-1][name] = tensor
+        size += nbytes
+    return buckets
 
 
 def _detail(response: httpx.Response) -> str:
