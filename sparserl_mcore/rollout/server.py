@@ -119,7 +119,8 @@ def create_app(
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
-        info = dict(await _control(worker, lambda e: e.model_info()))
+        # Read-only: answered while batches run (a control job would wait for them to finish).
+        info = dict(await asyncio.to_thread(engine.model_info))
         info.setdefault("is_generation", True)
         info["paused"] = worker.paused
         return info
