@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from sparserl_mcore.trainer.loop import train_from_config
 
     summary = train_from_config(args.config, _overrides(args))
+    if summary.message:
+        print(f"sparserl train: {summary.message}", file=sys.stderr)
     return summary.exit_code
 
 
