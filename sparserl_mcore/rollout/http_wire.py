@@ -19,7 +19,15 @@ from typing import Any
 
 from sparserl_mcore.rollout.protocol import GenerateRequest, KVStats, Sample, SamplingParams
 
-GENERATE_KEYS = ("input_ids", "text", "sampling_params", "return_logprob", "return_text_in_logprobs", "rid")
+GENERATE_KEYS = (
+    "input_ids",
+    "text",
+    "sampling_params",
+    "return_logprob",
+    "return_text_in_logprobs",
+    "rid",
+    "stream",  # accepted only as false: results come back whole
+)
 
 Encode = Callable[[str], list[int]]
 Decode = Callable[[Sequence[int]], str]
@@ -37,6 +45,8 @@ def parse_generate(body: Any, encode: Encode | None) -> ParsedGenerate:
     """Validate a /generate body; ValueError with a client-facing message on any problem."""
     if not isinstance(body, dict):
         raise ValueError("body must be a JSON object")
+    if body.get("stream", False) is not False:
+        raise ValueError("stream=true is not supported: results come back whole; drop the field")
     unknown = sorted(set(body) - set(GENERATE_KEYS))
     if unknown:
         raise ValueError(f"unknown fields {unknown}; known: {list(GENERATE_KEYS)}")
