@@ -9,7 +9,6 @@ sync.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
@@ -19,7 +18,6 @@ import torch
 from sparserl_mcore.sync.codec import (
     VALUE_ENCODINGS,
     DecodedPatch,
-    DecodedTensor,
     PatchError,
     decode_fragments,
 )
@@ -30,8 +28,6 @@ from sparserl_mcore.sync.hashing import (
     state_dict_meta,
     tensor_digest,
 )
-
-log = logging.getLogger(__name__)
 
 
 def _flat_bits(tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -63,21 +59,30 @@ def check_target(patch: DecodedPatch, state: Mapping[str, torch.Tensor], version
             )
 
 
-def _new_bits(t: DecodedTensor, flat: torch.Tensor, encoding: str) -> tuple[torch.Tensor | None, np.ndarray]:
-    """(index tensor or None for dense, new uint16 values) for one tensor."""
-    if t.indices is None:
-        return None, t.stored
-    index = torch.from_numpy(t.indices).to(flat.device)
-    old = flat.index_select(0, index).cpu().numpy().view(np.uint16)
-    return index, VALUE_ENCODINGS[encoding].apply(old, t.stored)
+def gather_bits(flat: torch.Tensor, index: np.ndarray | None) -> np.ndarray:
+    """uint16 copy of `flat[index]` (all of it for None). CPU goes through numpy: its fancy
+    indexing is far faster than torch's int16 index_select/index_copy_ there."""
+    if flat.device.type == "cpu":
+        bits = flat.numpy().view(np.uint16)
+        return bits.copy() if index is None else bits[index]
+    picked = flat if index is None else flat.index_select(0, torch.from_numpy(index).to(flat.device))
+    return picked.cpu().numpy().view(np.uint16)
 
 
-def _write(flat: torch.Tensor, index: torch.Tensor | None, values: np.ndarray) -> None:
+def scatter_bits(flat: torch.Tensor, index: np.ndarray | None, values: np.ndarray) -> None:
+    """`flat[index] = values` (all of it for None), in place."""
+    if flat.device.type == "cpu":
+        bits = flat.numpy().view(np.uint16)
+        if index is None:
+            bits[:] = values
+        else:
+            bits[index] = values
+        return
     src = torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).to(flat.device)
     if index is None:
         flat.copy_(src)
     else:
-        flat.index_copy_(0, index, src)
+        flat.index_copy_(0, torch.from_numpy(index).to(flat.device), src)
 
 
 @dataclass(frozen=True)
@@ -101,11 +106,11 @@ def apply_decoded(
     planned = []
     for t in patch.tensors:
         flat = _flat_bits(state[t.name], t.name)
-        index, values = _new_bits(t, flat, patch.encoding)
-        old = flat.clone() if index is None else flat.index_select(0, index)
-        planned.append((t, flat, index, values, old))
-    for _, flat, index, values, _ in planned:
-        _write(flat, index, values)
+        old = gather_bits(flat, t.indices)
+        new = t.stored if t.indices is None else VALUE_ENCODINGS[patch.encoding].apply(old, t.stored)
+        planned.append((t, flat, new, old))
+    for t, flat, new, _ in planned:
+        scatter_bits(flat, t.indices, new)
     new_digests = dict(digests)
     bad = []
     for t, *_ in planned:
@@ -115,8 +120,8 @@ def apply_decoded(
     if not bad and model_digest(new_digests, state_dict_meta(state)) != patch.model_digest:
         bad.append("<whole model>")
     if bad:
-        for _, flat, index, _, old in planned:
-            flat.copy_(old) if index is None else flat.index_copy_(0, index, old)
+        for t, flat, _, old in planned:
+            scatter_bits(flat, t.indices, old)
         raise PatchError(f"digest mismatch after applying patch {patch.version} to {bad[:3]}; rolled back")
     return ApplyResult(
         version=patch.version,

@@ -1,10 +1,8 @@
 """Bit-wise diff of 16-bit weights against the last synced copy, producing a `Patch`.
 
-Memory: `HostSnapshot` keeps one host copy of the synced weights, i.e. 2 bytes per parameter of
-the shard being diffed (about 1 GB for a 0.5B model on one rank, 1/(TP*PP) of that per learner
-rank), plus the per-tensor xxh3-128 digests (16 bytes per tensor). A diff allocates a boolean mask
-of the largest tensor and the changed (index, value) pairs; nothing dense is copied besides the
-snapshot itself.
+Memory: the caller keeps the last synced copy (2 bytes per parameter; `learner.ShardSyncer` keeps
+only its own slice). A diff allocates a boolean mask of one tensor at a time and the changed
+(index, old value, new value) triples.
 """
 
 from __future__ import annotations
@@ -110,36 +108,3 @@ def full_patch(state: Mapping[str, torch.Tensor], *, version: int) -> Patch:
         tensors=changes,
         **_model_fields(state, digests),
     )
-
-
-class HostSnapshot:
-    """Host copy of the last synced 16-bit weights and their digests; `diff` then `commit`."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor], *, version: int) -> None:
-        self.tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
-        self.version = version
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-    def changed(self, current: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        """Flat changed positions per tensor name (only names with a change)."""
-        out = {}
-        for name, snap in self.tensors.items():
-            cur = current[name].detach()
-            cur = cur.cpu() if cur.device.type != "cpu" else cur
-            idx = np.flatnonzero(bits_view(snap) != bits_view(cur.contiguous()))
-            if idx.size:
-                out[name] = idx
-        return out
-
-    def update(
-        self, current: Mapping[str, torch.Tensor], changed: Mapping[str, np.ndarray], version: int
-    ) -> None:
-        """Copy just the changed positions of `current` into the snapshot."""
-        for name, idx in changed.items():
-            src = current[name].detach().reshape(-1).cpu()
-            dst = self.tensors[name].view(-1)
-            index = torch.from_numpy(idx)
-            dst.index_copy_(0, index, src.index_select(0, index))
-        self.version = version

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from sparserl_mcore.ckpt.layout import ModelLayout
-from sparserl_mcore.sync.apply import ApplyResult
+from sparserl_mcore.sync.apply import ApplyResult, gather_bits, scatter_bits
 from sparserl_mcore.sync.codec import (
     VALUE_ENCODINGS,
     DecodedPatch,
@@ -25,7 +25,7 @@ from sparserl_mcore.sync.codec import (
     PatchError,
     decode_fragments,
 )
-from sparserl_mcore.sync.hashing import DTYPES, model_digest, tensor_digest
+from sparserl_mcore.sync.hashing import DTYPES, dtype_name, model_digest, tensor_digest
 
 Shard = tuple[int, int]  # (tp_rank, pp_rank)
 
@@ -33,7 +33,7 @@ Shard = tuple[int, int]  # (tp_rank, pp_rank)
 @dataclass(frozen=True)
 class _Write:
     flat: torch.Tensor  # int16 view of a local param
-    index: torch.Tensor  # local flat positions
+    index: np.ndarray  # local flat positions
     positions: np.ndarray  # positions into the patch tensor's index list
 
 
@@ -103,7 +103,7 @@ class ShardedReceiver:
         for (tp, pp), params in self.shards.items():
             for name, pos, local in self.layout.to_local_index(t.name, idx, tp, pp):
                 flat = params[name].detach().view(-1).view(torch.int16)
-                writes.append(_Write(flat, local.to(flat.device), pos.numpy()))
+                writes.append(_Write(flat, local.numpy(), pos.numpy()))
         return writes
 
     def _new_bits(self, t: DecodedTensor, writes: list[_Write], encoding: str) -> np.ndarray:
@@ -111,7 +111,7 @@ class ShardedReceiver:
             return t.stored
         old = np.zeros(t.stored.size, np.uint16)
         for w in writes:
-            old[w.positions] = w.flat.index_select(0, w.index).cpu().numpy().view(np.uint16)
+            old[w.positions] = gather_bits(w.flat, w.index)
         return VALUE_ENCODINGS[encoding].apply(old, t.stored)
 
     def apply(self, parts: bytes | list[bytes]) -> ApplyResult:
@@ -122,13 +122,10 @@ class ShardedReceiver:
         for t in patch.tensors:
             writes = self._plan(t)
             new = self._new_bits(t, writes, patch.encoding)
-            planned.append((t, writes, new, [w.flat.index_select(0, w.index) for w in writes]))
+            planned.append((t, writes, new, [gather_bits(w.flat, w.index) for w in writes]))
         for _, writes, new, _ in planned:
             for w in writes:
-                src = torch.from_numpy(np.ascontiguousarray(new[w.positions]).view(np.int16)).to(
-                    w.flat.device
-                )
-                w.flat.index_copy_(0, w.index, src)
+                scatter_bits(w.flat, w.index, new[w.positions])
         digests, bad = dict(self.digests), []
         for t, *_ in planned:
             if t.name in self.covered:
@@ -136,16 +133,13 @@ class ShardedReceiver:
                 if digests[t.name] != t.digest:
                     bad.append(t.name)
         if not bad and len(self.covered) == len(self.layout.hf_shapes):
-            meta = {
-                n: (next(k for k, v in DTYPES.items() if v == self.dtype), s)
-                for n, s in self.layout.hf_shapes.items()
-            }
+            meta = {n: (dtype_name(self.dtype), s) for n, s in self.layout.hf_shapes.items()}
             if model_digest(digests, meta) != patch.model_digest:
                 bad.append("<whole model>")
         if bad:
             for _, writes, _, old in planned:
                 for w, o in zip(writes, old, strict=True):
-                    w.flat.index_copy_(0, w.index, o)
+                    scatter_bits(w.flat, w.index, o)
             raise PatchError(
                 f"digest mismatch after applying patch {patch.version} to {bad[:3]}; rolled back"
             )
