@@ -3,10 +3,10 @@
     torchrun --nproc_per_node TP*PP -m launchers.verify --hf-dir H --mcore-dir M --tp T --pp P --result R
 
 Every rank builds its stage of the model at (TP, PP), loads the dist checkpoint M and runs a
-forward-only pass over fixed prompts in fp32; the last stage gathers full-vocab logits. The rank
-with pp_rank = last and tp_rank = 0 runs HF transformers on H over the same token ids and writes the
-comparison (JSON) to R. Prompts are right-padded; only real-token positions are compared, which the
-causal mask makes independent of the padding.
+forward-only pass over fixed prompts in fp32 (NCCL on GPUs, gloo on CPU); the last stage gathers
+full-vocab logits. The rank with pp_rank = last and tp_rank = 0 runs HF transformers on H (CPU,
+fp32) over the same token ids and writes the comparison (JSON) to R. Prompts are right-padded;
+only real-token positions are compared, which the causal mask makes independent of the padding.
 """
 
 from __future__ import annotations
@@ -93,9 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         load_dist(model, args.mcore_dir)
         model.eval()
         tokens, lengths = prompt_token_ids(args.hf_dir, spec.vocab_size)
-        got = forward_logits(model, tokens, micro_batch_size=1, vocab_size=spec.vocab_size, groups=rt.groups)
+        tokens_on_device = tokens.to(rt.device)
+        got = forward_logits(
+            model, tokens_on_device, micro_batch_size=1, vocab_size=spec.vocab_size, groups=rt.groups
+        )
         if rt.is_last_stage and rt.tp_rank == 0 and rt.dp_rank == 0:
-            result = compare(got, hf_reference_logits(args.hf_dir, tokens), lengths)
+            result = compare(got.cpu(), hf_reference_logits(args.hf_dir, tokens), lengths)
             result.update(arch=spec.arch, tp=args.tp, pp=args.pp, prompts=len(PROMPTS))
             pathlib.Path(args.result).write_text(json.dumps(result) + "\n")
     finally:

@@ -1,8 +1,8 @@
 """Multi-rank half of tests/test_parity.py, run once under torchrun with 2 ranks.
 
-    parity_worker.py OUT_DIR HF_DIR...
+    parity_worker.py OUT_DIR LAYOUTS HF_DIR...      (LAYOUTS e.g. 1x1,2x1,1x2)
 
-For each layout (TP, PP) in LAYOUTS (the runtime re-initialised each time; (1, 1) runs as DP=2) and
+For each layout (TP, PP) (the runtime re-initialised each time; (1, 1) on 2 ranks runs as DP=2) and
 every HF checkpoint: build the megatron model with model_providers, load the HF
 weights with sparserl_mcore.ckpt (each rank reads its own slices), run forward-only logits through
 megatron's schedules (2 micro-batches) and, on the reporting rank, compare with HF transformers.
@@ -20,7 +20,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-LAYOUTS = ((1, 1), (2, 1), (1, 2))
 TOKENS = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1234))
 
 
@@ -58,16 +57,17 @@ def parity(rt, hf_dir: str) -> dict | None:
         spec, pre_process=rt.is_first_stage, post_process=rt.is_last_stage, pg_collection=rt.groups
     )
     load_hf_weights(model, layout_for(spec), hf_dir, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank)
-    got = forward_logits(
-        model.eval(), TOKENS, micro_batch_size=2, vocab_size=spec.vocab_size, groups=rt.groups
-    )
+    model.eval()
+    tokens = TOKENS.to(rt.device)
+    got = forward_logits(model, tokens, micro_batch_size=2, vocab_size=spec.vocab_size, groups=rt.groups)
     if not _reporting(rt):
         return None
     reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         want = reference(input_ids=TOKENS).logits
-    max_abs = (got - want).abs().max().item()
+    max_abs = (got.cpu() - want).abs().max().item()
     return {
+        "backend": dist.get_backend(),
         "shape": list(got.shape),
         "padded_vocab": spec.padded_vocab_size,
         "max_abs": max_abs,
@@ -91,8 +91,9 @@ def run_layout(tp: int, pp: int, hf_dirs: list[str]) -> dict | None:
 
 
 def main() -> int:
-    out_dir, hf_dirs = pathlib.Path(sys.argv[1]), sys.argv[2:]
-    reported = {f"{tp},{pp}": run_layout(tp, pp, hf_dirs) for tp, pp in LAYOUTS}
+    out_dir, layouts, hf_dirs = pathlib.Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3:]
+    sizes = [tuple(int(n) for n in layout.split("x")) for layout in layouts]
+    reported = {f"{tp},{pp}": run_layout(tp, pp, hf_dirs) for tp, pp in sizes}
     reported = {layout: found for layout, found in reported.items() if found is not None}
     (out_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(reported))
     return 0

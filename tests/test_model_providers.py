@@ -87,7 +87,7 @@ def test_build_spec_translates_the_config():
         **tiny("qwen3", head_dim=24, vocab=200),
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
     }
-    spec = build_spec(hf, ParallelConfig(tensor_model_parallel_size=2), params_dtype="bfloat16")
+    spec = build_spec(hf, ParallelConfig(tensor_model_parallel_size=2), params_dtype="bfloat16", cpu=True)
     cfg = spec.config
     assert (spec.arch, spec.transformer_impl, spec.vocab_size, spec.padded_vocab_size) == (
         "qwen3",

@@ -7,11 +7,13 @@ at (TP, PP) = (1, 1), (2, 1), (1, 2). One 2-rank torchrun run covers every layou
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.parallel.launch import launch_local
@@ -26,6 +28,7 @@ CHECKPOINTS = {
     for tied in (False, True)
 }
 TOLERANCE = 1e-5
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}  # gloo + the CPU execution mode even on GPU machines
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
 @pytest.fixture(scope="module")
 def parity_results(hf_dirs, tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("parity_results")
-    launch_local([WORKER, str(out), *map(str, hf_dirs.values())], 2, timeout=600)
+    argv = [WORKER, str(out), "1x1,2x1,1x2", *map(str, hf_dirs.values())]
+    launch_local(argv, 2, env=CPU_ONLY, timeout=600)
     merged: dict[str, dict] = {}
     for rank_file in sorted(out.glob("rank*.json")):
         merged.update(json.loads(rank_file.read_text()))
@@ -63,9 +67,20 @@ def test_logits_match_hf_transformers(parity_results, tp, pp):
         assert draws[0] == draws[1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL path)")
+def test_logits_match_hf_transformers_on_gpu(hf_dirs, tmp_path):
+    launch_local([WORKER, str(tmp_path), "1x1", *map(str, hf_dirs.values())], 1, timeout=600)
+    results = json.loads((tmp_path / "rank0.json").read_text())["1,1"]["parity"]
+    assert sorted(results) == sorted(CHECKPOINTS)
+    for name, found in results.items():
+        assert found["backend"] == "nccl", name
+        assert found["max_rel"] < TOLERANCE, f"{name} on GPU: {found}"
+
+
 def _sparserl(*args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "sparserl_mcore", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    env = {**os.environ, **CPU_ONLY}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
 
 
 def test_convert_verify_cli(hf_dirs, tmp_path):

@@ -1,6 +1,7 @@
 """`sparserl convert verify`: do a Megatron checkpoint's logits match HF transformers?
 
-Launches TP*PP local ranks (torchrun, gloo on CPU) running `launchers.verify`, which loads the
+Launches TP*PP local ranks (torchrun; NCCL with one GPU per rank, gloo on CPU or with `--cpu`)
+running `launchers.verify`, which loads the
 dist checkpoint at the requested layout and compares fp32 logits on fixed prompts against HF
 transformers on the HF checkpoint. The last printed line is the maximum absolute and relative
 difference; the exit status is 1 when the relative difference exceeds the tolerance.
@@ -27,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1e-5,
         help="max allowed |mcore - hf| / max|hf| over real-token logits (default 1e-5, fp32)",
     )
+    parser.add_argument(
+        "--cpu", action="store_true", help="run the ranks on CPU over gloo even where GPUs are visible"
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
 
 
@@ -42,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         argv = ["-m", "launchers.verify", "--hf-dir", str(args.hf_dir), "--mcore-dir", str(args.mcore_dir)]
         argv += ["--tp", str(args.tp), "--pp", str(args.pp), "--result", str(result_path)]
         try:
-            launch_local(argv, args.tp * args.pp, timeout=args.timeout)
+            env = {"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None
+            launch_local(argv, args.tp * args.pp, env=env, timeout=args.timeout)
         except LaunchError as exc:
             print(str(exc)[-8000:], file=sys.stderr)
             print("sparserl convert verify: the ranks failed (output above); nothing was compared")
