@@ -1,0 +1,84 @@
+"""The two conversions as collective functions over an initialised runtime (one shard per rank).
+
+`launchers.convert` (torchrun / srun entry) and the tests call these; `sparserl convert` wraps the
+launcher with input checks and an atomic output directory. Both write into an existing empty
+`out_dir` and build the model without random init (every weight is overwritten by the load).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from model_providers.gpt import ModelSpec
+    from sparserl_mcore.parallel.runtime import Runtime
+
+
+def _build(spec: ModelSpec, rt: Runtime):
+    from model_providers.gpt import build_model
+
+    spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, perform_initialization=False))
+    return build_model(spec, pre_process=rt.is_first_stage, post_process=rt.is_last_stage)
+
+
+def hf_to_mcore(
+    hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, rt: Runtime, *, dtype: str | None = None
+) -> None:
+    """Load HF safetensors at the runtime's TP/PP and save a self-describing dist checkpoint."""
+    from model_providers.gpt import build_spec
+    from sparserl_mcore.ckpt.dist_ckpt import HF_SUBDIR, McoreCheckpointMeta, save_dist
+    from sparserl_mcore.ckpt.hf_io import HFCheckpoint, copy_hf_metadata, load_hf_weights
+    from sparserl_mcore.ckpt.layout import layout_for
+
+    dtype = dtype or HFCheckpoint(hf_dir).config_dtype() or "float32"
+    spec = build_spec(hf_dir, rt.parallel, params_dtype=dtype)
+    model = _build(spec, rt)
+    load_hf_weights(model, layout_for(spec), hf_dir, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank)
+    save_dist(model, out_dir)
+    if rt.rank == 0:
+        McoreCheckpointMeta.from_spec(spec).write(out_dir)
+        (pathlib.Path(out_dir) / HF_SUBDIR).mkdir()
+        copy_hf_metadata(hf_dir, pathlib.Path(out_dir) / HF_SUBDIR)
+
+
+def mcore_to_hf(
+    mcore_dir: str | pathlib.Path,
+    out_dir: str | pathlib.Path,
+    rt: Runtime,
+    *,
+    hf_config_dir: str | pathlib.Path | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> None:
+    """Load a dist checkpoint at the runtime's TP/PP (any the model allows) and export HF files."""
+    import torch
+    import torch.distributed as dist
+
+    from sparserl_mcore.ckpt.dist_ckpt import HF_SUBDIR, McoreCheckpointMeta, load_dist, spec_for_checkpoint
+    from sparserl_mcore.ckpt.hf_io import copy_hf_metadata, export_hf_weights, write_index
+    from sparserl_mcore.ckpt.layout import layout_for
+
+    dtype = dtype or McoreCheckpointMeta.read(mcore_dir).params_dtype
+    spec = spec_for_checkpoint(mcore_dir, rt.parallel, params_dtype=dtype)
+    model = _build(spec, rt)
+    load_dist(model, mcore_dir)
+    weight_map = {}
+    if rt.dp_rank == 0:  # data-parallel replicas hold the same weights
+        weight_map = export_hf_weights(
+            model,
+            layout_for(spec),
+            out_dir,
+            tp_rank=rt.tp_rank,
+            pp_rank=rt.pp_rank,
+            tp_group=rt.groups.tp,
+            dtype=getattr(torch, dtype),
+            max_shard_bytes=max_shard_bytes,
+        )
+    maps: list = [None] * rt.world_size
+    dist.all_gather_object(maps, weight_map)
+    if rt.rank == 0:
+        write_index(out_dir, maps)
+        copy_hf_metadata(hf_config_dir or pathlib.Path(mcore_dir) / HF_SUBDIR, out_dir, dtype=dtype)
+    dist.barrier()

@@ -1,0 +1,128 @@
+"""Multi-rank half of tests/test_ckpt_convert.py, run once under torchrun with 2 ranks.
+
+Reads WORK/plan.json and, re-initialising the parallel runtime for each layout:
+- "roundtrips": HF -> dist checkpoint at (tp, pp) -> HF at (tp2, pp2), files left for the test
+  process to compare bit for bit with the source;
+- "reshard": load HF at TP=1, keep logits, save a dist checkpoint; load that at TP=2 and at PP=2
+  and save their logits (WORK/logits_*.pt) for the test process to compare.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import pathlib
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+PROMPTS = torch.tensor([[3, 17, 42, 5, 99, 12, 7, 64], [1, 2, 3, 4, 5, 6, 7, 8]])
+
+
+_INCARNATIONS = itertools.count()
+_AGENT_STORE = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+
+
+def _fresh_rendezvous() -> None:
+    """Point env:// at a new TCPStore for each re-initialisation of the process group.
+
+    torch resets its group counter on destroy, so a second init on torchrun's agent store would
+    read the first incarnation's (dead) gloo addresses. Rank 0 hosts a new store on a free port
+    and publishes the port through the agent store.
+    """
+    key = f"ckpt_worker/port/{next(_INCARNATIONS)}"
+    agent = dist.TCPStore(*_AGENT_STORE, is_master=False)
+    if int(os.environ["RANK"]) == 0:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            agent.set(key, str(sock.getsockname()[1]))
+    os.environ["MASTER_PORT"] = agent.get(key).decode()
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+
+
+def _runtime(tp: int, pp: int):
+    from sparserl_mcore.parallel import ParallelConfig, initialize
+
+    _fresh_rendezvous()
+    return initialize(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
+
+
+def _fresh_dir(rt, path: pathlib.Path) -> pathlib.Path:
+    if rt.rank == 0:
+        path.mkdir(parents=True)
+    dist.barrier()
+    return path
+
+
+def roundtrip(case: dict) -> None:
+    from sparserl_mcore.ckpt import convert
+    from sparserl_mcore.parallel import shutdown
+
+    rt = _runtime(*case["save_at"])
+    try:
+        convert.hf_to_mcore(case["hf"], _fresh_dir(rt, pathlib.Path(case["mcore"])), rt)
+    finally:
+        shutdown()
+    rt = _runtime(*case["export_at"])
+    try:
+        out = _fresh_dir(rt, pathlib.Path(case["out"]))
+        convert.mcore_to_hf(case["mcore"], out, rt, max_shard_bytes=case.get("max_shard_bytes", 2**31))
+    finally:
+        shutdown()
+
+
+def _logits(model, rt, vocab: int) -> torch.Tensor | None:
+    from sparserl_mcore.parallel.forward import forward_logits
+
+    return forward_logits(model, PROMPTS, micro_batch_size=1, vocab_size=vocab, groups=rt.groups)
+
+
+def reshard(hf_dir: str, work: pathlib.Path) -> None:
+    from model_providers.gpt import build_model, build_spec
+    from sparserl_mcore.ckpt.dist_ckpt import McoreCheckpointMeta, load_dist, save_dist, spec_for_checkpoint
+    from sparserl_mcore.ckpt.hf_io import load_hf_weights
+    from sparserl_mcore.ckpt.layout import layout_for
+    from sparserl_mcore.parallel import shutdown
+
+    mcore = work / "reshard_mcore"
+    rt = _runtime(1, 1)
+    try:
+        spec = build_spec(hf_dir, rt.parallel)
+        model = build_model(spec, pre_process=True, post_process=True)
+        load_hf_weights(model, layout_for(spec), hf_dir, tp_rank=0, pp_rank=0)
+        save_dist(model, _fresh_dir(rt, mcore))
+        if rt.rank == 0:
+            McoreCheckpointMeta.from_spec(spec).write(mcore)
+            (mcore / "hf").mkdir()
+            (mcore / "hf" / "config.json").write_text(pathlib.Path(hf_dir, "config.json").read_text())
+            torch.save(_logits(model, rt, spec.vocab_size), work / "logits_tp1.pt")
+        else:
+            _logits(model, rt, spec.vocab_size)
+    finally:
+        shutdown()
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        rt = _runtime(tp, pp)
+        try:
+            spec = spec_for_checkpoint(mcore, rt.parallel)
+            model = build_model(spec, pre_process=rt.is_first_stage, post_process=rt.is_last_stage)
+            load_dist(model, mcore)
+            logits = _logits(model, rt, spec.vocab_size)
+            if rt.is_last_stage and rt.tp_rank == 0 and rt.dp_rank == 0:
+                torch.save(logits, work / f"logits_reload_tp{tp}_pp{pp}.pt")
+        finally:
+            shutdown()
+
+
+def main(work: pathlib.Path) -> int:
+    plan = json.loads((work / "plan.json").read_text())
+    for case in plan["roundtrips"]:
+        roundtrip(case)
+    reshard(plan["reshard_hf"], work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(pathlib.Path(sys.argv[1])))
