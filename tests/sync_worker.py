@@ -178,7 +178,9 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
             owned = distributed_optimizer_ranges(optimizer, ddp)
         else:
             owned = even_ranges(ddp, rt.dp_rank, rt.dp_size)
-        config = ShardSyncConfig(codec=CodecConfig(encoding=case["encoding"]))
+        config = ShardSyncConfig(
+            codec=CodecConfig(encoding=case["encoding"]), snapshot=case.get("snapshot", "host")
+        )
         syncer = ShardSyncer(
             ddp, layout, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank, groups=groups, owned=owned, config=config
         )

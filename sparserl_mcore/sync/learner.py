@@ -1,7 +1,7 @@
 """Learner side: every rank diffs its OWN BF16 shard; only (HF index, value) pairs move.
 
 Per sync (collective over the learner ranks):
-1. each rank compares the bits of the parameters it owns against its host snapshot: with the
+1. each rank compares the bits of the parameters it owns against its snapshot: with the
    megatron distributed optimizer, the param range its DP rank updates (`distributed_optimizer_ranges`),
    else an even split of every parameter over the DP ranks, so no index is emitted twice and none
    is missed; only params the layout emits are diffed (tp_rank > 0 norm replicas, the tied output
@@ -12,10 +12,17 @@ Per sync (collective over the learner ranks):
    xxh3-128 digests), exchanges per-tensor digests with the other stage sources (16 bytes per
    tensor) and encodes its fragment of the version's patch.
 
-Memory: each rank keeps a host copy of its owned slice (2 bytes x params / (TP x PP x DP)); each
-stage source keeps an HF-layout mirror of its stage (2 bytes x stage params), filled by one dense
-gather at construction, which also serves full syncs (anchors, fallbacks) without touching the
-trainer's GPUs again.
+Memory: each rank keeps a copy of its owned slice (2 bytes x params / (TP x PP x DP)), on the host
+by default (`ShardSyncConfig.snapshot`); each stage source keeps an HF-layout mirror of its stage
+(2 bytes x stage params), filled by one dense gather at construction, which also serves full
+syncs (anchors, fallbacks) without touching the trainer's GPUs again.
+
+Use (every learner rank, after the weights are loaded):
+    groups = build_sync_groups(runtime)
+    owned = distributed_optimizer_ranges(optimizer, ddp_model)   # or even_ranges(model, dp_rank, dp_size)
+    syncer = ShardSyncer(ddp_model, layout, tp_rank=..., pp_rank=..., groups=groups, owned=owned)
+    parts = syncer.make_patch(version)   # [fragment] on stage sources, [] elsewhere
+    full = syncer.full_parts()           # dense fragments for anchors / fallback
 """
 
 from __future__ import annotations
@@ -99,9 +106,23 @@ def build_sync_groups(runtime) -> SyncGroups:
     )
 
 
+SNAPSHOT_PLACES = ("host", "device")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardSyncConfig:
+    """codec: the patch encoding. snapshot: where the last synced copy of the owned slice lives:
+    "host" (default) costs no accelerator memory but copies the owned slice to the host at every
+    sync; "device" compares where the weights live and moves only the changed pairs."""
+
     codec: CodecConfig = CodecConfig()
+    snapshot: str = "host"
+
+    def __post_init__(self) -> None:
+        if self.snapshot not in SNAPSHOT_PLACES:
+            raise ValueError(
+                f"snapshot={self.snapshot!r} is unknown; choose from {', '.join(SNAPSHOT_PLACES)}"
+            )
 
 
 class ShardSyncer:
@@ -132,7 +153,10 @@ class ShardSyncer:
                 dtype_name(p.dtype)  # 16-bit weights only
                 self.params[name] = p
         self.owned = {n: owned[n] for n in self.params}
-        self.snapshot = {n: self._owned_bits(n).copy() for n in self.params}
+        on_host = config.snapshot == "host"
+        self.snapshot = {
+            n: (self._owned(n).cpu() if on_host else self._owned(n)).clone() for n in self.params
+        }
         self.mirror = self._gather_mirror()
         self.mirror_digests = {n: tensor_digest(t) for n, t in self.mirror.items()}
         self.all_digests: dict[str, bytes] = {}
@@ -143,9 +167,24 @@ class ShardSyncer:
     def is_source(self) -> bool:
         return self.rank == self.groups.stage_source
 
-    def _owned_bits(self, name: str) -> np.ndarray:
+    def _owned(self, name: str) -> torch.Tensor:
+        """int16 view of the owned slice of a param, on the param's device."""
         start, end = self.owned[name]
-        return bits_view(self.params[name])[start:end]
+        return self.params[name].detach().view(-1)[start:end].view(torch.int16)
+
+    def _changed(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(owned-slice positions, new uint16 bits) that differ from the snapshot; updates it."""
+        cur, snap = self._owned(name), self.snapshot[name]
+        if self.config.snapshot == "device":
+            changed = (cur != snap).nonzero().squeeze(1)
+            new = cur.index_select(0, changed)
+            snap.index_copy_(0, changed, new)
+            return changed.cpu().numpy(), new.cpu().numpy().view(np.uint16)
+        cur_bits, snap_bits = cur.cpu().numpy().view(np.uint16), snap.numpy().view(np.uint16)
+        changed = np.flatnonzero(cur_bits != snap_bits)
+        new = cur_bits[changed]
+        snap_bits[changed] = new
+        return changed, new
 
     def _pieces(self) -> Iterator[tuple[str, slice, slice | None, torch.Tensor]]:
         for name, p in self.params.items():
@@ -174,12 +213,9 @@ class ShardSyncer:
         """(hf_name, hf flat indices, new bits) for every changed element this rank owns."""
         out = []
         for name in self.params:
-            cur = self._owned_bits(name)
-            changed = np.flatnonzero(cur != self.snapshot[name])
+            changed, new_bits = self._changed(name)
             if not changed.size:
                 continue
-            new_bits = cur[changed]
-            self.snapshot[name][changed] = new_bits
             local = torch.from_numpy(changed + self.owned[name][0])
             for hf_name, pos, hf_idx in self.layout.to_hf_index(name, local, self.tp_rank, self.pp_rank):
                 out.append((hf_name, hf_idx.numpy(), new_bits[pos.numpy()]))
