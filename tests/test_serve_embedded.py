@@ -238,3 +238,30 @@ def test_remote_engine_is_a_rollout_engine(embedded):
         assert isinstance(remote, RolloutEngine)
         r = httpx.post(f"{url}/generate", json={"input_ids": [1, 10_000]}, timeout=30)
         assert r.status_code == 400 and "vocab_size" in r.json()["error"]
+
+
+def test_shutdown_aborts_a_running_generation(hf_dir):
+    engine = EmbeddedEngine(hf_dir, EngineConfig(device="cpu", page_size=8, capacity_pages=4096))
+    endless = {"input_ids": list(PROMPT), "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True}}
+    outcome: dict = {}
+
+    def client(url: str) -> None:
+        try:
+            outcome["r"] = httpx.post(f"{url}/generate", json=endless, timeout=60)
+        except httpx.HTTPError as exc:
+            outcome["r"] = exc
+
+    with BackgroundServer(create_app(engine, ServerConfig(max_concurrent_batches=2))) as server:
+        t = threading.Thread(target=client, args=(server.url,))
+        t.start()
+        deadline = time.monotonic() + 20
+        while not engine.scheduler.running:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        start = time.monotonic()
+    assert time.monotonic() - start < 20, "shutdown waited for the generation"
+    t.join(30)
+    assert "r" in outcome
+    while not engine.scheduler.idle:  # the abort lands at the engine's next step
+        assert time.monotonic() - start < 20, "the generation was not aborted"
+        time.sleep(0.02)

@@ -74,15 +74,19 @@ class EngineWorker:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Fail queued jobs, let running batches finish, and join the scheduler thread."""
+        """Fail queued jobs, cancel running ones (aborted in the engine when it can), and join the
+        scheduler thread, so shutting down never waits for a long generation to finish."""
         with self._cond:
             self._stopping = True
             pending, self._queue = list(self._queue), collections.deque()
+            running = list(self._running)
             self._cond.notify_all()
-        if self._paused:
-            self.engine.resume()
         for job in pending:
             _settle(job.future, exc=RuntimeError("server is shutting down"))
+        for job in running:
+            self.cancel(job)
+        if self._paused:
+            self.engine.resume()
         self._thread.join(timeout)
         self._batch_pool.shutdown(wait=False, cancel_futures=True)
 

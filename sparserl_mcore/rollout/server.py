@@ -285,13 +285,18 @@ async def _control(worker: EngineWorker, fn: Callable[[RolloutEngine], Any]) -> 
 
 
 async def _await_or_cancel(request: Request, future: Future[Any], cancel: Callable[[], None]) -> Any:
-    """Wait for the worker's result; if the client disconnects first, cancel its job."""
+    """Wait for the worker's result; if the client disconnects first (or the server cancels the
+    handler at shutdown), cancel its job."""
     waiter = asyncio.wrap_future(future)
-    while True:
-        done, _ = await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return waiter.result()
-        if await request.is_disconnected():
-            log.info("client disconnected; cancelling its generate job")
-            await asyncio.to_thread(cancel)
-            raise HTTPException(499, "client disconnected")
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return waiter.result()
+            if await request.is_disconnected():
+                log.info("client disconnected; cancelling its generate job")
+                cancel()
+                raise HTTPException(499, "client disconnected")
+    except asyncio.CancelledError:
+        cancel()
+        raise
