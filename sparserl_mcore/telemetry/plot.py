@@ -53,7 +53,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a run killed mid-write leaves a partial last line
-        if isinstance(record, dict) and "step" in record:
+        if isinstance(record, dict) and "step" in record and "event" not in record:
             records.append(record)
     return records
 

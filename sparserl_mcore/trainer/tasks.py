@@ -1,17 +1,19 @@
 """A synthetic, verifiable "long reasoning" task a tiny model can learn on CPU: labelled running sums.
 
-The prompt lists `length` labelled digits; the completion writes, label by label, the running sum
-modulo `modulus`, then the final answer on its own line::
+The prompt lists labelled digits; the completion works through them label by label, writing
+the digit, the running sum so far and the new running sum modulo `modulus`, then the final
+answer on its own line::
 
-    prompt:     "sum a3b1c4d1e5\\n"
-    completion: "a3b4c8d9e4\\n=4"      (answer "4"; the model then emits its EOS token)
+    prompt:     "sum a3b1c4\\n"
+    completion: "a3+0=3 b1+3=4 c4+4=8\\n=8"      (answer "8"; then the model's EOS token)
 
-Each step needs two lookups: the digit after the same label in the prompt (an induction-style
-copy) and the previous running sum (two tokens back). A model cannot produce the final answer
-without writing the steps, and once KV compression has evicted prompt positions it can no longer
-find the digits: that is what makes the KV budget bite. With the character-level tokenizer of
-`sparserl model make-tiny` every character is one token, so a completion is `2 * length + 2`
-tokens (plus EOS). Difficulty knobs: `length` (a range draws per example) and `modulus`.
+Each step needs one long-range lookup, the digit after the same label in the prompt (an
+induction-style copy), and otherwise only nearby tokens (the previous sum, the digit just
+written). A model cannot produce the final answer without writing the steps, and once KV
+compression has evicted the prompt's digits it can no longer copy them: that is what makes the
+KV budget bite. With the character-level tokenizer of `sparserl model make-tiny` every character
+is one token: a completion is `7 * length + 2` tokens plus EOS (86 for the demo's 12 digits).
+Difficulty knobs: `min_length..max_length` (digits per prompt, drawn per example) and `modulus`.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ PROMPT_PREFIX = "sum "
 class RunningSumTask:
     """Labelled running sums modulo `modulus` over `min_length..max_length` digits."""
 
-    min_length: int = 32
-    max_length: int = 32
+    min_length: int = 12
+    max_length: int = 12
     modulus: int = 10
 
     def __post_init__(self) -> None:
@@ -69,7 +71,8 @@ class RunningSumTask:
 
     def completion_tokens(self) -> int:
         """Characters (= tokens of the tiny tokenizer) of the longest reference completion, EOS excluded."""
-        return 2 * self.max_length + len(ANSWER_MARK) + 1
+        step = len("a0+0=0 ")
+        return step * self.max_length - 1 + len(ANSWER_MARK) + 1
 
 
 def generate(task: RunningSumTask, n: int, seed: int) -> Iterator[dict[str, str]]:

@@ -1,0 +1,98 @@
+"""Reward verifiers: boxed-answer extraction and normalisation, the synthetic task, the registry."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparserl_mcore.rewards import REWARDS, build_reward, running_sum_reward
+from sparserl_mcore.rewards.math import answers_match, extract_boxed, math_boxed_reward
+
+
+@pytest.mark.parametrize(
+    ("text", "boxed"),
+    [
+        (r"so \boxed{42}.", "42"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"first \boxed{1} then \boxed{{a}+\sqrt{b}}", r"{a}+\sqrt{b}"),
+        (r"\fbox{7}", "7"),
+        (r"the answer is \boxed 5$", "5"),
+        (r"\boxed{unbalanced", None),
+        ("no box here", None),
+    ],
+)
+def test_extract_boxed(text: str, boxed: str | None) -> None:
+    assert extract_boxed(text) == boxed
+
+
+@pytest.mark.parametrize(
+    ("predicted", "reference"),
+    [
+        (r"\frac{1}{2}", "0.5"),
+        (r"\dfrac12", "1/2"),
+        (r"\tfrac{3}{4}", r"\frac{3}{4}"),
+        ("1,000", "1000"),
+        ("42.", "42"),
+        ("2.50", "5/2"),
+        ("-3", "-3.0"),
+        ("x = 3", "3"),
+        (r"30^\circ", "30"),
+        (r"10\%", "10"),
+        (r"\text{ 7 }", "7"),
+        (r"\left( 1, 2 \right)", "(1,2)"),
+        (r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt{3}}{2}"),
+        ("$12$", "12"),
+    ],
+)
+def test_normaliser_accepts_equivalent_answers(predicted: str, reference: str) -> None:
+    assert answers_match(predicted, reference)
+    assert math_boxed_reward(rf"... \boxed{{{predicted}}}", reference, use_math_verify=False) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("predicted", "reference"),
+    [("3", "4"), ("0.5", "0.25"), (r"\frac{1}{3}", "0.33"), ("12", "1,2"), ("", "0"), ("(1,2)", "(2,1)")],
+)
+def test_normaliser_rejects_different_answers(predicted: str, reference: str) -> None:
+    assert not answers_match(predicted, reference)
+
+
+def test_math_reward_needs_a_box_and_reads_a_boxed_reference() -> None:
+    assert math_boxed_reward("the answer is 4", "4") == 0.0
+    assert math_boxed_reward(r"\boxed{4}", r"so \boxed{4}") == 1.0
+    assert math_boxed_reward(r"\boxed{5}", "4") == 0.0
+
+
+def test_running_sum_reward() -> None:
+    assert running_sum_reward("a3+0=3 b1+3=4\n=4", "4") == 1.0
+    assert running_sum_reward("a3+0=3 b1+3=4\n=4 trailing junk\n=9", "4") == 1.0  # first answer counts
+    assert running_sum_reward("a3+0=3 b1+3=4\n=41", "4") == 0.0
+    assert running_sum_reward("a3+0=3 b1+3=4", "4") == 0.0
+    assert running_sum_reward("=4", "4") == 1.0
+    with pytest.raises(ValueError, match="not an integer"):
+        running_sum_reward("\n=4", "four")
+
+
+def test_registry_and_import_path_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert set(REWARDS) == {"math_boxed", "running_sum"}
+    assert build_reward("running_sum")("\n=3", "3") == 1.0
+    with pytest.raises(KeyError, match="math_boxed, running_sum"):
+        build_reward("gsm8k")
+    (tmp_path / "my_rewards.py").write_text(
+        "def length_penalty(completion, answer, *, limit=5):\n"
+        "    return 1.0 if answer in completion and len(completion) <= limit else 0.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = build_reward("my_rewards:length_penalty", {"limit": 3})
+    assert fn("ab", "a") == 1.0 and fn("abcd", "a") == 0.0
+    with pytest.raises(ValueError, match="does not accept kwargs"):
+        build_reward("my_rewards:length_penalty", {"limt": 3})
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        build_reward("my_rewards:nope")
+    with pytest.raises(ValueError, match="cannot import module"):
+        build_reward("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="import path looks like"):
+        build_reward("my_rewards:")
+    sys.modules.pop("my_rewards", None)
