@@ -16,8 +16,13 @@ import json
 import time
 from pathlib import Path
 
-TASK_LENGTH = 8  # digits per prompt: prompt ~21 tokens + completion ~19 tokens
-KV_BUDGET = 24  # retained KV positions per layer/head, ~60% of the ~41-token sequences
+from sparserl_mcore.trainer.tasks import RunningSumTask
+
+TASK_LENGTH = 4  # digits per prompt: a 13-token prompt, a 30-token completion ("a3+0=3 b1+3=4 ...")
+KV_BUDGET = 24  # retained KV positions per layer/head: ~55% of the ~44-token sequences
+
+
+TASK = RunningSumTask(min_length=TASK_LENGTH, max_length=TASK_LENGTH)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +46,7 @@ def demo_config(out: Path, steps: int, tp: int) -> dict:
         "rollout": {
             "engine": "embedded",
             "group_size": 8,
-            "sampling": {"temperature": 1.0, "max_new_tokens": 2 * TASK_LENGTH + 6},
+            "sampling": {"temperature": 1.0, "max_new_tokens": TASK.completion_tokens() + 4},
             "kv": {"method": "snapkv", "budget": KV_BUDGET, "interval": 4, "window": 4, "kernel_size": 3},
         },
         "reward": {"name": "running_sum"},
@@ -68,8 +73,7 @@ def prepare(out: Path, console) -> None:
     from sparserl_mcore.trainer import tasks
     from sparserl_mcore.trainer.warmstart import WarmStartConfig, warm_start
 
-    task = tasks.RunningSumTask(min_length=TASK_LENGTH, max_length=TASK_LENGTH)
-    train_path, _ = tasks.write_splits(task, out / "data", n_train=2000, n_eval=64, seed=0)
+    train_path, _ = tasks.write_splits(TASK, out / "data", n_train=2000, n_eval=64, seed=0)
     if (out / "warm" / "config.json").is_file():
         console.print(f"reusing warm-started model {out / 'warm'}")
         return

@@ -67,6 +67,7 @@ class EnginePool:
         self.live: dict[str, Any] = dict(engines)
         self.dead: dict[str, str] = {}  # name -> reason it left the pool
         self._on_event = on_event
+        self.on_chunk_done: Callable[[int], None] = lambda n: None  # progress display hook
 
     def __len__(self) -> int:
         return len(self.live)
@@ -143,6 +144,7 @@ class EnginePool:
             self._retry(chunk, pending, name, "samples do not match the request ids")
         else:
             done[chunk.index] = samples
+            self.on_chunk_done(len(samples))
 
     def _retry(self, chunk: _Chunk, pending: queue.Queue, engine: str, why: str) -> None:
         if chunk.attempts >= self.cfg.max_attempts:

@@ -21,6 +21,7 @@ import torch
 from sparserl_mcore import parallel
 from sparserl_mcore.config import RunConfig, load_config
 from sparserl_mcore.loss import megatron_step
+from sparserl_mcore.telemetry import RunProgress
 from sparserl_mcore.trainer import checkpoint
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
@@ -76,7 +77,19 @@ class Trainer:
 
     # -- the run -------------------------------------------------------------------------------
     def fit(self) -> RunSummary:
+        p = self.parts
+        show = p.telemetry.enabled and self.cfg.telemetry.progress
+        with RunProgress(
+            self.cfg.train.steps, enabled=show, console=getattr(p.telemetry, "console", None)
+        ) as bars:
+            self.progress = bars
+            if p.pool is not None:
+                p.pool.on_chunk_done = bars.advance_rollouts
+            return self._fit()
+
+    def _fit(self) -> RunSummary:
         self.resume()
+        self.progress.step_done(self.state.step)
         p = self.parts
         if self.cfg.eval.at_start and self.state.step == 0:
             p.telemetry.log(self.evaluate(), step=0)
@@ -104,6 +117,7 @@ class Trainer:
         cfg, p, step = self.cfg, self.parts, self.state.step + 1
         timer = _Timer()
         prompts = p.data.next_prompts(cfg.train.prompts_per_step)
+        self.progress.rollouts(len(prompts) * cfg.rollout.group_size)
         with timer("rollout"):
             samples, rewards = generate_and_score(
                 p.pool,
@@ -138,9 +152,12 @@ class Trainer:
         self.state.step, self.state.rollouts = step, self.state.rollouts + len(samples)
         metrics.update(timer.metrics(), **{"train/rollouts": self.state.rollouts})
         p.telemetry.log(metrics, step=step)
+        self.progress.step_done(step, info=f"reward {metrics['rollout/reward_mean']:.3f}")
 
     # -- pieces ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
+        if self.cfg.eval.compressed:
+            self.progress.rollouts(len(self.parts.evaluator.prompts))
         return self.parts.evaluator.run(self.parts.pool, self.parts.dense_pool)
 
     def _trim(self, batch: RolloutBatch) -> RolloutBatch:
@@ -179,6 +196,7 @@ class Trainer:
             logp_ref_BT=logp_ref,
         )
         cfg = dataclasses.replace(learner.update_cfg, minibatches_per_epoch=self._updates_per_epoch)
+        self.progress.updates(self._updates_per_epoch * learner.gate.cfg.max_reuse)
         result = megatron_step.train_on_batch(
             learner.model,
             learner.optimizer,
@@ -188,6 +206,7 @@ class Trainer:
             runtime=rt,
             scheduler=learner.scheduler,
         )
+        self.progress.advance_updates(len(result.updates), info="gated" if result.gated else "")
         skipped = sum(u.get("train/found_inf", 0.0) > 0 for u in result.updates)
         if skipped:
             self.state.skipped_updates += skipped

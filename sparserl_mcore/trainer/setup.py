@@ -17,17 +17,17 @@ import torch.distributed as dist
 
 from sparserl_mcore.ckpt.hf_io import copy_hf_metadata, export_hf_weights, load_hf_weights, write_index
 from sparserl_mcore.ckpt.layout import layout_for
-from sparserl_mcore.config import RunConfig
+from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.loss.dgg import DynamicGradientGate
 from sparserl_mcore.rewards import build_reward
+from sparserl_mcore.telemetry import MetricsLogger
 from sparserl_mcore.trainer import learner as learner_lib
 from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
 from sparserl_mcore.trainer.evaluate import Evaluator
 from sparserl_mcore.trainer.loop import Trainer
 from sparserl_mcore.trainer.prompts import PromptData
 from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt
-from sparserl_mcore.trainer.run_log import RunLog
 from sparserl_mcore.trainer.weight_sync import WeightSyncer
 
 
@@ -151,7 +151,7 @@ class Parts:
     reward_fn: Any
     syncer: WeightSyncer
     evaluator: Evaluator
-    telemetry: RunLog
+    telemetry: MetricsLogger
     kv_bytes_per_token: int
 
 
@@ -163,7 +163,7 @@ def kv_bytes_per_token(spec: Any, runtime: Any) -> int:
 
 def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
     host = runtime.rank == HOST_RANK
-    log = RunLog(cfg.telemetry, enabled=host)
+    log = MetricsLogger(cfg.telemetry, enabled=host, run_config=to_dict(cfg), device_index=runtime.local_rank)
     pool_cfg = PoolConfig(
         chunk_size=cfg.rollout.group_size,
         chunk_timeout_s=cfg.rollout.request_timeout_s,
