@@ -54,16 +54,16 @@ class _CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA device arguments of torch calls to CPU (point 1 of the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = _CPU
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
+        if kwargs and (_is_cuda_device(kwargs.get("device")) or kwargs.get("pin_memory")):
+            kwargs = dict(kwargs)
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = _CPU
+            kwargs.pop("pin_memory", None)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
-        return func(*args, **kwargs)
+        return func(*args, **(kwargs or {}))
 
 
 class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
