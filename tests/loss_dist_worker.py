@@ -11,6 +11,7 @@ update. With --spike it also runs the DGG spike scenario and records every rank'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import re
 
@@ -197,7 +198,7 @@ def run_layout(hf_dir: str, out_file: pathlib.Path, tp: int, pp: int, spike: boo
     result = {"updates": [], "energies": [], "metrics": []}
 
     # 1. one update (K=1, one minibatch); the reduced grads stay in main_grad until the next update.
-    one = UpdateConfig(**{**UPDATE_CFG.__dict__, "minibatches_per_epoch": 1})
+    one = dataclasses.replace(UPDATE_CFG, minibatches_per_epoch=1)
     gate = DynamicGradientGate(DGGConfig(max_reuse=1))
     res = train_on_batch(
         model,
@@ -256,7 +257,7 @@ def spike_scenario(model, optimizer, runtime) -> dict:
     )
     if runtime.is_last_stage:
         lm_head_weight(model).register_hook(lambda g: g * 30.0 if scheduler.num_steps in SPIKE_STEPS else g)
-    cfg = UpdateConfig(**{**UPDATE_CFG.__dict__, "minibatches_per_epoch": 1})
+    cfg = dataclasses.replace(UPDATE_CFG, minibatches_per_epoch=1)
     batches = []
     for seed in (3, 4, 5):
         res = train_on_batch(

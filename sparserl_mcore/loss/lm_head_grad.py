@@ -40,20 +40,17 @@ def leaf_optimizers(optimizer) -> list:
 
 def _owned_grad(param: torch.nn.Parameter, optimizer, dp_group: dist.ProcessGroup) -> Tensor | None:
     """The part of `param`'s reduced gradient this DP rank is responsible for (None: nothing)."""
-    grad = getattr(param, "main_grad", None)
-    if grad is None:
-        grad = param.grad
+    grad = param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
     if grad is None:
         return None
-    for leaf in leaf_optimizers(optimizer):
-        if isinstance(leaf, DistributedOptimizer):
-            if param not in leaf.model_param_gbuf_map:
-                continue
+    distributed = [leaf for leaf in leaf_optimizers(optimizer) if isinstance(leaf, DistributedOptimizer)]
+    if not distributed:
+        return grad if dp_group.rank() == 0 else None
+    for leaf in distributed:
+        if param in leaf.model_param_gbuf_map:  # holds only the params this rank owns a range of
             owned = leaf._get_model_param_range_map(param)["param"]
             return grad.view(-1)[owned.start : owned.end]
-    if any(isinstance(leaf, DistributedOptimizer) for leaf in leaf_optimizers(optimizer)):
-        return None  # another DP rank owns all of it
-    return grad if dp_group.rank() == 0 else None
+    return None
 
 
 def lm_head_grad_energy(

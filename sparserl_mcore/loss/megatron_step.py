@@ -102,7 +102,9 @@ class UpdateResult:
     decisions: list[GateDecision]
 
 
-def _token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor, *, runtime: Runtime, cfg: UpdateConfig):
+def _token_logprobs(
+    logits_BTV: Tensor, tokens_BT: Tensor, *, runtime: Runtime, temperature: float, vocab_size
+):
     """[B, T] log-probs and entropies from TP-local logits; position 0 (no context) is 0."""
     v_local = logits_BTV.shape[-1]
     logp, ent = vocab_parallel_logprobs(
@@ -110,8 +112,8 @@ def _token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor, *, runtime: Runtime, 
         tokens_BT[:, 1:],
         group=runtime.groups.tp,
         vocab_start=runtime.tp_rank * v_local,
-        vocab_size=cfg.vocab_size,
-        temperature=cfg.temperature,
+        vocab_size=vocab_size,
+        temperature=temperature,
     )
     pad = (1, 0)
     return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(ent, pad)
@@ -127,10 +129,15 @@ def compute_logprobs(
     runtime: Runtime,
 ) -> Tensor | None:
     """Per-token log-probs of `tokens_BT` under `model` (forward only, no vocab gather)."""
-    cfg = UpdateConfig(micro_batch_size=micro_batch_size, temperature=temperature, vocab_size=vocab_size)
+    if micro_batch_size < 1 or tokens_BT.shape[0] % micro_batch_size:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} must divide the batch size {tokens_BT.shape[0]}"
+        )
 
     def post(logits_BTV: Tensor, tokens: Tensor) -> Tensor:
-        return _token_logprobs(logits_BTV, tokens, runtime=runtime, cfg=cfg)[0]
+        return _token_logprobs(
+            logits_BTV, tokens, runtime=runtime, temperature=temperature, vocab_size=vocab_size
+        )[0]
 
     tokens_BT = tokens_BT.to(runtime.device)
     outputs = forward_only(
@@ -143,7 +150,9 @@ def _loss_func(
     mb: dict, logits_BTV: Tensor, *, totals: LossTotals, scale: float, runtime: Runtime, cfg: UpdateConfig
 ):
     """megatron's loss_func contract: (loss, metrics); `scale` undoes its micro-batch/DP averaging."""
-    logp, ent = _token_logprobs(logits_BTV, mb["tokens"], runtime=runtime, cfg=cfg)
+    logp, ent = _token_logprobs(
+        logits_BTV, mb["tokens"], runtime=runtime, temperature=cfg.temperature, vocab_size=cfg.vocab_size
+    )
     entropy = ent if cfg.policy.entropy_coef > 0 else ent.detach()
     loss, metrics = policy_loss(
         logp,
