@@ -115,6 +115,11 @@ def build_spec(
     impl = transformer_impl or ("transformer_engine" if not cpu and te_available() else "local")
     if impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"transformer_impl={impl!r}; choose one of {TRANSFORMER_IMPLS}")
+    if impl == "local" and parallel.context_parallel_size > 1:
+        raise ValueError(
+            f"context_parallel_size={parallel.context_parallel_size} needs the transformer_engine spec "
+            "(GPU with transformer_engine installed); the local SDPA attention has no context parallelism"
+        )
     return ModelSpec(
         arch=hf.arch,
         hf=hf,

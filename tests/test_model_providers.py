@@ -109,5 +109,7 @@ def test_build_spec_rejects_impossible_layouts_and_dtypes():
         build_spec(tiny("llama"), ParallelConfig(tensor_model_parallel_size=4))
     with pytest.raises(ValueError, match=r"params_dtype='float16'; choose one of \['bfloat16', 'float32'\]"):
         build_spec(tiny("llama"), ParallelConfig(), params_dtype="float16")
+    with pytest.raises(ValueError, match="context_parallel_size=2 needs the transformer_engine spec"):
+        build_spec(tiny("llama"), ParallelConfig(context_parallel_size=2), cpu=True)
     with pytest.raises(ValueError, match="transformer_impl='apex'"):
         build_spec(tiny("llama"), ParallelConfig(), transformer_impl="apex")

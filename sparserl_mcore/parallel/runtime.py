@@ -119,7 +119,8 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
     """Initialise torch.distributed, megatron parallel state and RNG; return this rank's `Runtime`.
 
     `backend` defaults to "nccl" when CUDA is available and "gloo" otherwise; with gloo the CPU
-    execution mode (`parallel.cpu_mode`) is entered until `shutdown()`.
+    execution mode (`parallel.cpu_mode`) is entered until `shutdown()`. On failure everything set
+    up so far is torn down again.
     """
     launch = _launch_env()
     cfg.validate_world(launch.world_size)
@@ -131,25 +132,32 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
     else:
         device = torch.device("cpu")
         cpu_mode.enable()
-    _init_process_group(launch, backend, device)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        context_parallel_size=cfg.context_parallel_size,
-        create_gloo_process_groups=use_cuda,
-    )
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    _seed_everything(seed, pp_rank)
+    try:
+        _init_process_group(launch, backend, device)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+            context_parallel_size=cfg.context_parallel_size,
+            create_gloo_process_groups=use_cuda,
+        )
+        _seed_everything(seed, parallel_state.get_pipeline_model_parallel_rank())
+        return _describe(launch, device, cfg)
+    except BaseException:
+        shutdown()
+        raise
+
+
+def _describe(launch: _LaunchEnv, device: torch.device, cfg: ParallelConfig) -> Runtime:
     return Runtime(
         rank=launch.rank,
         world_size=launch.world_size,
         local_rank=launch.local_rank,
         device=device,
-        cpu=not use_cuda,
+        cpu=device.type == "cpu",
         parallel=cfg,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         tp_size=cfg.tensor_model_parallel_size,
-        pp_rank=pp_rank,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         pp_size=cfg.pipeline_model_parallel_size,
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
