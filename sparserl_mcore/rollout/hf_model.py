@@ -22,6 +22,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+# Projections stored back to back in one tensor per layer so each runs as ONE matmul; the HF-named
+# entries of `CausalLM.params` are row views into it, so in-place updates by HF name still work.
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+}
 # model_type -> whether attention applies a per-head RMSNorm to q and k (Qwen3) before RoPE.
 ARCHITECTURES: dict[str, bool] = {"qwen2": False, "qwen3": True, "llama": False}
 ROPE_TYPES = ("default", "llama3")
@@ -182,6 +188,7 @@ class CausalLM:
         self.device = torch.device(device)
         self.dtype = dtype
         self.params = self._checked(params)
+        self.fused = [self._fuse(layer) for layer in range(cfg.num_layers)]
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
 
     @classmethod
@@ -203,6 +210,27 @@ class CausalLM:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {shape}")
             out[name] = tensor.to(device=self.device, dtype=self.dtype).contiguous()
         return out
+
+    def _fuse(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Concatenate the FUSED projections of one layer; rebind their HF names to views."""
+        out = {}
+        for key, parts in FUSED.items():
+            names = [f"model.layers.{layer}.{part}" for part in parts]
+            weight = self._concat_and_rebind([n + ".weight" for n in names])
+            biases = [n + ".bias" for n in names if n + ".bias" in self.params]
+            if biases and len(biases) != len(names):
+                raise ValueError(f"layer {layer}: only {biases} of the {key} projections have a bias")
+            out[key] = (weight, self._concat_and_rebind(biases) if biases else None)
+        return out
+
+    def _concat_and_rebind(self, names: list[str]) -> torch.Tensor:
+        fused = torch.cat([self.params[n] for n in names])
+        offset = 0
+        for n in names:
+            rows = self.params[n].shape[0]
+            self.params[n] = fused[offset : offset + rows]
+            offset += rows
+        return fused
 
     def update(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into the live parameters in place; all checked before any is written."""
@@ -242,9 +270,11 @@ class CausalLM:
         """Post-RoPE q [T, Hq, d], k [T, Hk, d] and v [T, Hk, d] of `layer` for residual h [T, D]."""
         cfg, p = self.cfg, f"model.layers.{layer}."
         x = self._norm(h, self.params[p + "input_layernorm.weight"])
-        q = self._linear(x, p + "self_attn.q_proj").view(-1, cfg.num_heads, cfg.head_dim)
-        k = self._linear(x, p + "self_attn.k_proj").view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = self._linear(x, p + "self_attn.v_proj").view(-1, cfg.num_kv_heads, cfg.head_dim)
+        qkv = F.linear(x, *self.fused[layer]["qkv"])
+        q, k, v = qkv.split([cfg.num_heads * cfg.head_dim, *[cfg.num_kv_heads * cfg.head_dim] * 2], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = self._norm(q, self.params[p + "self_attn.q_norm.weight"])
             k = self._norm(k, self.params[p + "self_attn.k_norm.weight"])
@@ -256,7 +286,7 @@ class CausalLM:
         p = f"model.layers.{layer}."
         h = h + self._linear(attn.reshape(attn.shape[0], -1), p + "self_attn.o_proj")
         x = self._norm(h, self.params[p + "post_attention_layernorm.weight"])
-        gate, up = self._linear(x, p + "mlp.gate_proj"), self._linear(x, p + "mlp.up_proj")
+        gate, up = F.linear(x, *self.fused[layer]["gate_up"]).chunk(2, dim=-1)
         return h + self._linear(F.silu(gate) * up, p + "mlp.down_proj")
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

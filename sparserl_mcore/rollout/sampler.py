@@ -21,12 +21,10 @@ def sample(
     """Draw one token per row of fp32 logits [B, V]; returns (tokens, log-probs)."""
     temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=logits.device)
     logp = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
-    tokens: list[int] = []
+    tokens = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
-            tokens.append(int(logits[row].argmax()))
-        else:
-            tokens.append(_draw(logp[row], p, gen))
+        if not p.greedy:
+            tokens[row] = _draw(logp[row], p, gen)
     chosen = torch.tensor(tokens, dtype=torch.long, device=logits.device)
     return tokens, logp.gather(1, chosen[:, None])[:, 0].tolist()
 

@@ -419,13 +419,8 @@ class Scheduler:
 
 
 def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Stack 1-D slot tensors of different lengths, padding with each row's first slot (masked)."""
-    width = max(x.shape[0] for x in rows)
-    out = torch.empty(len(rows), width, dtype=torch.long, device=rows[0].device)
-    for i, x in enumerate(rows):
-        out[i, : x.shape[0]] = x
-        out[i, x.shape[0] :] = x[0]
-    return out
+    """Stack 1-D slot tensors of different lengths, padding with slot 0 (a real, finite, masked slot)."""
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
 
 
 def _common_pages(a: tuple[int, ...], b: tuple[int, ...], limit: int, page_size: int) -> int:
