@@ -28,6 +28,16 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+# Component configs owned elsewhere, reused here as sections.
+from sparserl_mcore.loss.correction import CorrectionConfig
+from sparserl_mcore.loss.dgg import DGGConfig
+from sparserl_mcore.loss.policy import PolicyLossConfig
+from sparserl_mcore.parallel.config import ParallelConfig
+from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
+from sparserl_mcore.rollout.protocol import SamplingParams
+from sparserl_mcore.sync.codec import CodecConfig
+from sparserl_mcore.sync.transport_dir import DirectoryConfig
+
 T = TypeVar("T")
 
 
@@ -208,16 +218,6 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # The schema
 # ---------------------------------------------------------------------------------------------
-# Component configs owned elsewhere, reused as sections (imported after the generic machinery,
-# which needs none of them).
-from sparserl_mcore.loss.correction import CorrectionConfig  # noqa: E402
-from sparserl_mcore.loss.dgg import DGGConfig  # noqa: E402
-from sparserl_mcore.loss.policy import PolicyLossConfig  # noqa: E402
-from sparserl_mcore.parallel.config import ParallelConfig  # noqa: E402
-from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig  # noqa: E402
-from sparserl_mcore.rollout.protocol import SamplingParams  # noqa: E402
-from sparserl_mcore.sync.codec import CodecConfig  # noqa: E402
-from sparserl_mcore.sync.transport_dir import DirectoryConfig  # noqa: E402
 
 
 def _positive(section: object, *names: str) -> None:

@@ -75,6 +75,9 @@ class RunningSumTask:
         return step * self.max_length - 1 + len(ANSWER_MARK) + 1
 
 
+DEMO_TASK = RunningSumTask(min_length=12, max_length=12)  # 86-token completions, ~29-token prompts
+
+
 def generate(task: RunningSumTask, n: int, seed: int) -> Iterator[dict[str, str]]:
     """`n` examples, deterministic in `seed`."""
     rng = random.Random(seed)

@@ -6,13 +6,14 @@ task for a few hundred steps with plain HF transformers on CPU. It stops early o
 loss reaches `target_loss`, which leaves a partly trained policy (tens of percent exact answers):
 signal for GRPO and room to rise. Seeded, and the output checkpoint is written atomically.
 
-    result = warm_start("tiny-random", rows, "tiny-warm", WarmStartConfig(steps=400))
-    acc = evaluate_reward("tiny-warm", eval_rows, running_sum_reward, temperature=0.0)
+    policy = prepare_policy("runs/demo")          # data splits + make-tiny + warm start (DEMO_*)
+    acc = evaluate_reward(policy.model_dir, eval_rows, running_sum_reward, max_new_tokens=96)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import random
@@ -23,6 +24,8 @@ from pathlib import Path
 import torch
 
 from sparserl_mcore.ckpt.atomic import atomic_output_dir
+from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
+from sparserl_mcore.trainer.tasks import DEMO_TASK, RunningSumTask, write_splits
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,3 +193,41 @@ def evaluate_reward(
         seed=seed,
     )
     return sum(reward(c, r["answer"]) for c, r in zip(completions, rows, strict=True)) / len(rows)
+
+
+# The demo's starting policy: make-tiny shape and warm-start schedule. Measured (time, greedy and
+# sampled reward) by benchmarks/bench_warmstart.py, recorded in docs/benchmarks.md.
+DEMO_MODEL = TinyModelConfig(arch="qwen2", layers=2, hidden=64, heads=4, kv_heads=2, ffn=256, seed=0)
+DEMO_WARM_START = WarmStartConfig(steps=400, batch_size=32, lr=3e-3, warmup_steps=20, target_loss=0.2, seed=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreparedPolicy:
+    train_path: Path
+    eval_path: Path
+    model_dir: Path
+    result: WarmStartResult | None  # None when an existing warm-started model was reused
+
+
+def prepare_policy(
+    out_dir: str | os.PathLike,
+    *,
+    task: RunningSumTask = DEMO_TASK,
+    model: TinyModelConfig = DEMO_MODEL,
+    cfg: WarmStartConfig = DEMO_WARM_START,
+    n_train: int = 4000,
+    n_eval: int = 128,
+    seed: int = 0,
+    log: Callable[[int, float], None] | None = None,
+) -> PreparedPolicy:
+    """Task splits (out/data/{train,eval}.jsonl), a random tiny model (out/tiny) and its warm
+    start (out/warm). An existing out/warm/config.json is reused, so a re-run skips the training."""
+    out = Path(out_dir)
+    train_path, eval_path = write_splits(task, out / "data", n_train=n_train, n_eval=n_eval, seed=seed)
+    warm = out / "warm"
+    if (warm / "config.json").is_file():
+        return PreparedPolicy(train_path=train_path, eval_path=eval_path, model_dir=warm, result=None)
+    tiny = make_tiny(model, out / "tiny", overwrite=True)
+    rows = [json.loads(line) for line in train_path.read_text().splitlines()]
+    result = warm_start(tiny, rows, warm, cfg, overwrite=True, log=log)
+    return PreparedPolicy(train_path=train_path, eval_path=eval_path, model_dir=warm, result=result)
