@@ -153,10 +153,17 @@ class HFReceiver:
     Keeps the held version and per-tensor digests so a patch rehashes only the tensors it touches.
     """
 
-    def __init__(self, state: MutableMapping[str, torch.Tensor], *, version: int | None = None) -> None:
+    def __init__(
+        self,
+        state: MutableMapping[str, torch.Tensor],
+        *,
+        version: int | None = None,
+        digests: Mapping[str, bytes] | None = None,
+    ) -> None:
+        """`digests`: per-tensor digests of `state` when already known (else hashed here)."""
         self.state = state
         self.version = version
-        self.digests = state_dict_digests(state)
+        self.digests = dict(digests) if digests is not None else state_dict_digests(state)
 
     def apply(self, data: bytes | list[bytes]) -> ApplyResult:
         result = apply_patch(self.state, data, version=self.version, digests=self.digests)
