@@ -207,7 +207,7 @@ def _stage_hf_tensors(
     shard = layout.shard(tp_rank, pp_rank)
     _check_param_names(params, shard, tp_rank, pp_rank)
     tp_size = 1 if tp_group is None else tp_group.size()
-    # Pieces of one HF tensor can come from one param (most) or two (none today), so group by HF name.
+    # An HF tensor arrives in pieces (QKV segments of each query group, TP ranks): group by HF name.
     order = list(dict.fromkeys(n for p in layout.shard(0, pp_rank).values() if p.emit for n in p.hf_names))
     by_name: dict[str, list] = {n: [] for n in order}
     for name, pmap in shard.items():

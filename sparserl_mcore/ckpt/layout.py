@@ -103,7 +103,7 @@ class ModelLayout:
         self.fused_norms = fused_norms
         self.layers_per_stage = hf.num_layers // pp_size
         self.hf_shapes: dict[str, tuple[int, ...]] = _hf_shapes(hf)
-        self._tables: dict[tuple[ParamMap, str | None], dict] = {}
+        self._tables: dict[tuple[ParamMap, str | None, str], dict] = {}
 
     def __repr__(self) -> str:
         return (
@@ -207,7 +207,7 @@ class ModelLayout:
             return []
         idx = local_flat_idx.to(torch.int64)
         row, col = idx // param.cols, idx % param.cols
-        table = self._table(param, None)
+        table = self._table(param, None, idx.device)
         seg = torch.searchsorted(table["local_row"], row, right=True) - 1
         hf_row = row - table["local_row"][seg] + table["hf_row"][seg]
         hf_flat = hf_row * table["hf_cols"][seg] + table["hf_col"][seg] + col
@@ -234,7 +234,7 @@ class ModelLayout:
         hf_row, hf_col = idx // hf_cols, idx % hf_cols
         out = []
         for param in self._hf_index(tp_rank, pp_rank).get(hf_name, []):
-            table = self._table(param, hf_name)
+            table = self._table(param, hf_name, idx.device)
             seg = (torch.searchsorted(table["hf_row"], hf_row, right=True) - 1).clamp_(min=0)
             row_in = hf_row - table["hf_row"][seg]
             col_in = hf_col - table["hf_col"][seg]
@@ -246,17 +246,17 @@ class ModelLayout:
                 out.append((param.name, pos, local))
         return out
 
-    def _table(self, param: ParamMap, hf_name: str | None) -> dict:
-        """Cached segment table of `param`: all segments by local row (hf_name None), or the
-        segments of one HF tensor by HF row."""
-        cache_key = (param, hf_name)
+    def _table(self, param: ParamMap, hf_name: str | None, device: torch.device) -> dict:
+        """Cached segment table of `param` on `device` (that of the queried indices): all segments
+        by local row (hf_name None), or the segments of one HF tensor by HF row."""
+        cache_key = (param, hf_name, str(device))
         if cache_key not in self._tables:
             if hf_name is None:
                 table = _segment_table(param.segments, self.hf_shapes, "local_row")
             else:
                 segs = sorted((s for s in param.segments if s.hf_name == hf_name), key=lambda s: s.hf_row)
                 table = _segment_table(tuple(segs), self.hf_shapes, "hf_row")
-            self._tables[cache_key] = table
+            self._tables[cache_key] = {k: v.to(device) if k != "names" else v for k, v in table.items()}
         return self._tables[cache_key]
 
     # ---- parameter builders ------------------------------------------------------------------------
