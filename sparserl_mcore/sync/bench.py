@@ -77,7 +77,8 @@ class MixedPrecisionAdam:
         self.optimizer.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.master, strict=True):
-                p.copy_(m)
+                p.copy_(m)  # round-to-nearest-even fp32 -> bf16, what megatron's cast does
+                m.grad = None
 
 
 def _time(fn, repeat: int, setup=lambda: None):
