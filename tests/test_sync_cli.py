@@ -83,6 +83,7 @@ def test_diff_apply_inspect_files(tmp_path, capsys):
         == 0
     )
     assert _same(load_file(out), new)
+    assert out.read_bytes() == (tmp_path / "b.safetensors").read_bytes()  # the file itself, too
 
 
 def test_apply_to_wrong_base_fails_and_writes_nothing(tmp_path, capsys):

@@ -20,22 +20,19 @@ from safetensors.torch import load_file, save_file
 INDEX = "model.safetensors.index.json"
 
 
-def weight_files(path: Path) -> dict[str, list[str]]:
-    """file name -> tensor names, for a safetensors file or an HF directory."""
+def weight_files(path: Path) -> list[str]:
+    """The safetensors file names of a file or an HF directory (its index's, else `*.safetensors`)."""
     path = Path(path)
     if path.is_file():
-        return {path.name: []}
+        return [path.name]
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is neither a safetensors file nor an HF directory")
     if (path / INDEX).exists():
-        files: dict[str, list[str]] = {}
-        for name, file in json.loads((path / INDEX).read_text())["weight_map"].items():
-            files.setdefault(file, []).append(name)
-        return files
+        return sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
     found = sorted(p.name for p in path.glob("*.safetensors"))
     if not found:
         raise FileNotFoundError(f"{path} holds no *.safetensors files")
-    return {name: [] for name in found}
+    return found
 
 
 def load_state(path: Path) -> dict[str, torch.Tensor]:
@@ -51,16 +48,16 @@ def load_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _names(file: Path) -> list[str]:
+def _names_and_metadata(file: Path) -> tuple[list[str], dict[str, str] | None]:
     with safe_open(file, framework="pt") as f:
-        return list(f.keys())
+        return list(f.keys()), f.metadata()
 
 
-def _atomic_file(state: dict[str, torch.Tensor], out: Path) -> None:
+def _atomic_file(state: dict[str, torch.Tensor], out: Path, metadata: dict[str, str] | None) -> None:
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        save_file(state, tmp, metadata={"format": "pt"})
+        save_file(state, tmp, metadata=metadata)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -68,7 +65,9 @@ def _atomic_file(state: dict[str, torch.Tensor], out: Path) -> None:
 
 
 def save_state_like(state: dict[str, torch.Tensor], out: Path, like: Path) -> None:
-    """Write `state` to `out` in the same form as `like` (file, or directory with its split).
+    """Write `state` to `out` in the same form as `like` (file, or directory with its split), with
+    `like`'s safetensors metadata: patched weights of a checkpoint written like the target come out
+    byte-identical to it.
 
     A file is replaced atomically; a directory is built beside `out` and renamed into place, and
     `out` must not exist yet.
@@ -76,7 +75,7 @@ def save_state_like(state: dict[str, torch.Tensor], out: Path, like: Path) -> No
     out, like = Path(out), Path(like)
     out.parent.mkdir(parents=True, exist_ok=True)
     if like.is_file():
-        _atomic_file(state, out)
+        _atomic_file(state, out, _names_and_metadata(like)[1])
         return
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new directory for the output")
@@ -85,11 +84,9 @@ def save_state_like(state: dict[str, torch.Tensor], out: Path, like: Path) -> No
         for item in like.iterdir():
             if item.suffix != ".safetensors" and item.is_file():
                 shutil.copy2(item, tmp / item.name)
-        files = weight_files(like)
-        if all(not names for names in files.values()):  # no index: one file per source file
-            files = {file: _names(like / file) for file in files}
-        for file, names in files.items():
-            save_file({n: state[n] for n in names}, tmp / file, metadata={"format": "pt"})
+        for file in weight_files(like):
+            names, metadata = _names_and_metadata(like / file)
+            save_file({n: state[n] for n in names}, tmp / file, metadata=metadata)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
