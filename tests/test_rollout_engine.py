@@ -236,3 +236,31 @@ def test_weight_updates_flush_cache_and_apply_sync_patches(hf_model):
         engine.model.params["model.norm.weight"], hf_state["model.norm.weight"].float()
     )
     assert engine.radix.num_pages == 0
+
+
+def test_bf16_engine_applies_sparse_patch_in_place_and_rejects_bad_one(hf_model):
+    """bf16 parameters ARE the sync target (fused q/k/v and gate/up rows are views): a sparse patch
+    lands in place, verifies, and changes generation; a patch against the wrong base changes nothing."""
+    from sparserl_mcore.sync.codec import PatchError, encode_patch
+    from sparserl_mcore.sync.diff import make_patch
+
+    _, path = hf_model
+    engine = _engine(path, dtype="bfloat16")
+    old = {n: t.clone() for n, t in engine.model.params.items()}
+    new = dict(old)
+    new["model.layers.0.self_attn.k_proj.weight"] = old["model.layers.0.self_attn.k_proj.weight"] * 3
+    new["model.layers.1.mlp.up_proj.weight"] = old["model.layers.1.mlp.up_proj.weight"].neg()
+    patch = encode_patch(make_patch(old, new, version=1, base_version=0, anchor_version=0))
+    prompt = _prompts(1)[0]
+    before = engine.generate([GenerateRequest(input_ids=prompt, sampling=GREEDY)])[0]
+    assert engine.apply_patch(patch) == 1
+    fused_qkv = engine.model.fused[0]["qkv"][0]
+    assert fused_qkv.data_ptr() <= engine.model.params["model.layers.0.self_attn.k_proj.weight"].data_ptr()
+    for name in new:
+        assert torch.equal(engine.model.params[name], new[name]), name
+    after = engine.generate([GenerateRequest(input_ids=prompt, sampling=GREEDY)])[0]
+    assert after.output_ids != before.output_ids and after.cached_prompt_tokens == 0
+    with pytest.raises(PatchError, match="based on version 0"):
+        engine.apply_patch(patch)
+    for name in new:
+        assert torch.equal(engine.model.params[name], new[name]), name
