@@ -164,7 +164,9 @@ class Scheduler:
             prompt, ps = r.req.input_ids, self.pool.page_size
             limit = (len(prompt) - 1) // ps * ps  # at least one prompt token is always computed
             shared = self.radix.match(prompt, limit) if self.radix is not None else []
-            if any(_common_pages(prompt, a.req.input_ids, limit, ps) > len(shared) for a in admitted):
+            if self.radix is not None and any(
+                _common_pages(prompt, a.req.input_ids, limit, ps) > len(shared) for a in admitted
+            ):
                 self.pool.decref(shared)  # wait one step: the other request's prefill will be cached
                 continue
             own = self._alloc(math.ceil(len(prompt) / ps) - len(shared), requester=None)
