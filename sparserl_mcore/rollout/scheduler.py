@@ -53,7 +53,6 @@ class RequestState:
     slots: torch.Tensor | None = None  # flat slot ids of `pages`
     n_cached: int = 0  # cache entries in use (per layer and KV head)
     next_pos: int = 0  # RoPE position of the next token fed in
-    prefilled: bool = False
     cached_prompt_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -109,10 +108,6 @@ class Scheduler:
         self.weight_version = 0
         self._order = 0
 
-    @property
-    def idle(self) -> bool:
-        return not self.waiting and not self.running
-
     def step(self) -> list[RequestState]:
         """Advance every request by one token; returns the requests that finished."""
         finished = self._take_aborted()
@@ -130,8 +125,12 @@ class Scheduler:
                 if reason is not None:
                     self._finish(r, reason)
                     finished.append(r)
-            for r in [r for r in batch if r in self.running]:
-                if self.compressor is not None and self.kv_cfg.should_compress(r.n_cached):
+            for r in batch:  # (a compression may retract a younger request: check membership each time)
+                if (
+                    r in self.running
+                    and self.compressor is not None
+                    and self.kv_cfg.should_compress(r.n_cached)
+                ):
                     self._compress(r)
         return finished
 
@@ -326,7 +325,6 @@ class Scheduler:
                 r.acc[:, :, :n] += mass
             r.n_cached += t
             r.next_pos += t
-            r.prefilled = True
             r.peak_retained = max(r.peak_retained, r.n_cached)
 
     def _push_queries(self, r: RequestState, q: torch.Tensor) -> None:
