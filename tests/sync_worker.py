@@ -152,6 +152,20 @@ def _export(model, layout, rt, out: pathlib.Path) -> dict[str, torch.Tensor]:
     return load_state(out)
 
 
+def _check_partition(owned: dict, ddp, rt) -> None:
+    """The DP ranks' owned ranges tile every param exactly: no element twice, none missed."""
+    everyone = [None] * rt.world_size
+    dist.all_gather_object(everyone, (rt.tp_rank, rt.pp_rank, owned))
+    sizes = {
+        name.removeprefix("module.").removeprefix("module."): p.numel() for name, p in ddp.named_parameters()
+    }
+    mine = [o for tp, pp, o in everyone if (tp, pp) == (rt.tp_rank, rt.pp_rank)]
+    for name, numel in sizes.items():
+        ranges = sorted(o[name] for o in mine if o[name][1] > o[name][0])
+        ends = [0] + [end for _, end in ranges]
+        assert [start for start, _ in ranges] == ends[:-1] and ends[-1] == numel, (name, ranges, numel)
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
@@ -178,6 +192,7 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
             owned = distributed_optimizer_ranges(optimizer, ddp)
         else:
             owned = even_ranges(ddp, rt.dp_rank, rt.dp_size)
+        _check_partition(owned, ddp, rt)
         config = ShardSyncConfig(
             codec=CodecConfig(encoding=case["encoding"]), snapshot=case.get("snapshot", "host")
         )
