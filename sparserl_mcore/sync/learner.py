@@ -59,13 +59,9 @@ def distributed_optimizer_ranges(optimizer, model: torch.nn.Module) -> Ranges:
             for buckets in gbuf_range_map.values():
                 for bucket in buckets:
                     for param, ranges in bucket["param_map"].items():
-                        r = ranges["param"]
-                        if param in by_param:  # a param split over buckets: contiguous pieces
-                            lo, hi = by_param[param]
-                            r0, r1 = min(lo, r.start), max(hi, r.end)
-                            by_param[param] = (r0, r1)
-                        else:
-                            by_param[param] = (r.start, r.end)
+                        if param in by_param:  # megatron puts each param in exactly one bucket
+                            raise ValueError("a parameter appears in two distributed-optimizer buckets")
+                        by_param[param] = (ranges["param"].start, ranges["param"].end)
     # a param wholly inside other DP ranks' ranges is owned by none of this rank's buckets
     return {mcore_name(n): by_param.get(p, (0, 0)) for n, p in model.named_parameters()}
 
