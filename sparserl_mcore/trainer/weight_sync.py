@@ -1,12 +1,17 @@
 """Learner -> rollout engines: sparse BF16 patches after each step, a full sync at start/resume.
 
-Current path: every pipeline stage's TP ranks assemble their HF tensors on the stage's tp_rank 0
-(`ckpt` layout), these reach the host rank, which casts to BF16, diffs bit-wise against its host
-snapshot of the last synced version (`sync.diff`) and sends the encoded patch to every engine
-(`apply_patch`: in-process for the embedded engine, the HTTP weight route for remote ones).
-The engines receive only changed values; inside the learner the TP gather is still dense.
-An engine whose patch fails verification gets a full state dict instead (logged); an engine that
-cannot be reached leaves the pool.
+Per step (`sync`): `sync.learner.ShardSyncer` diffs every learner rank's OWN BF16 shard against
+its snapshot and maps the changed positions to HF coordinates; each pipeline stage's source rank
+encodes its fragment; the fragments reach the host rank, which hands the concatenated patch to
+every engine (`apply_patch`: in process for the embedded engine, the HTTP weight route for remote
+ones). Nothing dense moves. An fp32 learner (CPU) is diffed through a BF16 shadow of its
+parameters, refreshed before each diff: exactly the values the engines hold.
+
+Start and resume (`full_sync`): the HF tensors are assembled densely once (TP gather per stage,
+then to the host) and sent as a full state dict, so every engine holds exactly bf16(learner) and
+a resumed run continues from the same engine weights as an uninterrupted one. An engine whose
+patch fails verification gets that full state instead (logged); an unreachable engine leaves the
+pool.
 """
 
 from __future__ import annotations
@@ -18,10 +23,25 @@ import torch
 import torch.distributed as dist
 
 from sparserl_mcore.ckpt.hf_io import _stage_hf_tensors
-from sparserl_mcore.sync.codec import CodecConfig, encode_patch
-from sparserl_mcore.sync.diff import make_patch
+from sparserl_mcore.sync.codec import CodecConfig
+from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, build_sync_groups, even_ranges
 from sparserl_mcore.trainer.engine_pool import EnginePool, EventSink
 from sparserl_mcore.trainer.rollouts import HOST_RANK
+
+
+class _Bf16Shadow:
+    """BF16 copies of an fp32 model's parameters under the same names (what ShardSyncer diffs)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = model
+        self._params = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+
+    def refresh(self) -> None:
+        for name, p in self._model.named_parameters():
+            self._params[name].copy_(p.detach())
+
+    def named_parameters(self):
+        return iter(self._params.items())
 
 
 class WeightSyncer:
@@ -32,14 +52,34 @@ class WeightSyncer:
     ):
         self.model, self.layout, self.runtime, self.codec = model, layout, runtime, codec
         self._on_event = on_event
-        self.snapshot: dict[str, torch.Tensor] | None = None  # host rank: BF16 state of `version`
         self.version = 0
+        self._groups = build_sync_groups(runtime)
+        core = _core(model)
+        self._shadow = _Bf16Shadow(core) if next(core.parameters()).dtype == torch.float32 else None
+        self._diffed = self._shadow if self._shadow is not None else core
+        self._shards: ShardSyncer | None = None
+
+    def _new_shard_syncer(self, version: int) -> ShardSyncer:
+        """Snapshot of the current weights as `version` (after a full sync, or a resume)."""
+        if self._shadow is not None:
+            self._shadow.refresh()
+        rt = self.runtime
+        # every DP rank holds the same weights after a step: each diffs an even share of every param
+        owned = even_ranges(self._diffed, rt.dp_rank, rt.dp_size)
+        return ShardSyncer(
+            self._diffed,
+            self.layout,
+            tp_rank=rt.tp_rank,
+            pp_rank=rt.pp_rank,
+            groups=self._groups,
+            owned=owned,
+            version=version,
+            config=ShardSyncConfig(codec=self.codec),
+        )
 
     def _hf_state_bf16(self) -> dict[str, torch.Tensor] | None:
         """The whole model as HF-named BF16 tensors on the host rank (None elsewhere)."""
-        core = self.model
-        while hasattr(core, "module"):
-            core = core.module
+        core = _core(self.model)
         rt = self.runtime
         stage = {
             name: t.to(torch.bfloat16)
@@ -59,39 +99,47 @@ class WeightSyncer:
             for pool in pools:
                 if pool is not None:
                     pool.for_each(lambda e: e.update_weights(state, version), "full weight sync")
-            self.snapshot = state
         self.version = version
+        self._shards = self._new_shard_syncer(version)
 
     def sync(self, pools: list[EnginePool | None], *, version: int) -> dict[str, float]:
-        """Sparse patch from the last synced version to now, applied by every engine."""
+        """Collective: this version's sparse patch, made from the learner shards, applied by every engine."""
         start = time.perf_counter()
-        state = self._hf_state_bf16()
+        if self._shadow is not None:
+            self._shadow.refresh()
+        fragments = self._shards.make_patch(version)
+        gathered = [None] * self.runtime.world_size if self.runtime.rank == HOST_RANK else None
+        dist.gather_object(fragments, gathered, dst=HOST_RANK)
         metrics: dict[str, float] = {}
-        if state is not None:
-            patch = make_patch(
-                self.snapshot, state, version=version, base_version=self.version, anchor_version=0
-            )
-            blob = encode_patch(patch, self.codec)
+        if gathered is not None:
+            blob = b"".join(part for parts in gathered for part in parts)
             for pool in pools:
                 if pool is not None:
-                    pool.for_each(lambda e: self._apply(e, blob, state, version), "sparse weight sync")
-            dense = sum(t.numel() * t.element_size() for t in state.values())
-            changed = sum(c.nnz for c in patch.tensors)
-            numel = sum(t.numel() for t in state.values())
+                    pool.for_each(lambda e: self._apply(e, blob, version), "sparse weight sync")
+            numel = sum(int(torch.Size(s).numel()) for s in self.layout.hf_shapes.values())
             metrics = {
                 "sync/patch_bytes": float(len(blob)),
-                "sync/dense_bytes": float(dense),
-                "sync/ratio_vs_dense": dense / max(len(blob), 1),
-                "sync/changed_frac": changed / max(numel, 1),
+                "sync/dense_bytes": float(2 * numel),
+                "sync/ratio_vs_dense": 2 * numel / max(len(blob), 1),
             }
-            self.snapshot = state
         self.version = version
         metrics["time/sync_wall_s"] = time.perf_counter() - start
         return metrics
 
-    def _apply(self, engine: Any, blob: bytes, state: dict[str, torch.Tensor], version: int) -> None:
+    def _apply(self, engine: Any, blob: bytes, version: int) -> None:
         try:
             engine.apply_patch(blob)
         except ValueError as exc:  # verification failed on the receiver: fall back to a full sync
             self._on_event("sync_fallback_full", {"engine": repr(engine), "reason": str(exc)})
-            engine.update_weights(state, version)
+            mirror = self._shards.mirror  # the host is stage 0's source: its HF mirror is current
+            if set(mirror) != set(self.layout.hf_shapes):
+                raise RuntimeError(
+                    f"patch rejected ({exc}) and no full state on the host under PP > 1"
+                ) from exc
+            engine.update_weights(mirror, version)
+
+
+def _core(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
