@@ -1,11 +1,12 @@
 """torchrun worker for tests/test_loss_distributed.py: the RL update on one or more layouts.
 
-    python -m torch.distributed.run --nproc_per_node N tests/loss_dist_worker.py HF_DIR OUT_FILE TP PP
+    python -m torch.distributed.run --nproc_per_node N tests/loss_dist_worker.py TP PP HF_DIR=OUT_FILE
+    python tests/loss_dist_worker.py 1 1 HF_DIR=OUT_FILE [HF_DIR=OUT_FILE ...]     (single process)
 
 DP = N / (TP * PP). Rank 0 writes OUT_FILE (torch.save) with: the metrics of every update, the DGG
 energies, and the full (DP-reduced, TP-gathered, PP-merged, global names) gradients of the first
 update. With --spike it also runs the DGG spike scenario and records every rank's decisions.
-(One layout per launch: re-initialising torch.distributed inside one torchrun job hangs.)
+Several runs in one process only without torchrun (re-initialising inside a torchrun job hangs).
 """
 
 from __future__ import annotations
@@ -174,8 +175,10 @@ def full_grads(model, optimizer, runtime, layers_per_stage: int) -> dict[str, to
     local = {}
     for name, param in model.module.named_parameters():
         gname = global_name(name, runtime, layers_per_stage)
-        if gname not in CHECKED:
-            continue
+        if gname not in CHECKED or (
+            gname == "output_layer.weight" and model.module.share_embeddings_and_output_weights
+        ):
+            continue  # a tied model's last-stage copy: the embedding's gradient is checked instead
         tensor = reduced_grad(param, optimizer, runtime)
         if getattr(param, "tensor_model_parallel", False) and runtime.tp_size > 1:
             parts = [torch.empty_like(tensor) for _ in range(runtime.tp_size)]
@@ -278,14 +281,15 @@ def spike_scenario(model, optimizer, runtime) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("hf_dir")
-    parser.add_argument("out_file", type=pathlib.Path)
     parser.add_argument("tp", type=int)
     parser.add_argument("pp", type=int)
+    parser.add_argument("runs", nargs="+", help="HF_DIR=OUT_FILE; several only without torchrun")
     parser.add_argument("--spike", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    run_layout(args.hf_dir, args.out_file, args.tp, args.pp, args.spike)
+    for run in args.runs:
+        hf_dir, out_file = run.split("=", 1)
+        run_layout(hf_dir, pathlib.Path(out_file), args.tp, args.pp, args.spike)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
 """The RL update at TP=2, PP=2 and DP=2 (gloo, 2 processes) equals a single-process reference.
 
-One torchrun launch per layout (tests/loss_dist_worker.py) runs the same scenario from the same
-tiny HF checkpoint: Sparse-RL correction with a vetoed sequence and rejected tokens, PPO with KL,
-entropy bonus and temperature, 2 micro-batches per minibatch, K=2 epochs x 2 minibatches. Compared
-with the 1-process run: every metric of every update, the DGG lm_head energies, and the gradients
-of five parameters spread over both pipeline stages. The PP=2 run also feeds DGG constructed lm_head spikes.
+One torchrun launch per layout (tests/loss_dist_worker.py; one plain process for the references)
+runs the same scenario from the same tiny HF checkpoint: Sparse-RL correction with a vetoed
+sequence and rejected tokens, PPO with KL, entropy bonus and temperature, 2 micro-batches per
+minibatch, K=2 epochs x 2 minibatches. Compared with the 1-process run: every metric of every
+update, the DGG lm_head energies, and the gradients of five parameters spread over both pipeline
+stages (four with tied embeddings: the embedding's gradient then includes the head's). The PP=2
+run also feeds DGG constructed lm_head spikes.
 """
 
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,20 +21,36 @@ from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.parallel.launch import launch_local
 
 WORKER = str(pathlib.Path(__file__).with_name("loss_dist_worker.py"))
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
+# layout -> (TP, PP, tied embeddings). PP=2 runs a tied model: the last stage's head is a copy of
+# the first stage's embedding, the case where "which gradient DGG counts" matters.
+LAYOUTS = {"tp2": (2, 1, False), "dp2": (1, 1, False), "pp2": (1, 2, True)}
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("loss_dist")
-    hf_dir = make_tiny(TinyModelConfig(vocab=100, seed=3), tmp / "tiny")  # padded to 128 / 256 rows
-    out = {}
-    for name, nproc, (tp, pp), extra in [("ref", 1, (1, 1), [])] + [
-        (name, 2, layout, ["--spike"] if name == "pp2" else []) for name, layout in LAYOUTS.items()
-    ]:
+    hf = {  # vocab 100 is padded to 128 (TP=1) / 256 (TP=2) rows
+        tied: make_tiny(TinyModelConfig(vocab=100, seed=3, tie_embeddings=tied), tmp / f"tiny_tied{tied}")
+        for tied in (False, True)
+    }
+    # The single-process references of both models, one plain process (no torchrun).
+    refs = [f"{hf[tied]}={tmp / f'ref_tied{tied}.pt'}" for tied in (False, True)]
+    subprocess.run(
+        [sys.executable, WORKER, "1", "1", *refs],
+        check=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+    )
+    out = {
+        f"ref_tied{tied}": torch.load(tmp / f"ref_tied{tied}.pt", weights_only=False)
+        for tied in (False, True)
+    }
+    for name, (tp, pp, tied) in LAYOUTS.items():
         path = tmp / f"{name}.pt"
-        launch_local([WORKER, str(hf_dir), str(path), str(tp), str(pp), *extra], nproc, timeout=240)
+        extra = ["--spike"] if name == "pp2" else []
+        launch_local([WORKER, str(tp), str(pp), f"{hf[tied]}={path}", *extra], 2, timeout=240)
         out[name] = torch.load(path, weights_only=False)
     return out
 
@@ -39,17 +60,18 @@ def _close(a: float, b: float) -> bool:
 
 
 def test_reference_scenario_exercises_every_correction_stage(runs):
-    first = runs["ref"]["metrics"][0]
+    ref = runs["ref_tiedFalse"]
+    first = ref["metrics"][0]
     assert first["correction/vetoed_sequences"] == 1
     assert first["correction/rejected_token_frac"] > 0
     assert first["policy/kl"] > 0 and first["policy/entropy"] > 0
-    assert any(u["policy/clip_frac"] > 0 for u in runs["ref"]["updates"])
-    assert len(runs["ref"]["updates"]) == 5  # 1 + K=2 x 2 minibatches, nothing gated
+    assert any(u["policy/clip_frac"] > 0 for u in ref["updates"])
+    assert len(ref["updates"]) == 5  # 1 + K=2 x 2 minibatches, nothing gated
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_metrics_energies_and_grads_match_single_process(runs, layout):
-    ref, got = runs["ref"], runs[layout]
+    ref, got = runs[f"ref_tied{LAYOUTS[layout][2]}"], runs[layout]
     assert len(got["updates"]) == len(ref["updates"])
     for want, have in zip(ref["metrics"] + ref["updates"], got["metrics"] + got["updates"], strict=True):
         assert want.keys() == have.keys()
@@ -57,7 +79,9 @@ def test_metrics_energies_and_grads_match_single_process(runs, layout):
         assert not bad, f"{layout}: {bad}"
     for want, have in zip(ref["energies"], got["energies"], strict=True):
         assert _close(want, have), (layout, ref["energies"], got["energies"])
-    assert ref["grads"].keys() == got["grads"].keys() and len(ref["grads"]) == 5
+    assert ref["grads"].keys() == got["grads"].keys() and len(ref["grads"]) == (
+        4 if LAYOUTS[layout][2] else 5
+    )
     for name, want in ref["grads"].items():
         torch.testing.assert_close(got["grads"][name], want, rtol=TOL, atol=TOL, msg=f"{layout} {name}")
 
