@@ -152,18 +152,15 @@ def _export(model, layout, rt, out: pathlib.Path) -> dict[str, torch.Tensor]:
     return load_state(out)
 
 
-def _check_partition(owned: dict, ddp, rt) -> None:
-    """The DP ranks' owned ranges tile every param exactly: no element twice, none missed."""
+def _check_partition(syncer, rt) -> None:
+    """The DP ranks' owned ranges tile every emitted param exactly: no element twice, none missed."""
     everyone = [None] * rt.world_size
-    dist.all_gather_object(everyone, (rt.tp_rank, rt.pp_rank, owned))
-    sizes = {
-        name.removeprefix("module.").removeprefix("module."): p.numel() for name, p in ddp.named_parameters()
-    }
+    dist.all_gather_object(everyone, (rt.tp_rank, rt.pp_rank, syncer.owned))
     mine = [o for tp, pp, o in everyone if (tp, pp) == (rt.tp_rank, rt.pp_rank)]
-    for name, numel in sizes.items():
+    for name, param in syncer.params.items():
         ranges = sorted(o[name] for o in mine if o[name][1] > o[name][0])
         ends = [0] + [end for _, end in ranges]
-        assert [start for start, _ in ranges] == ends[:-1] and ends[-1] == numel, (name, ranges, numel)
+        assert [start for start, _ in ranges] == ends[:-1] and ends[-1] == param.numel(), (name, ranges)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -173,13 +170,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
     from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
     from sparserl_mcore.sync.codec import CodecConfig
-    from sparserl_mcore.sync.learner import (
-        ShardSyncConfig,
-        ShardSyncer,
-        build_sync_groups,
-        distributed_optimizer_ranges,
-        even_ranges,
-    )
+    from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer
     from sparserl_mcore.sync.transport_dist import BroadcastConfig, DistributedTransport
 
     rt = initialize(
@@ -187,21 +178,14 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
     )
     try:
         spec, model, ddp, layout, optimizer = _learner(case, hf_dir, rt)
-        groups = build_sync_groups(rt)
-        if case["distributed_optimizer"]:
-            owned = distributed_optimizer_ranges(optimizer, ddp)
-        else:
-            owned = even_ranges(ddp, rt.dp_rank, rt.dp_size)
-        _check_partition(owned, ddp, rt)
         config = ShardSyncConfig(
             codec=CodecConfig(encoding=case["encoding"]), snapshot=case.get("snapshot", "host")
         )
-        syncer = ShardSyncer(
-            ddp, layout, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank, groups=groups, owned=owned, config=config
-        )
+        syncer = ShardSyncer.for_runtime(ddp, layout, rt, optimizer=optimizer, config=config)
+        _check_partition(syncer, rt)
         hf, sharded = _receivers(spec, layout, hf_dir, other_tp=2 if case["tp"] == 1 else 1)
         # a small bucket size makes the broadcast cut every fragment into several buckets
-        transport = DistributedTransport(None, groups.source_ranks, BroadcastConfig(bucket_bytes=4096))
+        transport = DistributedTransport(None, syncer.groups.source_ranks, BroadcastConfig(bucket_bytes=4096))
         gen = torch.Generator().manual_seed(100 + rt.dp_rank)
         results = []
         for step in range(1, case["steps"] + 1):

@@ -17,10 +17,8 @@ by default (`ShardSyncConfig.snapshot`); each stage source keeps an HF-layout mi
 (2 bytes x stage params), filled by one dense gather at construction, which also serves full
 syncs (anchors, fallbacks) without touching the trainer's GPUs again.
 
-Use (every learner rank, after the weights are loaded):
-    groups = build_sync_groups(runtime)
-    owned = distributed_optimizer_ranges(optimizer, ddp_model)   # or even_ranges(model, dp_rank, dp_size)
-    syncer = ShardSyncer(ddp_model, layout, tp_rank=..., pp_rank=..., groups=groups, owned=owned)
+Use (every learner rank, after the weights are loaded and the optimizer is built):
+    syncer = ShardSyncer.for_runtime(ddp_model, layout, runtime, optimizer=optimizer)
     parts = syncer.make_patch(version)   # [fragment] on stage sources, [] elsewhere
     full = syncer.full_parts()           # dense fragments for anchors / fallback
 """
@@ -158,6 +156,35 @@ class ShardSyncer:
         self.all_digests: dict[str, bytes] = {}
         dtype = dtype_name(next(p for _, p in model.named_parameters()).dtype)
         self.meta = {n: (dtype, shape) for n, shape in layout.hf_shapes.items()}
+
+    @classmethod
+    def for_runtime(
+        cls,
+        model: torch.nn.Module,
+        layout: ModelLayout,
+        runtime,
+        *,
+        optimizer=None,
+        version: int = 0,
+        config: ShardSyncConfig = ShardSyncConfig(),
+    ) -> ShardSyncer:
+        """Collective: groups from `runtime`, owned ranges from a megatron distributed optimizer
+        when `optimizer` is one, else an even DP split."""
+        inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+        if optimizer is not None and all(hasattr(o, "gbuf_ranges") for o in inner):
+            owned = distributed_optimizer_ranges(optimizer, model)
+        else:
+            owned = even_ranges(model, runtime.dp_rank, runtime.dp_size)
+        return cls(
+            model,
+            layout,
+            tp_rank=runtime.tp_rank,
+            pp_rank=runtime.pp_rank,
+            groups=build_sync_groups(runtime),
+            owned=owned,
+            version=version,
+            config=config,
+        )
 
     @property
     def is_source(self) -> bool:
