@@ -59,3 +59,15 @@ def test_rejects_bad_arguments():
         vocab_parallel_logprobs(torch.zeros(2, 4), torch.zeros(2), group=None, vocab_start=0, temperature=0)
     with pytest.raises(ValueError, match="disagree"):
         vocab_parallel_logprobs(torch.zeros(2, 4), torch.zeros(3), group=None, vocab_start=0)
+
+
+def test_gradient_through_logp_only_matches_reference():
+    """The entropy output unused (detached in the loss when its coefficient is 0)."""
+    torch.manual_seed(2)
+    logits = torch.randn(6, 40, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 40, (6,))
+    logp, ent = vocab_parallel_logprobs(logits, target, group=None, vocab_start=0, chunk_tokens=4)
+    (logp.sum() + ent.detach().sum()).backward()
+    ref = logits.detach().clone().requires_grad_(True)
+    _reference(ref, target, 40, 1.0)[0].sum().backward()
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-6)

@@ -103,8 +103,8 @@ class UpdateResult:
 
 
 def _token_logprobs(
-    logits_BTV: Tensor, tokens_BT: Tensor, *, runtime: Runtime, temperature: float, vocab_size
-):
+    logits_BTV: Tensor, tokens_BT: Tensor, *, runtime: Runtime, temperature: float, vocab_size: int | None
+) -> tuple[Tensor, Tensor]:
     """[B, T] log-probs and entropies from TP-local logits; position 0 (no context) is 0."""
     v_local = logits_BTV.shape[-1]
     logp, ent = vocab_parallel_logprobs(

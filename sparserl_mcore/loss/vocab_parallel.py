@@ -86,6 +86,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
             stats[0, lo:hi], stats[1, lo:hi], stats[2, lo:hi] = m, log_s, sums[1] / sums[0]
             logp[lo:hi] = sums[2] - m - log_s
         ctx.save_for_backward(logits, target, stats)
+        ctx.set_materialize_grads(False)  # an unused output (e.g. a detached entropy) gets None, not zeros
         ctx.params = (vocab_start, vocab_size, temperature, chunk_tokens)
         entropy = stats[1] - stats[2]  # H = m + log S - E[z]
         return logp.view(target.shape), entropy.view(target.shape)
