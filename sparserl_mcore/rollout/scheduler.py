@@ -125,13 +125,7 @@ class Scheduler:
                 if reason is not None:
                     self._finish(r, reason)
                     finished.append(r)
-            for r in batch:  # (a compression may retract a younger request: check membership each time)
-                if (
-                    r in self.running
-                    and self.compressor is not None
-                    and self.kv_cfg.should_compress(r.n_cached)
-                ):
-                    self._compress(r)
+            self._compress_due(batch)
         return finished
 
     # ---- admission and memory ------------------------------------------------------------------
@@ -371,42 +365,74 @@ class Scheduler:
         )
 
     # ---- compression ---------------------------------------------------------------------------
-    def _compress(self, r: RequestState) -> None:
+    def _compress_due(self, batch: list[RequestState]) -> None:
+        """Compress every running request of the batch that reached the budget.
+
+        Requests with the same cache length and window fill are compressed together in ONE
+        `select` call: layers and requests are stacked along the head axis, which is exact because
+        every policy scores and selects each KV head on its own (queries follow their KV head's
+        block, so the GQA grouping h // group still holds)."""
+        if self.compressor is None:
+            return
+        due = [r for r in batch if r in self.running and self.kv_cfg.should_compress(r.n_cached)]
+        groups: dict[tuple[int, int], list[RequestState]] = {}
+        for r in due:
+            groups.setdefault((r.n_cached, min(r.q_seen, self.kv_cfg.window)), []).append(r)
+        for group in groups.values():
+            self._compress_group(group)
+
+    def _compress_group(self, rs: list[RequestState]) -> None:
         """Keep `keep_tokens` entries per layer and KV head, compacted into fresh private pages."""
-        assert self.compressor is not None and r.qwin is not None
-        n, keep, ps = r.n_cached, self.kv_cfg.keep_tokens, self.pool.page_size
-        seen = min(r.q_seen, self.kv_cfg.window)
-        order = [(r.q_seen - seen + j) % self.kv_cfg.window for j in range(seen)]
-        window_q = r.qwin[:, :, order]  # [L, Hq, w, d], oldest first
-        slots = r.slots[:n]
-        positions = self._slot_positions(r, n)
-        kept_k, kept_v, kept_pos = [], [], []
-        for layer in range(self.model.cfg.num_layers):
-            keys = self.pool.k_flat(layer)[slots]  # [n, Hk, d] (a copy)
-            acc = r.acc[layer, :, :n] if r.acc is not None else None
-            idx = self.compressor.select(keys.transpose(0, 1), window_q[layer], keep, acc)  # [Hk, keep]
-            gather = idx.t()[:, :, None].expand(-1, -1, keys.shape[-1])
-            kept_k.append(keys.gather(0, gather))
-            kept_v.append(self.pool.v_flat(layer)[slots].gather(0, gather))
-            kept_pos.append(positions[layer].gather(1, idx))
-            if r.acc is not None:
-                r.acc[layer, :, :keep] = acc.gather(1, idx)
-                r.acc[layer, :, keep:] = 0
-        self.pool.decref(r.pages)
-        r.pages = []
-        pages = self._alloc(math.ceil(keep / ps), requester=r)
-        assert pages is not None
-        self._set_pages(r, pages)
-        new_slots = r.slots[:keep]
-        for layer in range(self.model.cfg.num_layers):
-            self.pool.k_flat(layer)[new_slots] = kept_k[layer]
-            self.pool.v_flat(layer)[new_slots] = kept_v[layer]
-        r.kept_positions, r.tail_start = torch.stack(kept_pos), r.next_pos
-        r.evictions += n - keep
-        r.compressions += 1
-        r.n_cached = keep
-        for listener in self.listeners:
-            listener(r.rid, r.kept_positions, r.next_pos)
+        assert self.compressor is not None
+        cfg, L = self.model.cfg, self.model.cfg.num_layers
+        B, n, keep, d = len(rs), rs[0].n_cached, self.kv_cfg.keep_tokens, cfg.head_dim
+        flat = torch.stack([r.slots[:n] for r in rs]).reshape(-1)
+        # [B, L, Hk, n, d] copies out of the pool (the pages are released below)
+        keys = torch.stack([self.pool.k_flat(i)[flat] for i in range(L)]).view(L, B, n, -1, d)
+        vals = torch.stack([self.pool.v_flat(i)[flat] for i in range(L)]).view(L, B, n, -1, d)
+        keys, vals = keys.permute(1, 0, 3, 2, 4), vals.permute(1, 0, 3, 2, 4)
+        queries = torch.stack([self._window_queries(r) for r in rs])  # [B, L, Hq, w, d]
+        acc = torch.stack([r.acc[:, :, :n] for r in rs]) if rs[0].acc is not None else None
+        idx = self.compressor.select(
+            keys.reshape(-1, n, d),
+            queries.reshape(-1, queries.shape[-2], d),
+            keep,
+            acc.reshape(-1, n) if acc is not None else None,
+        ).view(B, L, -1, keep)
+        take = idx[..., None].expand(-1, -1, -1, -1, d)
+        kept_k, kept_v = keys.gather(3, take), vals.gather(3, take)  # [B, L, Hk, keep, d]
+        kept_pos = torch.stack([self._slot_positions(r, n) for r in rs]).gather(3, idx)
+        for r in rs:
+            self.pool.decref(r.pages)
+            r.pages = []
+        for r in rs:  # allocation may retract younger requests, members of this group included
+            if r in self.running:
+                self._set_pages(r, self._alloc(math.ceil(keep / self.pool.page_size), requester=r))
+        live = [b for b, r in enumerate(rs) if r in self.running]
+        if not live:
+            return
+        new_slots = torch.cat([rs[b].slots[:keep] for b in live])
+        kv_heads = keys.shape[2]
+        for layer in range(L):  # [live, Hk, keep, d] -> slot-major [live * keep, Hk, d]
+            self.pool.k_flat(layer)[new_slots] = kept_k[live, layer].transpose(1, 2).reshape(-1, kv_heads, d)
+            self.pool.v_flat(layer)[new_slots] = kept_v[live, layer].transpose(1, 2).reshape(-1, kv_heads, d)
+        for b in live:
+            r = rs[b]
+            if acc is not None:
+                r.acc.zero_()
+                r.acc[:, :, :keep] = acc[b].gather(2, idx[b])
+            r.kept_positions, r.tail_start = kept_pos[b], r.next_pos
+            r.evictions += n - keep
+            r.compressions += 1
+            r.n_cached = keep
+            for listener in self.listeners:
+                listener(r.rid, r.kept_positions, r.next_pos)
+
+    def _window_queries(self, r: RequestState) -> torch.Tensor:
+        """The request's last min(seen, window) queries, oldest first: [L, Hq, w, d]."""
+        w = self.kv_cfg.window
+        seen = min(r.q_seen, w)
+        return r.qwin[:, :, [(r.q_seen - seen + j) % w for j in range(seen)]]
 
     def _slot_positions(self, r: RequestState, n: int) -> torch.Tensor:
         """Original token position of each of the first n slots, per layer and KV head: [L, Hk, n]."""
