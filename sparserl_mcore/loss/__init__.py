@@ -6,12 +6,17 @@ The names here are pure torch (no megatron import). The megatron-core training s
 
 from sparserl_mcore.loss.advantages import broadcast_to_tokens, grpo_advantages
 from sparserl_mcore.loss.correction import CorrectionConfig, CorrectionTotals, sparse_rl_correction
+from sparserl_mcore.loss.dgg import DGGConfig, DynamicGradientGate, GateDecision
 from sparserl_mcore.loss.policy import PolicyLossConfig, policy_loss
 from sparserl_mcore.loss.totals import LossTotals, reduce_metrics
+from sparserl_mcore.loss.vocab_parallel import vocab_parallel_logprobs
 
 __all__ = [
     "CorrectionConfig",
     "CorrectionTotals",
+    "DGGConfig",
+    "DynamicGradientGate",
+    "GateDecision",
     "LossTotals",
     "PolicyLossConfig",
     "broadcast_to_tokens",
@@ -19,4 +24,5 @@ __all__ = [
     "policy_loss",
     "reduce_metrics",
     "sparse_rl_correction",
+    "vocab_parallel_logprobs",
 ]

@@ -65,7 +65,7 @@ class GateDecision:
         out = {
             "dgg/lm_head_grad_sq": self.energy,
             "dgg/gated": float(self.gate),
-            "dgg/reuse_index": self.reuse_index,
+            "dgg/reuse_index": float(self.reuse_index),
         }
         if self.z is not None:
             out["dgg/z"] = self.z
