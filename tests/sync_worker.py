@@ -6,7 +6,8 @@ after every step: each rank diffs its own shard (`ShardSyncer`), the stage sourc
 patch fragments (`DistributedTransport`), and every rank applies them to an HF-layout receiver and
 to a receiver with a different TP size. Both are compared bit for bit with a full HF export
 (`ckpt.hf_io.export_hf_weights`) of the same step. The last step forces a wrong base version on
-rank 1 so the dense fallback runs. Rank results go to WORK/<case>/rank<r>.json.
+rank 1 so the dense fallback runs. The same fragments also go through the directory transport
+(anchor every 2 versions): a follower and a late joiner must end bit-identical to the export. Rank results go to WORK/<case>/rank<r>.json.
 """
 
 from __future__ import annotations
@@ -152,6 +153,46 @@ def _export(model, layout, rt, out: pathlib.Path) -> dict[str, torch.Tensor]:
     return load_state(out)
 
 
+class _Publisher:
+    """Directory transport fed by the learner: fragments collected on the first stage source,
+    an anchor every 2 versions; rank 0 also follows the directory with its own receiver."""
+
+    def __init__(self, syncer, root: pathlib.Path) -> None:
+        from sparserl_mcore.sync.apply import HFReceiver
+        from sparserl_mcore.sync.transport_dir import DirectoryConfig, DirectoryPublisher, DirectorySubscriber
+
+        self.syncer, self.root = syncer, root
+        self.writer = (
+            DirectoryPublisher(root, DirectoryConfig(anchor_every=2)) if dist.get_rank() == 0 else None
+        )
+        self.follower = None
+        self.publish(0, [])
+        if self.writer is not None:
+            blank = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in syncer.layout.hf_shapes.items()}
+            self.follower = DirectorySubscriber(root, HFReceiver(blank, version=None))
+
+    def publish(self, version: int, parts: list[bytes]) -> None:
+        sparse = self.syncer.collect_parts(parts)
+        full = self.syncer.collect_parts(self.syncer.full_parts())  # a concatenation is one full patch
+        if self.writer is not None:
+            base = version - 1 if version else None
+            self.writer.publish(version=version, base_version=base, parts=sparse, full=lambda: b"".join(full))
+        if self.follower is not None:
+            assert self.follower.poll() == version and self.follower.fallbacks == 0
+
+    def check_late_joiner(self, export: dict[str, torch.Tensor], latest: int) -> None:
+        from sparserl_mcore.sync.apply import HFReceiver
+        from sparserl_mcore.sync.transport_dir import DirectorySubscriber
+
+        if self.writer is None:
+            return
+        blank = {n: torch.zeros_like(t) for n, t in export.items()}
+        late = DirectorySubscriber(self.root, HFReceiver(blank, version=None))
+        assert late.poll() == latest and late.bytes_read < self.follower.bytes_read  # anchor 2 + patch 3
+        for receiver in (late.receiver, self.follower.receiver):
+            assert all(_same(receiver.state[n], export[n]) for n in export)
+
+
 def _check_partition(syncer, rt) -> None:
     """The DP ranks' owned ranges tile every emitted param exactly: no element twice, none missed."""
     everyone = [None] * rt.world_size
@@ -188,6 +229,7 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
         transport = DistributedTransport(None, syncer.groups.source_ranks, BroadcastConfig(bucket_bytes=4096))
         gen = torch.Generator().manual_seed(100 + rt.dp_rank)
         results = []
+        publisher = _Publisher(syncer, work / case["name"] / "dir")
         for step in range(1, case["steps"] + 1):
             tokens = torch.randint(0, spec.hf.vocab_size, (2, 17), generator=gen)
             _train_step(ddp, optimizer, tokens, rt)
@@ -196,6 +238,7 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
             if forced:
                 hf.version = -1  # this receiver missed a version: the sparse patch must be refused
             report = transport.sync(parts, syncer.full_parts, [hf, sharded])
+            publisher.publish(step, parts)
             export = _export(model, layout, rt, work / case["name"] / f"v{step}")
             assert set(export) == set(hf.state) == set(layout.hf_shapes)
             hf_bad = [n for n in export if not _same(hf.state[n], export[n])]
@@ -204,7 +247,7 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
             assert hf.version == sharded.version == step
             assert report.fell_back == (step == case["steps"]) and report.local_fallbacks == int(forced)
             results.append({"step": step, "bytes": sum(len(p) for p in parts), "fell_back": report.fell_back})
-        (work / case["name"]).mkdir(parents=True, exist_ok=True)
+        publisher.check_late_joiner(export, case["steps"])
         (work / case["name"] / f"rank{rt.rank}.json").write_text(json.dumps(results))
     finally:
         shutdown()

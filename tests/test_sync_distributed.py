@@ -2,7 +2,8 @@
 
 A torchrun run of tests/sync_worker.py per layout trains it a few steps and checks, after every
 step, that an HF-layout receiver and a receiver with a different TP size are bit-identical to a
-full HF export, including a forced dense fallback on the last step.
+full HF export, including a forced dense fallback on the last step, and that the directory
+transport fed with the same fragments serves a follower and a late joiner exactly.
 """
 
 from __future__ import annotations

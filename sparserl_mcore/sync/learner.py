@@ -312,6 +312,16 @@ class ShardSyncer:
         )
         return [encode_patch(patch, self.config.codec)]
 
+    def collect_parts(self, parts: list[bytes]) -> list[bytes]:
+        """Collective over the stage sources: all fragments of a version on the first source (for
+        a single writer such as `DirectoryPublisher`); [] on the other ranks."""
+        if self.groups.sources is None:
+            return []
+        first = self.groups.source_ranks[0]
+        gathered = [None] * len(self.groups.source_ranks) if self.rank == first else None
+        dist.gather_object(parts, gathered, dst=first, group=self.groups.sources)
+        return [p for stage in gathered for p in stage] if gathered is not None else []
+
     def full_parts(self) -> list[bytes]:
         """This stage's dense fragment of the last synced version; collective over the stage sources."""
         if not self.is_source:
