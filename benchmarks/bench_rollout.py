@@ -31,6 +31,12 @@ from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_rollout", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads, same for both systems (1: stable on a shared box)",
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
@@ -45,22 +51,29 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _requests(prompts: list[list[int]], gen: int) -> list[GenerateRequest]:
-    params = SamplingParams(temperature=0.0, max_new_tokens=gen, ignore_eos=True)
-    return [GenerateRequest(input_ids=p, sampling=params) for p in prompts]
+def _requests(prompts: list[list[int]], gens: int | list[int]) -> list[GenerateRequest]:
+    gens = gens if isinstance(gens, list) else [gens] * len(prompts)
+    return [
+        GenerateRequest(
+            input_ids=p, sampling=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+        )
+        for p, n in zip(prompts, gens, strict=True)
+    ]
 
 
-def _timed_engine(path, cfg: EngineConfig, prompts, gen) -> tuple[float, list]:
+def _timed_engine(path, cfg: EngineConfig, prompts, gens: int | list[int]) -> tuple[float, list]:
+    """tokens/s (generated tokens over wall time) and the samples of one run."""
     engine = EmbeddedEngine(path, cfg)
     engine.generate(_requests(prompts[:2], 8))  # warm-up
     start = time.perf_counter()
-    samples = engine.generate(_requests(prompts, gen))
+    samples = engine.generate(_requests(prompts, gens))
     _sync(cfg.device)
-    tps = sum(len(s.output_ids) for s in samples) / (time.perf_counter() - start)
-    return tps, samples
+    return sum(len(s.output_ids) for s in samples) / (time.perf_counter() - start), samples
 
 
-def _timed_hf(path, device: str, prompts, gen) -> float:
+def _timed_hf(path, device: str, prompts, gens: list[int]) -> float:
+    """tokens/s of HF `generate` on the left-padded batch. A batch runs until its longest request is
+    done (rows stop only at EOS, and stay in the batch); only each request's own tokens count."""
     import transformers
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -72,10 +85,13 @@ def _timed_hf(path, device: str, prompts, gen) -> float:
     with torch.no_grad():
         model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=8, **kw)  # warm-up
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=gen, min_new_tokens=gen, **kw)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=max(gens), min_new_tokens=max(gens), **kw
+        )
         _sync(device)
         elapsed = time.perf_counter() - start
-    return (out.shape[1] - width) * len(prompts) / elapsed
+    assert out.shape[1] - width == max(gens)
+    return sum(gens) / elapsed
 
 
 def _sync(device: str) -> None:
@@ -89,6 +105,7 @@ def _mean_peak_bytes(samples) -> float:
 
 def main(argv: list[str]) -> int:
     a = _args(argv)
+    torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(a.prompt_len // 2, a.prompt_len * 3 // 2 + 1, (a.batch,), generator=g).tolist()
     prompts = [torch.randint(100, a.vocab, (n,), generator=g).tolist() for n in lengths]
@@ -104,13 +121,25 @@ def main(argv: list[str]) -> int:
         print(
             f"model: qwen2 {a.layers}L h{a.hidden} {a.heads}/{a.kv_heads} heads vocab {a.vocab}, {a.device}, "
             f"torch threads {torch.get_num_threads()}; {a.batch} prompts of {min(lengths)}-{max(lengths)} "
-            f"tokens, {a.gen} generated each, page {a.page_size}"
+            f"tokens, up to {a.gen} generated, page {a.page_size}"
         )
-        hf_tps = _timed_hf(path, a.device, prompts, a.gen)
-        none_tps, none_samples = _timed_engine(path, EngineConfig(**base), prompts, a.gen)
-        print("\n| system | tokens/s | vs HF generate |\n|---|---|---|")
-        print(f"| HF transformers generate | {hf_tps:.0f} | 1.00x |")
-        print(f"| EmbeddedEngine (none) | {none_tps:.0f} | {none_tps / hf_tps:.2f}x |")
+        # Equal lengths (no early exits), then RL-like response lengths (uniform gen/4 .. gen).
+        equal, varied = (
+            [a.gen] * a.batch,
+            torch.randint(a.gen // 4, a.gen + 1, (a.batch,), generator=g).tolist(),
+        )
+        hf_equal = _timed_hf(path, a.device, prompts, equal)
+        none_tps, none_samples = _timed_engine(path, EngineConfig(**base), prompts, equal)
+        hf_varied = _timed_hf(path, a.device, prompts, varied)
+        varied_tps, _ = _timed_engine(path, EngineConfig(**base), prompts, varied)
+        print(
+            "\n| response lengths | HF generate tokens/s | EmbeddedEngine tokens/s | ratio |"
+            "\n|---|---|---|---|"
+        )
+        print(f"| {a.gen} each | {hf_equal:.0f} | {none_tps:.0f} | {none_tps / hf_equal:.2f}x |")
+        print(
+            f"| {min(varied)}-{a.gen} | {hf_varied:.0f} | {varied_tps:.0f} | {varied_tps / hf_varied:.2f}x |"
+        )
         _compression_table(a, path, prompts, base, none_tps, none_samples)
         _radix_table(a, path, base)
     return 0
