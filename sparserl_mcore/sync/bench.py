@@ -173,6 +173,10 @@ def _format(r: dict) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    for encoding in args.encodings:
+        CodecConfig(encoding=encoding)  # unknown names fail before any training
+    if args.repeat < 1 or args.seq_len < 1 or args.batch < 1 or (args.steps is not None and args.steps < 1):
+        raise ValueError("--repeat, --seq-len, --batch and --steps must be >= 1")
     torch.set_grad_enabled(True)
     steps = args.steps or (3 if args.full else 2)
     shape = (
