@@ -3,6 +3,8 @@ single-process initialise/shutdown, and the torchrun launcher."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from megatron.core import tensor_parallel
@@ -120,3 +122,19 @@ def test_launch_local_runs_ranks_and_reports_failures(tmp_path):
     with pytest.raises(LaunchError, match="rank 0/1 omp=3") as failure:
         launch_local([str(script), "5"], 1, env={"OMP_NUM_THREADS": "3"}, timeout=120)
     assert failure.value.returncode != 0
+
+
+def test_launch_local_timeout_kills_every_rank(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import os, pathlib, sys, time\n"
+        "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text(str(os.getpid()))\n"
+        "time.sleep(600)\n"
+    )
+    with pytest.raises(LaunchError, match="timed out") as failure:
+        launch_local([str(script), str(tmp_path)], 2, timeout=20)
+    assert failure.value.returncode is None
+    pids = [int((tmp_path / rank).read_text()) for rank in ("0", "1")]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
