@@ -95,8 +95,10 @@ def test_cpu_rng_tracker_forks_named_streams_like_megatron():
 
 @cpu_only
 def test_single_process_initialize_and_shutdown(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "MASTER_ADDR"):
+    for name in ("RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")  # a batch script's own process, not an srun step
+    monkeypatch.setenv("SLURM_NTASKS", "8")
     with pytest.raises(ValueError, match="world size 1 is not divisible by TP\\*PP\\*CP = 2\\*1\\*1 = 2"):
         initialize(ParallelConfig(tensor_model_parallel_size=2))
     rt = initialize(ParallelConfig(), seed=3)

@@ -1,7 +1,7 @@
 """Process-group start-up for learners: torch.distributed + megatron parallel state + RNG seeds.
 
 `initialize(cfg, seed=...)` reads the launcher's environment (torchrun: RANK / WORLD_SIZE /
-LOCAL_RANK / MASTER_ADDR / MASTER_PORT; Slurm srun: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID with
+LOCAL_RANK / MASTER_ADDR / MASTER_PORT; srun: SLURM_PROCID / SLURM_STEP_NUM_TASKS / SLURM_LOCALID with
 MASTER_ADDR / MASTER_PORT exported by the sbatch script; neither: a single process), picks NCCL on
 GPU and gloo on CPU, enters the CPU execution mode on CPU, and returns a `Runtime` describing this
 rank. Code that needs a process group takes it from `Runtime.groups` (megatron's
@@ -64,14 +64,16 @@ def _launch_env() -> _LaunchEnv:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return _LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    # SLURM_STEP_NUM_TASKS exists only inside an srun step: a plain process in a batch script
+    # (which also sees SLURM_PROCID=0 and the allocation's SLURM_NTASKS) stays a single process.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
         if missing:
             raise RuntimeError(
                 f"running under srun but {', '.join(missing)} is not set; export MASTER_ADDR (first "
                 "node of the allocation) and MASTER_PORT in the sbatch script"
             )
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
         return _LaunchEnv(rank, world, int(env.get("SLURM_LOCALID", 0)))
     return _LaunchEnv(0, 1, 0)
 
