@@ -190,6 +190,18 @@ def run_bench(args: argparse.Namespace) -> int:
             rows.extend(_run_lr(args, lr, steps, Path(tmp)))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
-    ok = all(r["bit_identical"] for r in rows)
+    _summary(rows)
+    return 0 if all(r["bit_identical"] for r in rows) else 1
+
+
+def _summary(rows: list[dict]) -> None:
+    """Per encoding: the worst bytes per changed element and how often encode beat the dense save."""
+    for encoding in dict.fromkeys(r["encoding"] for r in rows):
+        mine = [r for r in rows if r["encoding"] == encoding]
+        faster = sum(r["encode_s"] <= r["dense_save_s"] for r in mine)
+        print(
+            f"{encoding:>9}: bytes/changed {min(r['bytes_per_changed'] for r in mine):.3f}.."
+            f"{max(r['bytes_per_changed'] for r in mine):.3f}, ratio {min(r['ratio'] for r in mine):.1f}.."
+            f"{max(r['ratio'] for r in mine):.1f}x, encode <= dense save in {faster}/{len(mine)} steps"
+        )
     print(f"bit-identical: {sum(r['bit_identical'] for r in rows)}/{len(rows)}")
-    return 0 if ok else 1
