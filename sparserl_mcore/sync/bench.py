@@ -68,7 +68,8 @@ class MixedPrecisionAdam:
     def __init__(self, model: torch.nn.Module, lr: float) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.master = [p.detach().float().requires_grad_(True) for p in self.params]
-        self.optimizer = torch.optim.Adam(self.master, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+        # per-tensor (not foreach) Adam: no model-sized temporaries on a shared 24 GB box
+        self.optimizer = torch.optim.Adam(self.master, lr=lr, betas=(0.9, 0.999), eps=1e-8, foreach=False)
 
     def step(self) -> None:
         for p, m in zip(self.params, self.master, strict=True):
