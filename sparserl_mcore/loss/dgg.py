@@ -64,6 +64,7 @@ class GateDecision:
     def as_metrics(self) -> dict[str, float]:
         out = {
             "dgg/lm_head_grad_sq": self.energy,
+            "dgg/lm_head_grad_norm": math.sqrt(max(self.energy, 0.0)),
             "dgg/gated": float(self.gate),
             "dgg/reuse_index": float(self.reuse_index),
         }
