@@ -84,3 +84,23 @@ def test_tp2_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path):
     a, b = _weights(tmp_path / "full" / "hf"), _weights(tmp_path / "killed" / "hf")
     assert a.keys() == b.keys()
     assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nonfinite_loss_skips_every_update_and_leaves_weights_and_sync_untouched(tmp_path):
+    hf = make_assets(tmp_path)
+    cfg = write_config(
+        tmp_path,
+        hf,
+        "nan",
+        reward={"name": "e2e_support:nan_reward"},
+        train={"steps": 2, "filter_zero_variance_groups": False},
+        checkpoint={"every": 0},
+    )
+    launch_local([TRAIN, "--config", str(cfg)], 2, env=subprocess_env(), timeout=300)
+    records = metrics(tmp_path, "nan")
+    steps = [r for r in records if "train/skipped_nonfinite" in r]
+    assert [r["train/skipped_nonfinite"] > 0 and r["train/updates"] == 0 for r in steps] == [True, True]
+    assert not any("sync/patch_bytes" in r for r in records)  # the engines' version never moved
+    assert sum(r.get("event") == "nonfinite_update_skipped" for r in records) == 2
+    before, after = _weights(hf), _weights(tmp_path / "nan" / "hf")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

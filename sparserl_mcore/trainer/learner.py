@@ -12,7 +12,6 @@ import torch
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
-    finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
@@ -48,12 +47,33 @@ def wrap_ddp(
         use_distributed_optimizer=not runtime.cpu,
         check_for_nan_in_grad=False,  # the trainer skips non-finite updates itself, and logs them
     )
-    ddp = DistributedDataParallel(spec.config, ddp_config, model, pg_collection=runtime.groups)
-    # What megatron's schedules call after the last micro-batch: DP all-reduce of the grads (and
-    # embedding/lm_head grads shared across pipeline stages), and grad-sync suppression before it.
-    spec.config.finalize_model_grads_func = finalize_model_grads
-    spec.config.no_sync_func = ddp.no_sync
-    return ddp
+    return DistributedDataParallel(spec.config, ddp_config, model, pg_collection=runtime.groups)
+
+
+class NonFiniteGradGuard:
+    """The megatron optimizer, with `prepare_grads` also reporting NaN/Inf gradients.
+
+    Megatron reports non-finite gradients only through the fp16 loss scaler; with fp32 or bf16
+    training its `prepare_grads` always says "fine" and the step would write NaN into the weights.
+    Here every rank checks its gradients and the verdict is OR-ed over the whole job, so the update
+    step (`sparserl_mcore.loss.megatron_step`) skips the step on every rank alike: no weight, LR or
+    DGG state changes. Everything else is the wrapped optimizer's.
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer_ = optimizer
+
+    def __getattr__(self, name: str):
+        return getattr(self.optimizer_, name)
+
+    def prepare_grads(self) -> bool:
+        found_inf = bool(self.optimizer_.prepare_grads())
+        leaves = getattr(self.optimizer_, "chained_optimizers", [self.optimizer_])
+        bad = any(not torch.isfinite(g).all() for opt in leaves for g in opt.get_main_grads_for_grad_norm())
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        flag = torch.tensor([1.0 if (found_inf or bad) else 0.0], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item() > 0)
 
 
 def build_optimizer(
@@ -75,8 +95,8 @@ def build_optimizer(
         params_dtype=spec.params_dtype,
         use_distributed_optimizer=not runtime.cpu,
     )
-    optimizer = get_megatron_optimizer(
-        opt_cfg, [model], use_gloo_process_groups=False, pg_collection=runtime.groups
+    optimizer = NonFiniteGradGuard(
+        get_megatron_optimizer(opt_cfg, [model], use_gloo_process_groups=False, pg_collection=runtime.groups)
     )
     scheduler = OptimizerParamScheduler(
         optimizer,

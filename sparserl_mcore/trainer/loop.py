@@ -74,6 +74,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, runtime: Any, parts: Any):
         self.cfg, self.runtime, self.parts = cfg, runtime, parts
         self.state = LoopState()
+        self._weights_changed = False  # an update was applied since the last sync
 
     # -- the run -------------------------------------------------------------------------------
     def fit(self) -> RunSummary:
@@ -99,7 +100,7 @@ class Trainer:
                 if self._checkpoint_due():
                     self.save()
         except NoEngineLeftError as exc:
-            ckpt = self.save() if self.cfg.checkpoint.dir else None
+            ckpt = self.save(sync_engines=False) if self.cfg.checkpoint.dir else None
             p.telemetry.event("stopped", {"reason": str(exc), "checkpoint": str(ckpt)})
             return self._summary(EXIT_NO_ENGINE, ckpt, message=f"no rollout engine left: {exc}")
         if self.cfg.eval.every == 0 or self.state.step % self.cfg.eval.every:
@@ -137,15 +138,15 @@ class Trainer:
         metrics = rollout_metrics(samples, batch, p.kv_bytes_per_token)
         if cfg.train.filter_zero_variance_groups:
             batch = batch.select(informative_rows(batch.rewards_B, cfg.rollout.group_size))
-        batch = self._trim(batch)
+        batch, updates_per_epoch = self._trim(batch)
         metrics["train/sequences"] = batch.size
         if batch.size:
             with timer("update"):
-                metrics.update(self.update(batch))
-        if step % cfg.sync.every == 0:
+                metrics.update(self.update(batch, updates_per_epoch))
+            self._weights_changed |= metrics["train/updates"] > 0
+        if step % cfg.sync.every == 0 and self._weights_changed:  # skipped/gated-only: version kept
             with timer("sync"):
-                metrics.update(p.syncer.sync([p.pool, p.dense_pool], version=step))
-            self.state.sync_version = step
+                metrics.update(self.sync_weights(step))
         if cfg.eval.every and step % cfg.eval.every == 0:
             with timer("eval"):
                 metrics.update(self.evaluate())
@@ -155,24 +156,29 @@ class Trainer:
         self.progress.step_done(step, info=f"reward {metrics['rollout/reward_mean']:.3f}")
 
     # -- pieces ---------------------------------------------------------------------------------
+    def sync_weights(self, version: int) -> dict[str, float]:
+        p = self.parts
+        metrics = p.syncer.sync([p.pool, p.dense_pool], version=version)
+        self.state.sync_version, self._weights_changed = version, False
+        return metrics
+
     def evaluate(self) -> dict[str, float]:
         if self.cfg.eval.compressed:
             self.progress.rollouts(len(self.parts.evaluator.prompts))
         return self.parts.evaluator.run(self.parts.pool, self.parts.dense_pool)
 
-    def _trim(self, batch: RolloutBatch) -> RolloutBatch:
+    def _trim(self, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
         """Drop trailing rows so the batch splits into whole micro-batches on every DP rank and into
         optimizer updates of about train.global_batch_size sequences (zero-variance filtering makes
-        the size vary)."""
+        the size vary). Returns the batch and its optimizer updates per epoch."""
         step = self.cfg.train.micro_batch_size * self.runtime.dp_size
         updates = max(1, round(batch.size / self.cfg.train.global_batch_size))
         keep = batch.size // (step * updates) * step * updates
         if keep == 0:
             updates, keep = 1, batch.size // step * step
-        self._updates_per_epoch = updates
-        return batch.select(slice(0, keep))
+        return batch.select(slice(0, keep)), updates
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, updates_per_epoch: int) -> dict[str, float]:
         """pi_ref recompute (KL on), then up to K epochs with DGG (pi_old is recomputed inside)."""
         p, rt = self.parts, self.runtime
         learner = p.learner
@@ -195,8 +201,8 @@ class Trainer:
             logp_sparse_BT=local.logp_sparse_BT,
             logp_ref_BT=logp_ref,
         )
-        cfg = dataclasses.replace(learner.update_cfg, minibatches_per_epoch=self._updates_per_epoch)
-        self.progress.updates(self._updates_per_epoch * learner.gate.cfg.max_reuse)
+        cfg = dataclasses.replace(learner.update_cfg, minibatches_per_epoch=updates_per_epoch)
+        self.progress.updates(updates_per_epoch * learner.gate.cfg.max_reuse)
         result = megatron_step.train_on_batch(
             learner.model,
             learner.optimizer,
@@ -221,12 +227,14 @@ class Trainer:
         every = self.cfg.checkpoint.every
         return bool(every) and self.state.step % every == 0 and self.state.step < self.cfg.train.steps
 
-    def save(self) -> Path:
+    def save(self, *, sync_engines: bool = True) -> Path:
+        """Collective. Engines first receive any unsynced update, so the checkpoint's weights and the
+        engines' agree, and a resumed run's full sync reproduces exactly what the engines held."""
         p = self.parts
+        if sync_engines and self._weights_changed:
+            self.sync_weights(self.state.step)
         self.state.data = p.data.state_dict()
         self.state.dgg = p.learner.dgg_state()
-        # only the host rank holds engines; its syncer version is the truth for every rank
-        self.state.sync_version = p.syncer.version
         return checkpoint.save_checkpoint(
             self.cfg.checkpoint.dir,
             self.state.step,

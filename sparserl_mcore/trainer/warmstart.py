@@ -198,7 +198,7 @@ def evaluate_reward(
 # The demo's starting policy: make-tiny shape and warm-start schedule. Measured (time, greedy and
 # sampled reward) by benchmarks/bench_warmstart.py, recorded in docs/benchmarks.md.
 DEMO_MODEL = TinyModelConfig(arch="qwen2", layers=2, hidden=64, heads=4, kv_heads=2, ffn=256, seed=0)
-DEMO_WARM_START = WarmStartConfig(steps=400, batch_size=32, lr=3e-3, warmup_steps=20, target_loss=0.2, seed=0)
+DEMO_WARM_START = WarmStartConfig(steps=400, batch_size=32, lr=3e-3, warmup_steps=20, target_loss=0.15, seed=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
