@@ -17,7 +17,7 @@ import json
 import pathlib
 import shutil
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sparserl_mcore.ckpt.layout import ModelLayout
 
@@ -44,8 +44,7 @@ class HFCheckpoint:
     def __init__(self, hf_dir: str | pathlib.Path) -> None:
         self.dir = pathlib.Path(hf_dir)
         self.files: dict[str, pathlib.Path] = self._tensor_files()
-        self._handles: dict[pathlib.Path, Any] = {}
-        self._slices: dict[str, Any] = {}
+        self._headers: dict[str, tuple[tuple[int, ...], str]] = {}
 
     def _tensor_files(self) -> dict[str, pathlib.Path]:
         index = self.dir / INDEX_FILE
@@ -63,29 +62,39 @@ class HFCheckpoint:
         with safe_open(single, framework="pt") as f:
             return {name: single for name in f.keys()}
 
-    def _slice(self, name: str) -> Any:
-        if name not in self._slices:
-            if name not in self.files:
-                raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
-            path = self.files[name]
-            if path not in self._handles:
-                from safetensors import safe_open
+    def _header(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype) of a tensor from its file's header (each file's header read once)."""
+        if name not in self.files:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
+        if name not in self._headers:
+            from safetensors import safe_open
 
-                self._handles[path] = safe_open(path, framework="pt")
-            self._slices[name] = self._handles[path].get_slice(name)
-        return self._slices[name]
+            path = self.files[name]
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    part = f.get_slice(key)
+                    raw = part.get_dtype()
+                    self._headers[key] = (tuple(part.get_shape()), _SAFETENSORS_DTYPES.get(raw, raw))
+        return self._headers[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        return self._header(name)[0]
 
     def dtype(self, name: str) -> str:
-        raw = self._slice(name).get_dtype()
-        return _SAFETENSORS_DTYPES.get(raw, raw)
+        return self._header(name)[1]
 
     def read(self, name: str, rows: slice, cols: slice | None) -> torch.Tensor:
-        """Rows (and columns) of one tensor, read from disk without loading the rest of it."""
-        part = self._slice(name)
-        return part[rows] if cols is None else part[rows, cols]
+        """Rows (and columns) of one tensor, read from disk without loading the rest of it.
+
+        The file is mapped only for the duration of one read: a mapping kept open would keep every
+        page read so far resident, adding up to a whole checkpoint file to the process's RSS.
+        """
+        from safetensors import safe_open
+
+        self._header(name)
+        with safe_open(self.files[name], framework="pt") as f:
+            part = f.get_slice(name)
+            return part[rows] if cols is None else part[rows, cols]
 
     def check(self, layout: ModelLayout) -> None:
         """Every tensor the layout needs is present with its shape; nothing unknown is present."""
