@@ -153,7 +153,7 @@ class ModelLayout:
         if mcore_name not in shard:
             raise KeyError(
                 f"{mcore_name!r} is not a parameter of shard (tp_rank={tp_rank}, pp_rank={pp_rank}) of "
-                f"{self!r}; it has: {sorted(shard)}"
+                f"{self!r}; it has {len(shard)}, e.g. {sorted(shard)[:4]}"
             )
         return shard[mcore_name]
 
