@@ -1,24 +1,29 @@
 """Embedded rollout engine: throughput vs HF transformers, KV memory under compression, radix sharing.
 
 Same random-weight model (sparserl_mcore.ckpt.tiny) and prompts for every row, one timed run each
-after one short warm-up run per system:
-1. tokens/s of `EmbeddedEngine` vs HF `generate` (batched, left-padded, KV cache on, greedy);
+after one short warm-up run per system. Speed is reported as tokens per wall second AND per CPU
+second of the process (one torch thread by default); ratios use CPU seconds, which stay meaningful
+on a shared machine where wall time depends on the neighbours' load.
+1. tokens/s of `EmbeddedEngine` vs HF `generate` (batched, left-padded, KV cache on, greedy), with
+   equal response lengths and with RL-like varied ones;
 2. each compression policy at budgets of 25% and 50% of the generated length: mean per-request
    peak KV bytes relative to `none` (goal: <= budget share + one page) and tokens/s relative to
    `none` (goal: >= 0.9);
 3. radix sharing: pool pages holding the prompts of G samples per prompt, radix on vs off (goal:
    <= 1/G + one page per sample).
 
-`python -m benchmarks bench_rollout [--device cuda] [--gen 256] ...`; record results in
-docs/benchmarks.md ("## Rollout engine").
+`python -m benchmarks bench_rollout` (defaults) or `python -m benchmarks.bench_rollout --device cuda ...`;
+results are recorded in docs/benchmarks.md ("## Rollout engine").
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -61,19 +66,46 @@ def _requests(prompts: list[list[int]], gens: int | list[int]) -> list[GenerateR
     ]
 
 
-def _timed_engine(path, cfg: EngineConfig, prompts, gens: int | list[int]) -> tuple[float, list]:
-    """tokens/s (generated tokens over wall time) and the samples of one run."""
+@dataclass(frozen=True)
+class Rate:
+    tokens: int
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def per_cpu_s(self) -> float:
+        return self.tokens / self.cpu_s
+
+    def cell(self) -> str:
+        return f"{self.tokens / self.wall_s:.0f} / {self.per_cpu_s:.0f}"
+
+
+class _Clock:
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def __enter__(self) -> _Clock:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def _timed_engine(path, cfg: EngineConfig, prompts, gens: int | list[int]) -> tuple[Rate, list]:
+    """Generated tokens over the time of one run, and its samples."""
     engine = EmbeddedEngine(path, cfg)
     engine.generate(_requests(prompts[:2], 8))  # warm-up
-    start = time.perf_counter()
-    samples = engine.generate(_requests(prompts, gens))
-    _sync(cfg.device)
-    return sum(len(s.output_ids) for s in samples) / (time.perf_counter() - start), samples
+    with _Clock(cfg.device) as clock:
+        samples = engine.generate(_requests(prompts, gens))
+    return Rate(sum(len(s.output_ids) for s in samples), clock.wall, clock.cpu), samples
 
 
-def _timed_hf(path, device: str, prompts, gens: list[int]) -> float:
-    """tokens/s of HF `generate` on the left-padded batch. A batch runs until its longest request is
-    done (rows stop only at EOS, and stay in the batch); only each request's own tokens count."""
+def _timed_hf(path, device: str, prompts, gens: list[int]) -> Rate:
+    """HF `generate` on the left-padded batch. A batch runs until its longest request is done (rows
+    stop only at EOS, and stay in the batch); only each request's own tokens count."""
     import transformers
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -84,19 +116,12 @@ def _timed_hf(path, device: str, prompts, gens: list[int]) -> float:
     kw = dict(do_sample=False, use_cache=True, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=8, **kw)  # warm-up
-        start = time.perf_counter()
-        out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=max(gens), min_new_tokens=max(gens), **kw
-        )
-        _sync(device)
-        elapsed = time.perf_counter() - start
+        with _Clock(device) as clock:
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=max(gens), min_new_tokens=max(gens), **kw
+            )
     assert out.shape[1] - width == max(gens)
-    return sum(gens) / elapsed
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    return Rate(sum(gens), clock.wall, clock.cpu)
 
 
 def _mean_peak_bytes(samples) -> float:
@@ -129,39 +154,40 @@ def main(argv: list[str]) -> int:
             torch.randint(a.gen // 4, a.gen + 1, (a.batch,), generator=g).tolist(),
         )
         hf_equal = _timed_hf(path, a.device, prompts, equal)
-        none_tps, none_samples = _timed_engine(path, EngineConfig(**base), prompts, equal)
+        none, none_samples = _timed_engine(path, EngineConfig(**base), prompts, equal)
         hf_varied = _timed_hf(path, a.device, prompts, varied)
-        varied_tps, _ = _timed_engine(path, EngineConfig(**base), prompts, varied)
+        ours_varied, _ = _timed_engine(path, EngineConfig(**base), prompts, varied)
         print(
-            "\n| response lengths | HF generate tokens/s | EmbeddedEngine tokens/s | ratio |"
-            "\n|---|---|---|---|"
+            "\n| response lengths | HF generate tok/s (wall / CPU) | EmbeddedEngine tok/s (wall / CPU) "
+            "| ratio (CPU) |\n|---|---|---|---|"
         )
-        print(f"| {a.gen} each | {hf_equal:.0f} | {none_tps:.0f} | {none_tps / hf_equal:.2f}x |")
-        print(
-            f"| {min(varied)}-{a.gen} | {hf_varied:.0f} | {varied_tps:.0f} | {varied_tps / hf_varied:.2f}x |"
-        )
-        _compression_table(a, path, prompts, base, none_tps, none_samples)
+        for label, hf, ours in (
+            (f"{a.gen} each", hf_equal, none),
+            (f"{min(varied)}-{a.gen}", hf_varied, ours_varied),
+        ):
+            print(f"| {label} | {hf.cell()} | {ours.cell()} | {ours.per_cpu_s / hf.per_cpu_s:.2f}x |")
+        _compression_table(a, path, prompts, base, none, none_samples)
         _radix_table(a, path, base)
     return 0
 
 
-def _compression_table(a, path, prompts, base, none_tps, none_samples) -> None:
+def _compression_table(a, path, prompts, base, none: Rate, none_samples) -> None:
     none_bytes = _mean_peak_bytes(none_samples)
     total = sum(len(p) for p in prompts) / len(prompts) + a.gen
     print(
-        "\n| policy | budget | peak KV bytes / none | goal (budget share + 1 page) | tokens/s | vs none |"
-        "\n|---|---|---|---|---|---|"
+        "\n| policy | budget | peak KV bytes / none | goal (budget share + 1 page) | tok/s (wall / CPU) "
+        "| vs none (CPU) |\n|---|---|---|---|---|---|"
     )
     for share in (0.25, 0.5):
         budget = int(a.gen * share)
         for method in [m for m in METHODS if m != "none"]:
             kv = KVCompressionConfig(method=method, budget=budget, interval=max(1, budget // 4), window=8)
-            tps, samples = _timed_engine(path, EngineConfig(**base, kv_compression=kv), prompts, a.gen)
+            rate, samples = _timed_engine(path, EngineConfig(**base, kv_compression=kv), prompts, a.gen)
             ratio = _mean_peak_bytes(samples) / none_bytes
             goal = (budget + a.page_size) / total
             print(
-                f"| {method} | {budget} ({share:.0%} of gen) | {ratio:.3f} | {goal:.3f} | {tps:.0f} "
-                f"| {tps / none_tps:.2f}x |"
+                f"| {method} | {budget} ({share:.0%} of gen) | {ratio:.3f} | {goal:.3f} | {rate.cell()} "
+                f"| {rate.per_cpu_s / none.per_cpu_s:.2f}x |"
             )
 
 
@@ -190,3 +216,7 @@ def _radix_table(a, path, base) -> None:
         per_sample = peaks[radix] / len(group)
         print(f"| {'on' if radix else 'off'} | {peaks[radix]} | {per_sample:.2f} | {goal:.2f} |")
     print(f"shared / unshared = {peaks[True] / peaks[False]:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
