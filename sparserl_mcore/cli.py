@@ -16,7 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("tools.model", "make tiny random-weight HF checkpoints (tests, demos)"),
     "convert": ("tools.convert", "HF safetensors <-> Megatron dist checkpoints, and logit parity checks"),
     "sync": ("sparserl_mcore.sync.cli", "sparse BF16 weight patches: diff, apply, inspect, bench"),
-    "serve": ("sparserl_mcore.rollout.cli", "run the embedded rollout engine behind an SGLang-style HTTP API"),
+    "serve": (
+        "sparserl_mcore.rollout.cli",
+        "run the embedded rollout engine behind an SGLang-style HTTP API",
+    ),
     "train": ("sparserl_mcore.trainer.cli", "RL training from a YAML config with dotted overrides"),
     "demo": ("sparserl_mcore.demo", "the small end-to-end CPU run behind `make demo`"),
 }
