@@ -264,3 +264,20 @@ def test_bf16_engine_applies_sparse_patch_in_place_and_rejects_bad_one(hf_model)
         engine.apply_patch(patch)
     for name in new:
         assert torch.equal(engine.model.params[name], new[name]), name
+
+
+def test_stop_strings_with_the_checkpoint_tokenizer(tmp_path):
+    from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
+
+    path = make_tiny(TinyModelConfig(arch="qwen3", vocab=128), tmp_path / "tiny")
+    engine = _engine(path)
+    prompt = engine.tokenizer.encode("2+2=")
+    free = engine.generate([GenerateRequest(input_ids=prompt, sampling=GREEDY)])[0]
+    text = engine.tokenizer.decode(free.output_ids)
+    stop = text[6:8]
+    first = next(
+        i for i in range(1, len(free.output_ids) + 1) if stop in engine.tokenizer.decode(free.output_ids[:i])
+    )
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, stop=[stop], ignore_eos=True)
+    stopped = engine.generate([GenerateRequest(input_ids=prompt, sampling=params)])[0]
+    assert stopped.finish_reason == "stop" and stopped.output_ids == free.output_ids[:first]
