@@ -18,6 +18,13 @@ What it changes while active, and why (megatron-core 0.16.x hard-codes CUDA in t
    exactly as megatron swaps CUDA generator states. Dropout inside TP regions therefore draws from
    the per-TP-rank "model-parallel-rng" stream and advances it, as on GPU; it is not a no-op.
    `model_parallel_cuda_manual_seed` keeps working unchanged because it only talks to the tracker.
+4. `Tensor.type()` without arguments reports the CUDA type name of a CPU tensor
+   (`torch.BFloat16Tensor` -> `torch.cuda.BFloat16Tensor`, likewise Float/Half). Megatron's
+   mixed-precision optimizers (`Float16OptimizerWithFloat16Params`, `DistributedOptimizer`) and
+   `clip_grad_by_total_norm_fp32` use these strings only as dtype checks and reject CPU names, so
+   without this bf16 params + fp32 master weights and the distributed optimizer cannot be built on
+   CPU. `Tensor.type(dtype)` (a conversion) is untouched; everything else these paths need on CPU
+   (`device="cuda"` buffers, the local multi-tensor fallbacks) is covered by point 1.
 
 Not changed: kernels and fusions. Models built for CPU must turn fusions off and use the SDPA core
 attention of `model_providers` (see `model_providers.specs`).
@@ -51,11 +58,15 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class _CudaToCpu(TorchFunctionMode):
-    """Rewrites CUDA device arguments of torch calls to CPU (point 1 of the module docstring)."""
+    """Rewrites CUDA device arguments of torch calls to CPU and reports CUDA type names (points 1
+    and 4 of the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(args[0])
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if kwargs and (_is_cuda_device(kwargs.get("device")) or kwargs.get("pin_memory")):
             kwargs = dict(kwargs)
             if _is_cuda_device(kwargs.get("device")):
@@ -104,7 +115,7 @@ class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
 
 
 class CPUExecutionMode:
-    """Context manager applying the three changes of the module docstring; reverts them on exit."""
+    """Context manager applying the four changes of the module docstring; reverts them on exit."""
 
     def __init__(self) -> None:
         self._mode: _CudaToCpu | None = None
