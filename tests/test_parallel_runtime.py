@@ -55,6 +55,9 @@ def test_cpu_mode_rewrites_cuda_devices_and_restores_on_exit():
         torch.cuda.synchronize()
         assert {t.device.type for t in (x, y, z, w, x.cuda())} == {"cpu"}
         assert w.dtype == torch.float64
+        # megatron's mixed-precision optimizers read dtypes from CUDA type names
+        assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+        assert torch.zeros(1).type(torch.float64).dtype == torch.float64
     assert torch.cuda.current_device is original
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1, device="cuda")

@@ -27,7 +27,7 @@ What it changes while active, and why (megatron-core 0.16.x hard-codes CUDA in t
    (`device="cuda"` buffers, the local multi-tensor fallbacks) is covered by point 1.
 
 Not changed: kernels and fusions. Models built for CPU must turn fusions off and use the SDPA core
-attention of `model_providers` (see `model_providers.specs`).
+attention of `model_providers` (see `model_providers.layer_specs`).
 
 Usage: `with cpu_mode.CPUExecutionMode(): ...` or `cpu_mode.enable()` / `cpu_mode.disable()` (what
 `parallel.initialize` / `parallel.shutdown` do). The TorchFunctionMode is per thread: megatron
