@@ -108,6 +108,11 @@ class Scheduler:
         self.weight_version = 0
         self._order = 0
 
+    @property
+    def idle(self) -> bool:
+        """No request queued or running (read without the engine's locks: a snapshot)."""
+        return not self.waiting and not self.running
+
     def step(self) -> list[RequestState]:
         """Advance every request by one token; returns the requests that finished."""
         finished = self._take_aborted()
