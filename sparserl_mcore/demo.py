@@ -70,14 +70,18 @@ def demo_config(out: Path, steps: int, tp: int) -> dict:
 def prepare(out: Path, console) -> Path:
     """Steps 1-2 (trainer-base's `prepare_policy`): task splits, tiny checkpoint, warm start.
     An existing OUT/warm is reused. Returns the warm-started checkpoint directory."""
+    from sparserl_mcore.ckpt.tiny import TinyModelConfig
     from sparserl_mcore.trainer.warmstart import WarmStartConfig, prepare_policy
 
-    # ~20% greedy exact answers after 170 steps: rewards clearly above zero, room for RL to add
-    cfg = WarmStartConfig(steps=170, batch_size=32, lr=3e-3, warmup_steps=20, seed=0)
+    # This shape learns the 4-digit task abruptly between 150 (22% greedy exact answers) and 200
+    # steps (100%); 160 steps leave a policy that is right part of the time: signal for GRPO.
+    model = TinyModelConfig(arch="qwen2", layers=2, hidden=64, heads=4, kv_heads=2, ffn=192, seed=0)
+    cfg = WarmStartConfig(steps=160, batch_size=32, lr=3e-3, warmup_steps=20, seed=0)
     with console.status("warm start (supervised)") as status:
         prepared = prepare_policy(
             out,
             task=TASK,
+            model=model,
             cfg=cfg,
             n_train=2000,
             n_eval=64,
