@@ -222,6 +222,13 @@ def _stage_hf_tensors(
     for name, pmap in shard.items():
         for hf_name, rows, cols, piece in layout.hf_pieces(pmap, params[name].detach()):
             by_name[hf_name].append((rows, cols, piece.cpu()))
+    # HF tensors that are one whole local param on their own (safetensors refuses two buffered
+    # tensors sharing storage, so views of fc1 or QKV are always copied).
+    whole = {
+        p.hf_names[0]
+        for p in shard.values()
+        if len(p.segments) == 1 and p.hf_names and p.shape == layout.hf_shapes[p.hf_names[0]]
+    }
     for hf_name in order:
         pieces = by_name[hf_name]
         if tp_size > 1:
@@ -230,6 +237,9 @@ def _stage_hf_tensors(
             pieces = [p for rank_pieces in gathered or [] for p in rank_pieces]
         if tp_rank != 0:
             yield hf_name, None
+            continue
+        if hf_name in whole and len(pieces) == 1:
+            yield hf_name, pieces[0][2]  # the parameter itself (TP=1 o_proj, norms, ...): no copy
             continue
         full = torch.empty(layout.hf_shapes[hf_name], dtype=pieces[0][2].dtype)
         for rows, cols, piece in pieces:
