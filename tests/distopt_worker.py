@@ -1,0 +1,212 @@
+"""Worker for tests/test_distopt_cpu.py: megatron mixed precision (bf16 params, fp32 master) on CPU.
+
+    python tests/distopt_worker.py WORK                                  reference: 1 process
+    python -m torch.distributed.run --nproc_per_node 2 tests/distopt_worker.py WORK   DP=2
+
+Both train the same tiny untied model for STEPS megatron Adam steps on the same global batches of
+2 sequences: the reference as 2 micro-batches with the plain mixed-precision optimizer
+(`Float16OptimizerWithFloat16Params`), the DP=2 run as 1 sequence per rank with the distributed
+optimizer (`DistributedOptimizer`), one DDP bucket per parameter so every parameter, the lm_head
+included, is split between the two ranks' owned ranges. Per step both record the global lm_head
+gradient energy (`loss.lm_head_grad_energy`) and megatron's grad norm, and write a full HF export
+to WORK/<mode>/v<step>. The DP=2 run also syncs after every step (`sync.learner.ShardSyncer` with
+the distributed optimizer's ranges) into an HF-layout receiver and asserts, on the stage source,
+that it is bit-identical to the export and that each patch carries exactly the elements whose bits
+changed since the previous export (nothing missed, nothing twice). Results: WORK/<mode>.json.
+
+Why the two runs can agree bit for bit: a sequence's bf16 gradient is the same whether its loss is
+scaled by 1/2 (reference: 2 micro-batches) or its fp32 gradient by 1/2 (DDP's 1/dp before the
+reduce-scatter), since powers of two commute with rounding; the sum of two terms is order-free;
+Adam is elementwise; and clip_grad is set high enough to run megatron's norm but never clip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+STEPS = 3
+SEQ = 17
+LR = 1e-3
+CLIP = 1.0e6  # megatron's norm + clip path runs (CUDA type checks included) but never scales
+
+
+def build(hf_dir: str, rt, *, distributed: bool):
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    import model_providers
+    from sparserl_mcore.ckpt.hf_io import load_hf_weights
+    from sparserl_mcore.ckpt.layout import layout_for
+
+    spec = model_providers.build_spec(hf_dir, rt.parallel, params_dtype="bfloat16", cpu=True)
+    gpt = model_providers.build_model(spec, pre_process=True, post_process=True, pg_collection=rt.groups)
+    layout = layout_for(spec)
+    load_hf_weights(gpt, layout, hf_dir, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank)
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=distributed,
+        # one bucket per param (megatron honours bucket_size only with overlap): every param split
+        overlap_grad_reduce=distributed,
+        bucket_size=1 if distributed else None,
+    )
+    ddp = DistributedDataParallel(
+        spec.config, ddp_cfg, Float16Module(spec.config, gpt), pg_collection=rt.groups
+    )
+    spec.config.finalize_model_grads_func = finalize_model_grads
+    spec.config.no_sync_func = ddp.no_sync
+    opt_cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=LR,
+        clip_grad=CLIP,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=distributed,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=False, pg_collection=rt.groups)
+    return spec, gpt, ddp, layout, optimizer
+
+
+def forward_backward(ddp, tokens: torch.Tensor, rt) -> None:
+    """Megatron's schedule over `tokens` (one micro-batch per row), mean token NLL per micro-batch."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def loss_func(per_token: torch.Tensor):
+        loss = per_token.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    def step(data_iterator, model):
+        mb = next(data_iterator)
+        inputs, labels = mb[:, :-1], mb[:, 1:]
+        positions = torch.arange(inputs.shape[1]).unsqueeze(0)
+        return model(inputs, positions, None, labels=labels), loss_func
+
+    ddp.zero_grad_buffer()
+    get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(tokens.split(1)),
+        model=[ddp],
+        num_microbatches=tokens.shape[0],
+        seq_length=SEQ - 1,
+        micro_batch_size=1,
+        forward_only=False,
+        pg_collection=rt.groups,
+    )
+
+
+def export(gpt, layout, rt, out: pathlib.Path) -> dict[str, torch.Tensor]:
+    """Full HF export by the DP rank 0 (the independent reference for the sync receiver)."""
+    from sparserl_mcore.ckpt.hf_io import export_hf_weights, write_index
+    from sparserl_mcore.sync.hf_files import load_state
+
+    if rt.rank == 0:
+        out.mkdir(parents=True)
+        write_index(out, [export_hf_weights(gpt, layout, out, tp_rank=0, pp_rank=0)])
+    if rt.world_size > 1:
+        dist.barrier()
+    return load_state(out)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16).view(-1)
+
+
+class SyncCheck:
+    """Learner-side sparse sync into an HF receiver, checked against each step's export."""
+
+    def __init__(self, ddp, layout, rt, optimizer, hf_dir: str) -> None:
+        from sparserl_mcore.sync.apply import HFReceiver
+        from sparserl_mcore.sync.hf_files import load_state
+        from sparserl_mcore.sync.learner import ShardSyncer
+
+        self.syncer = ShardSyncer.for_runtime(ddp, layout, rt, optimizer=optimizer)
+        self.receiver = HFReceiver(load_state(pathlib.Path(hf_dir)), version=0)
+        self.previous = {n: t.clone() for n, t in self.receiver.state.items()}
+        self.rt = rt
+        self.partition = self._owned_partition()
+
+    def _owned_partition(self) -> dict[str, list[tuple[int, int]]]:
+        """Both ranks' owned ranges per param; asserts they tile it (no element twice, none missed)."""
+        everyone = [None] * self.rt.world_size
+        dist.all_gather_object(everyone, self.syncer.owned)
+        out = {}
+        for name, param in self.syncer.params.items():
+            ranges = sorted(o[name] for o in everyone if o[name][1] > o[name][0])
+            ends = [0] + [end for _, end in ranges]
+            assert [s for s, _ in ranges] == ends[:-1] and ends[-1] == param.numel(), (name, ranges)
+            out[name] = ranges
+        return out
+
+    def step(self, version: int, export: dict[str, torch.Tensor]) -> dict:
+        from sparserl_mcore.sync.codec import decode_fragments
+
+        parts = self.syncer.make_patch(version)
+        if not self.syncer.is_source:
+            assert parts == []
+            return {}
+        patch = decode_fragments(parts)
+        nnz = {t.name: int(t.indices.size) for t in patch.tensors}
+        for t in patch.tensors:
+            assert (t.indices[1:] > t.indices[:-1]).all(), f"{t.name}: an index emitted twice"
+        changed = {n: int((bits(export[n]) != bits(self.previous[n])).sum()) for n in export}
+        assert nnz == {n: c for n, c in changed.items() if c}, "patch elements != changed elements"
+        result = self.receiver.apply(parts)
+        bad = [n for n in export if not torch.equal(bits(self.receiver.state[n]), bits(export[n]))]
+        assert not bad and result.version == version, (version, bad[:3])
+        self.previous = {n: t.clone() for n, t in export.items()}
+        return {"patch_bytes": sum(len(p) for p in parts), "changed": sum(nnz.values())}
+
+
+def run(work: pathlib.Path) -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from sparserl_mcore.loss import lm_head_grad
+    from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
+
+    plan = json.loads((work / "plan.json").read_text())
+    rt = initialize(ParallelConfig(), seed=0)
+    distributed = rt.dp_size > 1
+    mode = "dist" if distributed else "ref"
+    try:
+        spec, gpt, ddp, layout, optimizer = build(plan["hf_dir"], rt, distributed=distributed)
+        leaves = lm_head_grad.leaf_optimizers(optimizer)
+        assert all(isinstance(leaf, DistributedOptimizer) for leaf in leaves) == distributed, leaves
+        head = lm_head_grad.lm_head_weight(ddp)
+        if distributed:  # the DP-shard branch must see a real split of the head over the ranks
+            owned = [leaf._get_model_param_range_map(head)["param"] for leaf in leaves]
+            assert len(owned) == 1 and 0 < owned[0].size < head.numel(), owned
+        sync = SyncCheck(ddp, layout, rt, optimizer, plan["hf_dir"]) if distributed else None
+        rows = []
+        for step, batch in enumerate(plan["batches"], start=1):
+            tokens = torch.tensor(batch)
+            forward_backward(ddp, tokens[rt.dp_rank :: rt.dp_size], rt)
+            energy = lm_head_grad.lm_head_grad_energy(
+                ddp, optimizer, is_last_stage=True, dp_group=rt.groups.dp, group=None
+            )
+            ok, grad_norm, _ = optimizer.step()
+            assert ok, f"step {step} was skipped"
+            row = {"step": step, "energy": energy, "grad_norm": grad_norm}
+            state = export(gpt, layout, rt, work / mode / f"v{step}")
+            if sync is not None:
+                row.update(sync.step(step, state))
+            rows.append(row)
+        if rt.rank == 0:
+            (work / f"{mode}.json").write_text(json.dumps(rows))
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run(pathlib.Path(sys.argv[1]))
