@@ -3,8 +3,8 @@
 1. make a tiny random Qwen2 checkpoint (character-level tokenizer, nothing downloaded);
 2. warm-start it with a short supervised phase on the synthetic running-sum task, so rewards
    start clearly above zero;
-3. GRPO with TP=2 over 2 gloo processes (torchrun): SnapKV-compressed rollouts with a KV budget
-   well under the sequence length, full Sparse-RL correction, DGG with K=4, sparse weight sync
+3. GRPO with TP=2 over 2 gloo processes (torchrun): StreamingLLM-compressed rollouts with a KV
+   budget under the sequence length, full Sparse-RL correction, DGG with K=4, sparse weight sync
    every step, eval pass@1 under dense and compressed KV;
 4. a table of what happened, and the paths of the plot and the final checkpoint.
 """
@@ -19,7 +19,10 @@ from pathlib import Path
 from sparserl_mcore.trainer.tasks import RunningSumTask
 
 TASK_LENGTH = 4  # digits per prompt: a 13-token prompt, a 30-token completion ("a3+0=3 b1+3=4 ...")
-KV_BUDGET = 24  # retained KV positions per layer/head: ~55% of the ~44-token sequences
+# Retained KV positions per layer and KV head: 32 of the ~44-token sequences. Measured on the
+# warm-started policy (greedy exact answers, dense 66%): StreamingLLM at 32 keeps ~70%, while any
+# policy at 24 (SnapKV, R-KV, H2O, StreamingLLM) falls under 10%: the task needs its prompt digits.
+KV_BUDGET = 32
 
 
 TASK = RunningSumTask(min_length=TASK_LENGTH, max_length=TASK_LENGTH)
@@ -47,13 +50,19 @@ def demo_config(out: Path, steps: int, tp: int) -> dict:
             "engine": "embedded",
             "group_size": 8,
             "sampling": {"temperature": 1.0, "max_new_tokens": TASK.completion_tokens() + 4},
-            "kv": {"method": "snapkv", "budget": KV_BUDGET, "interval": 4, "window": 4, "kernel_size": 3},
+            "kv": {
+                "method": "streamingllm",
+                "budget": KV_BUDGET,
+                "interval": 4,
+                "window": 4,
+                "sink_tokens": 4,
+            },
         },
         "reward": {"name": "running_sum"},
         "loss": {"correction": {"mode": "sparse_rl"}, "policy": {"kl_coef": 0.0}},
         "dgg": {"enabled": True, "max_reuse": 4, "window": 4, "tau": 0.5},
         "sync": {"transport": "inproc", "every": 1},
-        "optimizer": {"lr": 2e-4, "weight_decay": 0.0, "clip_grad": 1.0},
+        "optimizer": {"lr": 1e-4, "weight_decay": 0.0, "clip_grad": 1.0},
         "train": {
             "steps": steps,
             "prompts_per_step": 8,
