@@ -156,6 +156,7 @@ def _edit_config(src: pathlib.Path, dst: pathlib.Path, **changes) -> pathlib.Pat
         ),
         ("arch", 1, "unsupported architecture: model_type='gpt2'.*supported model_type values"),
         ("tp", 3, "tensor_model_parallel_size=3 does not divide num_attention_heads=4"),
+        ("fp16", 1, "stores dtype 'float16'; convert with --dtype float32 or bfloat16"),
     ],
 )
 def test_bad_input_names_the_problem_and_writes_nothing(tiny_hf, tmp_path, capsys, case, tp, message):
@@ -168,6 +169,8 @@ def test_bad_input_names_the_problem_and_writes_nothing(tiny_hf, tmp_path, capsy
         )
     elif case == "arch":
         _edit_config(tiny_hf, bad, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    elif case == "fp16":
+        _edit_config(tiny_hf, bad, dtype="float16")
     else:
         bad = tiny_hf
     out = tmp_path / "out"

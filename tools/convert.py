@@ -64,9 +64,11 @@ def _prepare(args: argparse.Namespace) -> tuple[list[str], int]:
     from sparserl_mcore.ckpt.atomic import check_output_dir
 
     check_output_dir(args.out, overwrite=args.overwrite)
+    if args.dtype not in (None, "float32", "bfloat16"):
+        raise ValueError(f"--dtype {args.dtype!r}; choose float32 or bfloat16")
     if args.action == "hf-to-mcore":
         tp, pp = args.tp or 1, args.pp or 1
-        preflight_hf(args.hf_dir, tp, pp)
+        preflight_hf(args.hf_dir, tp, pp, args.dtype)
         argv = ["hf-to-mcore", "--hf-dir", str(args.hf_dir)]
     else:
         tp, pp = preflight_mcore(args.mcore_dir, args.tp, args.pp, args.hf_config_dir)
@@ -76,8 +78,6 @@ def _prepare(args: argparse.Namespace) -> tuple[list[str], int]:
             argv += ["--hf-config-dir", str(args.hf_config_dir)]
     argv += ["--tp", str(tp), "--pp", str(pp)]
     if args.dtype:
-        if args.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--dtype {args.dtype!r}; choose float32 or bfloat16")
         argv += ["--dtype", args.dtype]
     return argv, tp * pp
 
@@ -90,8 +90,9 @@ def _launch(argv: list[str], nproc: int, args: argparse.Namespace) -> None:
         launch_local(["-m", "launchers.convert", *argv, "--out", str(tmp)], nproc, timeout=args.timeout)
 
 
-def preflight_hf(hf_dir: str | pathlib.Path, tp: int, pp: int) -> None:
-    """Config supported, TP/PP possible, every tensor present with the right shape (headers only)."""
+def preflight_hf(hf_dir: str | pathlib.Path, tp: int, pp: int, dtype: str | None = None) -> None:
+    """Config supported, TP/PP possible, a dtype megatron can train in, every tensor present with
+    the right shape (headers only)."""
     from model_providers.hf_config import parse_hf_config
     from sparserl_mcore.ckpt.hf_io import HFCheckpoint
     from sparserl_mcore.ckpt.layout import ModelLayout
@@ -100,10 +101,13 @@ def preflight_hf(hf_dir: str | pathlib.Path, tp: int, pp: int) -> None:
     hf = parse_hf_config(hf_dir)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     parallel.validate_model(num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads)
+    ckpt = HFCheckpoint(hf_dir)
+    if (dtype or ckpt.config_dtype() or "float32") not in ("float32", "bfloat16"):
+        raise ValueError(
+            f"{hf_dir} stores dtype {ckpt.config_dtype()!r}; convert with --dtype float32 or bfloat16"
+        )
     step = 128 * tp  # any padded size passes the name/shape check; the ranks use build_spec's
-    HFCheckpoint(hf_dir).check(
-        ModelLayout(hf, tp_size=tp, pp_size=pp, padded_vocab_size=-(-hf.vocab_size // step) * step)
-    )
+    ckpt.check(ModelLayout(hf, tp_size=tp, pp_size=pp, padded_vocab_size=-(-hf.vocab_size // step) * step))
 
 
 def preflight_mcore(
