@@ -3,21 +3,24 @@
     python tests/distopt_worker.py WORK                                  reference: 1 process
     python -m torch.distributed.run --nproc_per_node 2 tests/distopt_worker.py WORK   DP=2
 
-Both train the same tiny untied model for STEPS megatron Adam steps on the same global batches of
-2 sequences: the reference as 2 micro-batches with the plain mixed-precision optimizer
-(`Float16OptimizerWithFloat16Params`), the DP=2 run as 1 sequence per rank with the distributed
-optimizer (`DistributedOptimizer`), one DDP bucket per parameter so every parameter, the lm_head
-included, is split between the two ranks' owned ranges. Per step both record the global lm_head
-gradient energy (`loss.lm_head_grad_energy`) and megatron's grad norm, and write a full HF export
-to WORK/<mode>/v<step>. The DP=2 run also syncs after every step (`sync.learner.ShardSyncer` with
-the distributed optimizer's ranges) into an HF-layout receiver and asserts, on the stage source,
-that it is bit-identical to the export and that each patch carries exactly the elements whose bits
-changed since the previous export (nothing missed, nothing twice). Results: WORK/<mode>.json.
+Both train the same tiny untied model on the same data: STEPS megatron Adam steps on global
+batches of 2 sequences, then one RL update (`rl_update`, 4 more Adam steps). The reference runs
+each batch as 2 micro-batches with the plain mixed-precision optimizer
+(`Float16OptimizerWithFloat16Params`); the DP=2 run gives each rank 1 sequence and uses the
+distributed optimizer (`DistributedOptimizer`) with one DDP bucket per parameter, so every
+parameter, the lm_head included, is split between the two ranks' owned ranges. Per step both record
+the global lm_head gradient energy (`loss.lm_head_grad_energy`) and megatron's grad norm; per
+version both write a full HF export to WORK/<mode>/v<version> (version STEPS + 1: after the RL
+update). The DP=2 run also syncs every version (`sync.learner.ShardSyncer` with the distributed
+optimizer's ranges) into an HF-layout receiver and asserts, on the stage source, that it is
+bit-identical to the export and that each patch carries exactly the elements whose bits changed
+since the previous export (nothing missed, nothing twice). Results: WORK/<mode>.json.
 
 Why the two runs can agree bit for bit: a sequence's bf16 gradient is the same whether its loss is
 scaled by 1/2 (reference: 2 micro-batches) or its fp32 gradient by 1/2 (DDP's 1/dp before the
 reduce-scatter), since powers of two commute with rounding; the sum of two terms is order-free;
-Adam is elementwise; and clip_grad is set high enough to run megatron's norm but never clip.
+the RL update's micro-batches hold the same rows in both runs (loss_dist_worker's DP slicing); Adam
+is elementwise; and clip_grad is set high enough to run megatron's norm but never clip.
 """
 
 from __future__ import annotations
@@ -167,6 +170,25 @@ class SyncCheck:
         return {"patch_bytes": sum(len(p) for p in parts), "changed": sum(nnz.values())}
 
 
+def rl_update(ddp, optimizer, rt) -> dict:
+    """The loss engineer's K-epoch update with DGG (`loss.megatron_step.train_on_batch`): K=2 epochs
+    x 2 minibatches of tests/loss_dist_worker.py's rollout; its DP slicing keeps the micro-batches
+    of the two runs identical."""
+    import loss_dist_worker as lw
+
+    from sparserl_mcore.loss.dgg import DGGConfig, DynamicGradientGate
+    from sparserl_mcore.loss.megatron_step import train_on_batch
+
+    batch = lw.local_batch(lw.rollout(2), ddp, rt, with_ref=True)
+    gate = DynamicGradientGate(DGGConfig(max_reuse=2))
+    res = train_on_batch(ddp, optimizer, batch, cfg=lw.UPDATE_CFG, gate=gate, runtime=rt)
+    return {
+        "metrics": res.metrics,
+        "energies": [d.energy for d in res.decisions],
+        "grad_norms": [u["train/grad_norm"] for u in res.updates],
+    }
+
+
 def run(work: pathlib.Path) -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -200,8 +222,12 @@ def run(work: pathlib.Path) -> None:
             if sync is not None:
                 row.update(sync.step(step, state))
             rows.append(row)
+        rl = rl_update(ddp, optimizer, rt)
+        state = export(gpt, layout, rt, work / mode / f"v{len(rows) + 1}")
+        if sync is not None:
+            rl.update(sync.step(len(rows) + 1, state))
         if rt.rank == 0:
-            (work / f"{mode}.json").write_text(json.dumps(rows))
+            (work / f"{mode}.json").write_text(json.dumps({"lm_steps": rows, "rl_update": rl}))
     finally:
         shutdown()
 

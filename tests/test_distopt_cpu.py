@@ -2,10 +2,12 @@
 
 Possible since `parallel.cpu_mode` reports CUDA type names (its point 4). One reference process
 (plain mixed-precision optimizer) and one DP=2 torchrun job (distributed optimizer) of
-tests/distopt_worker.py train the same tiny model on the same batches; the DP=2 job also checks the
-learner-side sparse sync after every step against a full HF export (see the worker's docstring).
-Here: the DP=2 BF16 weights equal the reference bit for bit after every step, and the DP-shard
-branch of `loss.lm_head_grad_energy` gives the single-process energy.
+tests/distopt_worker.py train the same tiny model on the same batches (3 plain LM steps, then one
+RL update of `loss.megatron_step.train_on_batch`: K=2 epochs x 2 minibatches with DGG); the DP=2
+job also checks the learner-side sparse sync after every version against a full HF export (see the
+worker's docstring). Here: the DP=2 BF16 weights equal the reference bit for bit after every
+version, the DP-shard branch of `loss.lm_head_grad_energy` gives the single-process energy, and the
+RL update's metrics match.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ from sparserl_mcore.parallel.launch import launch_local
 from sparserl_mcore.sync.hf_files import load_state
 
 WORKER = pathlib.Path(__file__).with_name("distopt_worker.py")
-STEPS, SEQ, VOCAB = 3, 17, 200
+STEPS, SEQ, VOCAB = 3, 17, 100  # VOCAB: that of tests/loss_dist_worker.py's rollout
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> pathlib.Path:
     work = tmp_path_factory.mktemp("distopt")
-    # vocab 200 pads to 256 rows: padding rows must stay out of the sync and the energy
+    # vocab 100 pads to 128 rows: padding rows must stay out of the sync and the energy
     hf_dir = make_tiny(TinyModelConfig(vocab=VOCAB, dtype="bfloat16"), work / "hf")
     gen = torch.Generator().manual_seed(5)
     batches = torch.randint(0, VOCAB, (STEPS, 2, SEQ), generator=gen).tolist()
@@ -48,15 +50,19 @@ def runs(tmp_path_factory) -> pathlib.Path:
     return work
 
 
+def _result(work: pathlib.Path, mode: str) -> dict:
+    return json.loads((work / f"{mode}.json").read_text())
+
+
 def _rows(work: pathlib.Path, mode: str) -> list[dict]:
-    rows = json.loads((work / f"{mode}.json").read_text())
+    rows = _result(work, mode)["lm_steps"]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     return rows
 
 
 def test_distributed_optimizer_bf16_weights_match_single_process_bitwise(runs):
     initial = load_state(runs / "hf")
-    for step in range(1, STEPS + 1):
+    for step in range(1, STEPS + 2):  # the LM steps, then the RL update's 4 optimizer steps
         ref, got = load_state(runs / "ref" / f"v{step}"), load_state(runs / "dist" / f"v{step}")
         assert set(ref) == set(got) == set(initial)
         assert all(t.dtype == torch.bfloat16 for t in got.values())
@@ -81,3 +87,17 @@ def test_sparse_sync_with_distributed_optimizer_matches_export(runs):
     # the worker asserted per step: receiver == export bit for bit, patch elements == changed elements
     rows = _rows(runs, "dist")
     assert all(r["changed"] > 0 and r["patch_bytes"] > 0 for r in rows), rows
+
+
+def test_rl_update_with_dgg_under_distributed_optimizer_matches_single_process(runs):
+    ref, got = _result(runs, "ref")["rl_update"], _result(runs, "dist")["rl_update"]
+    assert got["metrics"].keys() == ref["metrics"].keys() and got["metrics"]["train/updates"] == 4
+    for key, value in ref["metrics"].items():
+        assert math.isclose(got["metrics"][key], value, rel_tol=1e-9, abs_tol=1e-12), key
+    assert all(
+        math.isclose(g, r, rel_tol=1e-12) for g, r in zip(got["energies"], ref["energies"], strict=True)
+    )
+    assert all(
+        math.isclose(g, r, rel_tol=1e-5) for g, r in zip(got["grad_norms"], ref["grad_norms"], strict=True)
+    )
+    assert got["changed"] > 0  # and the worker checked the sync after it against the export
