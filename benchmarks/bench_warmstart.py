@@ -4,15 +4,19 @@ Runs what `sparserl demo` runs first (trainer.warmstart.prepare_policy with the 
 make-tiny Qwen2, running-sum task, supervised warm start), then decodes the held-out split with
 HF transformers `generate` (dense KV, an implementation independent of our engine) and scores it
 with the task's reward. The start reward has to be clearly above zero (GRPO needs reward variance
-within groups) and well below one (room to rise).
+within groups) and well below one (room to rise). Then the same prompts through the
+EmbeddedEngine, dense and under KV compression at several budgets: how hard the budget bites
+on this task before any RL (every prompt digit is needed once, late steps need early digits).
 
-    python -m benchmarks bench_warmstart [--out DIR] [--eval N] [--threads T]
+    python -m benchmarks bench_warmstart                 # defaults
+    python -m benchmarks.bench_warmstart [--out DIR] [--eval N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,16 +26,12 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench_warmstart", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="work directory (default: a temp dir)")
     parser.add_argument("--eval", type=int, default=128, help="held-out prompts to decode")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (the demo box has 2 cores)")
     args = parser.parse_args(argv)
-
-    import torch
 
     from sparserl_mcore.rewards import running_sum_reward
     from sparserl_mcore.trainer.tasks import DEMO_TASK
     from sparserl_mcore.trainer.warmstart import DEMO_WARM_START, evaluate_reward, prepare_policy
 
-    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         start = time.perf_counter()
@@ -48,6 +48,7 @@ def main(argv: list[str]) -> int:
                 policy.model_dir, rows, running_sum_reward, max_new_tokens=budget, temperature=temperature
             )
             scores[f"{name} decode s"] = time.perf_counter() - t0
+        kv_rows = _kv_budget_rewards(policy.model_dir, rows, budget)
     result = policy.result
     print(
         f"task: {DEMO_TASK}, completion {DEMO_TASK.completion_tokens()} tokens; warm start: {DEMO_WARM_START}"
@@ -65,4 +66,68 @@ def main(argv: list[str]) -> int:
         f"decode time for {len(rows)} prompts: greedy {scores['greedy decode s']:.0f} s, sampled "
         f"{scores['sampled T=1 decode s']:.0f} s"
     )
+    print("| engine KV | budget | peak KV bytes / request | greedy | sampled T=1 |")
+    print("|---|---|---|---|---|")
+    for row in kv_rows:
+        print("| " + " | ".join(str(v) for v in row) + " |")
     return 0
+
+
+# (method, budget, extra settings): dense, then SnapKV / R-KV at shrinking budgets, and
+# StreamingLLM keeping the whole prompt as sinks (only old generated tokens evicted).
+KV_SETTINGS = (
+    ("none", 0, {}),
+    ("snapkv", 96, {}),
+    ("snapkv", 64, {}),
+    ("snapkv", 40, {}),
+    ("rkv", 64, {}),
+    ("streamingllm", 48, {"sink_tokens": 32}),
+)
+
+
+def _kv_budget_rewards(model_dir: Path, rows: list[dict], max_new_tokens: int) -> list[tuple]:
+    from sparserl_mcore.rewards import running_sum_reward
+    from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
+    from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
+    from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
+    from sparserl_mcore.trainer.warmstart import torch_threads
+
+    out = []
+    for method, budget, extra in KV_SETTINGS:
+        kv = KVCompressionConfig()
+        if method != "none":
+            kv = KVCompressionConfig(
+                method=method, budget=budget, interval=8, window=8, kernel_size=3, **extra
+            )
+        engine = EmbeddedEngine(model_dir, EngineConfig(device="cpu", kv_compression=kv))
+        tok = engine.tokenizer
+        scores, peak = [], 0
+        for temperature in (0.0, 1.0):
+            sampling = [
+                SamplingParams(
+                    temperature=temperature,
+                    max_new_tokens=max_new_tokens,
+                    stop_token_ids=(tok.eos_token_id,),
+                    seed=i,
+                )
+                for i in range(len(rows))
+            ]
+            reqs = [
+                GenerateRequest(
+                    input_ids=tok(r["prompt"], add_special_tokens=False)["input_ids"], sampling=sp
+                )
+                for r, sp in zip(rows, sampling, strict=True)
+            ]
+            with torch_threads(1):
+                samples = engine.generate(reqs)
+            texts = [tok.decode(s.output_ids, skip_special_tokens=True) for s in samples]
+            scores.append(
+                sum(running_sum_reward(t, r["answer"]) for t, r in zip(texts, rows, strict=True)) / len(rows)
+            )
+            peak = max(peak, *(s.kv_stats.peak_kv_bytes for s in samples))
+        out.append((method, budget or "-", f"{peak:,}", f"{scores[0]:.3f}", f"{scores[1]:.3f}"))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

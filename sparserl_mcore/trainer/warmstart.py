@@ -2,9 +2,12 @@
 
 GRPO learns nothing from a policy whose every sample scores 0 (all groups have zero variance), so
 the demo first fine-tunes the random `make-tiny` checkpoint on reference solutions of the synthetic
-task for a few hundred steps with plain HF transformers on CPU. It stops early once the training
-loss reaches `target_loss`, which leaves a partly trained policy (tens of percent exact answers):
-signal for GRPO and room to rise. Seeded, and the output checkpoint is written atomically.
+task for a couple of hundred steps with plain HF transformers on CPU. Learning the task is a sharp
+transition (the prompt-digit copy clicks within ~25 steps), so training stops on the loss
+(`target_loss`) just after it: greedy decoding is then right on nearly every prompt, but sampled
+rollouts (T=1, what GRPO trains on) only on ~30% (86 tokens all have to be right): signal for GRPO
+and room to rise. Seeded and single-threaded (reproducible), the checkpoint written atomically.
+Measured by benchmarks/bench_warmstart.py (docs/benchmarks.md, "Warm start").
 
     policy = prepare_policy("runs/demo")          # data splits + make-tiny + warm start (DEMO_*)
     acc = evaluate_reward(policy.model_dir, eval_rows, running_sum_reward, max_new_tokens=96)
@@ -12,13 +15,14 @@ signal for GRPO and room to rise. Seeded, and the output checkpoint is written a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -33,6 +37,10 @@ class WarmStartConfig:
     """AdamW on the completion tokens of (prompt, solution) pairs; cosine decay after warmup.
 
     target_loss: stop as soon as the running mean of the token loss falls below it (0 = never).
+    threads: torch CPU threads while training. 1 by default: a model this small gains little
+    from a second thread, one thread keeps the float reduction order (hence the trajectory) the
+    same on every machine, and on a busy box extra OpenMP threads spin (measured 10x slower with
+    2 threads than with 1 under load, docs/benchmarks.md).
     """
 
     steps: int = 400
@@ -42,9 +50,10 @@ class WarmStartConfig:
     weight_decay: float = 0.0
     target_loss: float = 0.0
     seed: int = 0
+    threads: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size"):
+        for name in ("steps", "batch_size", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if not self.lr > 0:
@@ -93,6 +102,46 @@ def _lr_at(step: int, cfg: WarmStartConfig) -> float:
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with `n` torch CPU threads, restoring the previous count afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(
+    model: torch.nn.Module,
+    examples: Sequence[tuple[list[int], int]],
+    pad_id: int,
+    cfg: WarmStartConfig,
+    log: Callable[[int, float], None] | None,
+) -> tuple[int, float]:
+    """The supervised loop; returns (steps run, running mean loss at the end)."""
+    rng = random.Random(cfg.seed)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    running, step = float("nan"), 0
+    while step < cfg.steps:
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        loss = model(**_batch(rng.sample(examples, min(cfg.batch_size, len(examples))), pad_id)).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        running = loss.item() if math.isnan(running) else 0.9 * running + 0.1 * loss.item()
+        step += 1
+        if log is not None and step % 25 == 0:
+            log(step, running)
+        if running < cfg.target_loss:
+            break
+    return step, running
+
+
 def warm_start(
     model_dir: str | os.PathLike,
     rows: Sequence[dict[str, str]],
@@ -112,28 +161,11 @@ def warm_start(
     if not rows:
         raise ValueError("warm_start: no training rows")
     torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    examples = _encode(tokenizer, rows)
-    start, running, step = time.perf_counter(), float("nan"), 0
-    while step < cfg.steps:
-        for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, cfg)
-        batch = _batch(rng.sample(examples, min(cfg.batch_size, len(examples))), tokenizer.pad_token_id)
-        loss = model(**batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        running = loss.item() if math.isnan(running) else 0.9 * running + 0.1 * loss.item()
-        step += 1
-        if log is not None and step % 25 == 0:
-            log(step, running)
-        if running < cfg.target_loss:
-            break
+    start = time.perf_counter()
+    with torch_threads(cfg.threads):
+        step, running = _train(model, _encode(tokenizer, rows), tokenizer.pad_token_id, cfg, log)
     seconds = time.perf_counter() - start
     with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
@@ -150,6 +182,7 @@ def generate_completions(
     temperature: float = 0.0,
     seed: int = 0,
     batch_size: int = 64,
+    threads: int = 1,
 ) -> list[str]:
     """Decode completions with HF generate (dense KV): the independent measurement of the warm start."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -160,18 +193,18 @@ def generate_completions(
     torch.manual_seed(seed)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     out: list[str] = []
-    for i in range(0, len(prompts), batch_size):
-        enc = tokenizer(
-            list(prompts[i : i + batch_size]), return_tensors="pt", padding=True, add_special_tokens=False
-        )
-        ids = model.generate(
-            **enc,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            **(sampling if temperature > 0 else {"do_sample": False}),
-        )
-        out.extend(tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    with torch_threads(threads):
+        for i in range(0, len(prompts), batch_size):
+            chunk = list(prompts[i : i + batch_size])
+            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            ids = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                **(sampling if temperature > 0 else {"do_sample": False}),
+            )
+            out.extend(tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
     return out
 
 
@@ -198,7 +231,9 @@ def evaluate_reward(
 # The demo's starting policy: make-tiny shape and warm-start schedule. Measured (time, greedy and
 # sampled reward) by benchmarks/bench_warmstart.py, recorded in docs/benchmarks.md.
 DEMO_MODEL = TinyModelConfig(arch="qwen2", layers=2, hidden=64, heads=4, kv_heads=2, ffn=256, seed=0)
-DEMO_WARM_START = WarmStartConfig(steps=400, batch_size=32, lr=3e-3, warmup_steps=20, target_loss=0.15, seed=0)
+DEMO_WARM_START = WarmStartConfig(
+    steps=400, batch_size=32, lr=3e-3, warmup_steps=20, target_loss=0.05, seed=0
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
