@@ -307,6 +307,8 @@ class Scheduler:
     ) -> None:
         """Advance counters; record window queries and (h2o) attention mass per request."""
         qs = torch.stack(q_rows) if q_rows else None  # [L, rows, Hq, d]
+        # per layer, masses hold [decode mass [B, Hk, N]] (when decoding) + one [Hk, n] per prefill
+        dec_mass = torch.stack([m[0] for m in masses]) if masses and decodes else None  # [L, B, Hk, N]
         row = 0
         for i, r in enumerate(decodes + prefills):
             t = 1 if i < len(decodes) else len(r.req.input_ids) - r.n_cached
@@ -315,13 +317,11 @@ class Scheduler:
                 self._push_queries(r, qs[:, row : row + n_rows])
             row += n_rows
             if masses is not None:
-                # per layer: [decode mass [B, Hk, N]] (when decoding) + one [Hk, n] per prefill
                 n = r.n_cached + t
                 if i < len(decodes):
-                    mass = torch.stack([m[0][i, :, :n] for m in masses])
+                    r.acc[:, :, :n] += dec_mass[:, i, :, :n]
                 else:
-                    mass = torch.stack([m[i - len(decodes) + bool(decodes)] for m in masses])
-                r.acc[:, :, :n] += mass
+                    r.acc[:, :, :n] += torch.stack([m[i - len(decodes) + bool(decodes)] for m in masses])
             r.n_cached += t
             r.next_pos += t
             r.peak_retained = max(r.peak_retained, r.n_cached)
