@@ -1,6 +1,7 @@
 """The two conversions as collective functions over an initialised runtime (one shard per rank).
 
-`launchers.convert` (torchrun / srun entry) and the tests call these; `sparserl convert` wraps the
+`launchers.convert` (torchrun / srun entry) and the tests call these, the trainer calls `export_hf`
+to save a live model as HF; `sparserl convert` wraps the
 launcher with input checks and an atomic output directory. Both write into an existing empty
 `out_dir` and build the model without random init (every weight is overwritten by the load).
 """
@@ -12,6 +13,8 @@ import pathlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from model_providers.gpt import ModelSpec
     from sparserl_mcore.parallel.runtime import Runtime
 
@@ -53,17 +56,35 @@ def mcore_to_hf(
     max_shard_bytes: int = 2 * 1024**3,
 ) -> None:
     """Load a dist checkpoint at the runtime's TP/PP (any the model allows) and export HF files."""
-    import torch
-    import torch.distributed as dist
-
     from sparserl_mcore.ckpt.dist_ckpt import HF_SUBDIR, McoreCheckpointMeta, load_dist, spec_for_checkpoint
-    from sparserl_mcore.ckpt.hf_io import copy_hf_metadata, export_hf_weights, write_index
-    from sparserl_mcore.ckpt.layout import layout_for
 
     dtype = dtype or McoreCheckpointMeta.read(mcore_dir).params_dtype
     spec = spec_for_checkpoint(mcore_dir, rt.parallel, params_dtype=dtype)
     model = _build(spec, rt)
     load_dist(model, mcore_dir)
+    source = hf_config_dir or pathlib.Path(mcore_dir) / HF_SUBDIR
+    export_hf(model, spec, rt, out_dir, hf_config_dir=source, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+def export_hf(
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    rt: Runtime,
+    out_dir: str | pathlib.Path,
+    *,
+    hf_config_dir: str | pathlib.Path,
+    dtype: str | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> None:
+    """Collective: write a live (trained) model as an HF checkpoint into existing empty `out_dir`,
+    with config and tokenizer files from `hf_config_dir`. `dtype` defaults to the params dtype."""
+    import torch
+    import torch.distributed as dist
+
+    from sparserl_mcore.ckpt.hf_io import copy_hf_metadata, export_hf_weights, write_index
+    from sparserl_mcore.ckpt.layout import layout_for
+
+    dtype = dtype or str(spec.params_dtype).removeprefix("torch.")
     weight_map = {}
     if rt.dp_rank == 0:  # data-parallel replicas hold the same weights
         weight_map = export_hf_weights(
@@ -80,5 +101,5 @@ def mcore_to_hf(
     dist.all_gather_object(maps, weight_map)
     if rt.rank == 0:
         write_index(out_dir, maps)
-        copy_hf_metadata(hf_config_dir or pathlib.Path(mcore_dir) / HF_SUBDIR, out_dir, dtype=dtype)
+        copy_hf_metadata(hf_config_dir, out_dir, dtype=dtype)
     dist.barrier()
