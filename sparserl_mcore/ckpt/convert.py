@@ -1,9 +1,9 @@
-"""The two conversions as collective functions over an initialised runtime (one shard per rank).
+"""The conversions as collective functions over an initialised runtime (one shard per rank).
 
-`launchers.convert` (torchrun / srun entry) and the tests call these, the trainer calls `export_hf`
-to save a live model as HF; `sparserl convert` wraps the
-launcher with input checks and an atomic output directory. Both write into an existing empty
-`out_dir` and build the model without random init (every weight is overwritten by the load).
+`launchers.convert` (torchrun / srun entry) and the tests call `hf_to_mcore` / `mcore_to_hf`; a
+trainer calls `export_hf` to save a live model as HF. `sparserl convert` wraps the launcher with
+input checks and an atomic output directory. All write into an existing empty `out_dir`; the
+conversions build the model without random init (every weight is overwritten by the load).
 """
 
 from __future__ import annotations
