@@ -489,11 +489,6 @@ class RunConfig:
         if self.rollout.engine == "embedded" and self.sync.transport == "http":
             raise ValueError("rollout.engine='embedded' syncs in process; set sync.transport=inproc")
 
-    @property
-    def updates_per_epoch(self) -> int:
-        """Optimizer steps in one pass over a step's rollout batch (before zero-variance filtering)."""
-        return self.train.prompts_per_step * self.rollout.group_size // self.train.global_batch_size
-
 
 def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunConfig:
     """Validate plain data (+ dotted overrides) into a `RunConfig`; raises ConfigError."""
