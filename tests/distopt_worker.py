@@ -11,10 +11,12 @@ distributed optimizer (`DistributedOptimizer`) with one DDP bucket per parameter
 parameter, the lm_head included, is split between the two ranks' owned ranges. Per step both record
 the global lm_head gradient energy (`loss.lm_head_grad_energy`) and megatron's grad norm; per
 version both write a full HF export to WORK/<mode>/v<version> (version STEPS + 1: after the RL
-update). The DP=2 run also syncs every version (`sync.learner.ShardSyncer` with the distributed
-optimizer's ranges) into an HF-layout receiver and asserts, on the stage source, that it is
-bit-identical to the export and that each patch carries exactly the elements whose bits changed
-since the previous export (nothing missed, nothing twice). Results: WORK/<mode>.json.
+update). The DP=2 run overlaps the param all-gather (megatron defers it to the next forward) and
+syncs every version right after the step, before any all-gather (`sync.learner.ShardSyncer` with
+the distributed optimizer's ranges), into an HF-layout receiver; on the stage source it asserts
+that the receiver is bit-identical to the export (taken after a forced all-gather) and that each
+patch carries exactly the elements whose bits changed since the previous export (nothing missed,
+nothing twice). Results: WORK/<mode>.json.
 
 Why the two runs can agree bit for bit: a sequence's bf16 gradient is the same whether its loss is
 scaled by 1/2 (reference: 2 micro-batches) or its fp32 gradient by 1/2 (DDP's 1/dp before the
@@ -62,6 +64,8 @@ def build(hf_dir: str, rt, *, distributed: bool):
         # one bucket per param (megatron honours bucket_size only with overlap): every param split
         overlap_grad_reduce=distributed,
         bucket_size=1 if distributed else None,
+        # the updated params' all-gather waits for the next forward: the sync must read owned ranges
+        overlap_param_gather=distributed,
     )
     ddp = DistributedDataParallel(
         spec.config, ddp_cfg, Float16Module(spec.config, gpt), pg_collection=rt.groups
@@ -150,10 +154,10 @@ class SyncCheck:
             out[name] = ranges
         return out
 
-    def step(self, version: int, export: dict[str, torch.Tensor]) -> dict:
+    def check(self, version: int, parts: list[bytes], export: dict[str, torch.Tensor]) -> dict:
+        """`parts`: this version's `make_patch` output, made before the params were all-gathered."""
         from sparserl_mcore.sync.codec import decode_fragments
 
-        parts = self.syncer.make_patch(version)
         if not self.syncer.is_source:
             assert parts == []
             return {}
@@ -208,6 +212,19 @@ def run(work: pathlib.Path) -> None:
             owned = [leaf._get_model_param_range_map(head)["param"] for leaf in leaves]
             assert len(owned) == 1 and 0 < owned[0].size < head.numel(), owned
         sync = SyncCheck(ddp, layout, rt, optimizer, plan["hf_dir"]) if distributed else None
+
+        def new_version(version: int) -> dict:
+            parts = sync.syncer.make_patch(version) if sync else []
+            if distributed:  # the export needs every param whole: finish the deferred all-gather now
+                stale = [bits(p).clone() for p in gpt.parameters()]
+                ddp.start_param_sync(force_sync=True)
+                refreshed = sum(
+                    int((bits(p) != b).sum()) for p, b in zip(gpt.parameters(), stale, strict=True)
+                )
+                assert refreshed > 0, "the sync did not run against stale non-owned ranges"
+            state = export(gpt, layout, rt, work / mode / f"v{version}")
+            return sync.check(version, parts, state) if sync else {}
+
         rows = []
         for step, batch in enumerate(plan["batches"], start=1):
             tokens = torch.tensor(batch)
@@ -217,15 +234,9 @@ def run(work: pathlib.Path) -> None:
             )
             ok, grad_norm, _ = optimizer.step()
             assert ok, f"step {step} was skipped"
-            row = {"step": step, "energy": energy, "grad_norm": grad_norm}
-            state = export(gpt, layout, rt, work / mode / f"v{step}")
-            if sync is not None:
-                row.update(sync.step(step, state))
-            rows.append(row)
+            rows.append({"step": step, "energy": energy, "grad_norm": grad_norm, **new_version(step)})
         rl = rl_update(ddp, optimizer, rt)
-        state = export(gpt, layout, rt, work / mode / f"v{len(rows) + 1}")
-        if sync is not None:
-            rl.update(sync.step(len(rows) + 1, state))
+        rl.update(new_version(len(rows) + 1))
         if rt.rank == 0:
             (work / f"{mode}.json").write_text(json.dumps({"lm_steps": rows, "rl_update": rl}))
     finally:
