@@ -1,6 +1,7 @@
 """Ablations on the demo task (warm-started tiny Qwen2, running sums, TP=2 over 2 gloo processes).
 
-    python -m benchmarks bench_ablations [--steps 12] [--out runs/ablations] [--target 0.5]
+    python -m benchmarks.bench_ablations [--steps 12] [--out runs/ablations] [--target 0.3]
+    (`make bench` / `python -m benchmarks bench_ablations` run it with the defaults)
 
 Two families, every run with the same seed, data, warm start and step count:
   correction: dense GRPO (no KV compression) / compressed rollouts without correction / Sparse-RL
@@ -83,7 +84,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench_ablations", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", default="runs/ablations")
-    parser.add_argument("--target", type=float, default=0.5, help="reward level for rollouts-to-target")
+    parser.add_argument("--target", type=float, default=0.3, help="reward level for rollouts-to-target")
     parser.add_argument("--family", choices=sorted(ARMS), action="append", help="run only these families")
     args = parser.parse_args(argv)
     console = Console()
