@@ -13,34 +13,35 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-# (title, [(metric key, legend label)], log-scale y). The keys are the trainer's metric names.
-PANELS: tuple[tuple[str, tuple[tuple[str, str], ...], bool], ...] = (
-    ("train reward (mean)", (("rollout/reward_mean", "reward"),), False),
-    ("eval pass@1", (("eval/pass1_dense", "dense KV"), ("eval/pass1_compressed", "compressed KV")), False),
-    ("KL(pi_theta || pi_ref)", (("policy/kl", "k3 KL"),), False),
+# (title, [(metric key, legend label)], y scale). The keys are the trainer's metric names. Scales:
+# "linear", "zero" (linear from 0, so a ratio reads as a height ratio), "log" (ratios of ~100x).
+PANELS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
+    ("train reward (mean)", (("rollout/reward_mean", "reward"),), "linear"),
+    ("eval pass@1", (("eval/pass1_dense", "dense KV"), ("eval/pass1_compressed", "compressed KV")), "linear"),
+    ("KL(pi_theta || pi_ref)", (("policy/kl", "k3 KL"),), "linear"),
     (
         "mismatch pi_old vs pi_sparse",
         (("correction/abs_logp_diff_mean", "|dlogp| mean"), ("correction/mismatch_kl", "mismatch KL")),
-        False,
+        "linear",
     ),
-    ("DGG", (("dgg/gates", "gated updates"), ("train/epochs", "update epochs")), False),
+    ("DGG", (("dgg/gates", "gated updates"), ("train/epochs", "update epochs")), "linear"),
     (
         "Sparse-RL correction",
         (
             ("correction/vetoed_frac", "vetoed seq frac"),
             ("correction/rejected_token_frac", "rejected token frac"),
         ),
-        False,
+        "linear",
     ),
     (
         "peak KV bytes / request",
         (("rollout/peak_kv_bytes", "compressed"), ("rollout/dense_kv_bytes", "dense")),
-        True,
+        "zero",
     ),
     (
         "weight sync bytes / step",
         (("sync/patch_bytes", "sparse patch"), ("sync/dense_bytes", "dense BF16")),
-        True,
+        "log",
     ),
 )
 
@@ -80,7 +81,7 @@ def plot_metrics(
 
     records = read_metrics(jsonl_path)
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
-    for ax, (panel_title, keys, log_y) in zip(axes.flat, PANELS, strict=True):
+    for ax, (panel_title, keys, scale) in zip(axes.flat, PANELS, strict=True):
         drawn = False
         for key, label in keys:
             steps, values = _series(records, key)
@@ -92,11 +93,14 @@ def plot_metrics(
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(fontsize=8)
-            if log_y:
+            if scale == "log":
                 ax.set_yscale("log")
+            elif scale == "zero":
+                ax.set_ylim(0, ax.get_ylim()[1] * 1.2)  # headroom for the legend
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
-    fig.suptitle(title or f"{Path(jsonl_path).parent.name}: {len(records)} logged steps", fontsize=13)
+    run_dir = Path(jsonl_path).resolve().parent
+    fig.suptitle(title or f"{run_dir}: {len(records)} logged steps", fontsize=13)
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
