@@ -5,8 +5,7 @@ their own config classes, reused here rather than redefined (one owner per conce
 `parallel` is the runtime's `ParallelConfig`, `rollout.kv` the serve engineer's
 `KVCompressionConfig`, `rollout.sampling` the engine's `SamplingParams`, `loss.correction`,
 `loss.policy` and `dgg` the loss engineer's `CorrectionConfig`, `PolicyLossConfig` and
-`DGGConfig`, `sync.codec` and `sync.directory` the sync engineer's `CodecConfig` and
-`DirectoryConfig`.
+`DGGConfig`, `sync.codec` the sync engineer's `CodecConfig`.
 
 Everything is validated while the config is built, before any process group or model exists:
 an unknown key names itself and lists the allowed keys; a bad value names the key and the allowed
@@ -36,7 +35,6 @@ from sparserl_mcore.parallel.config import ParallelConfig
 from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
 from sparserl_mcore.rollout.protocol import SamplingParams
 from sparserl_mcore.sync.codec import CodecConfig
-from sparserl_mcore.sync.transport_dir import DirectoryConfig
 
 T = TypeVar("T")
 
@@ -438,22 +436,17 @@ class LossConfig:
 class SyncConfig:
     """Sparse BF16 weight sync from the learner to every rollout engine.
 
-    codec: the sync engineer's patch encoding (value encoding, zstd level); directory: anchors and
-    retention of the shared-filesystem transport; every: steps between syncs; transport: how
-    patches travel ("inproc" to the embedded engine, "http" to remote servers, "directory" via
-    a filesystem at `dir` that every engine reads).
+    codec: the sync engineer's patch encoding (value encoding, zstd level); every: steps between
+    syncs; transport: how patches travel, "inproc" to the embedded engine or "http" to remote
+    servers (the shared-filesystem transport of sparserl_mcore.sync is not wired into the loop).
     """
 
     codec: CodecConfig = dataclasses.field(default_factory=CodecConfig)
-    directory: DirectoryConfig = dataclasses.field(default_factory=DirectoryConfig)
     every: int = 1
-    transport: Literal["inproc", "http", "directory"] = "inproc"
-    dir: str | None = None
+    transport: Literal["inproc", "http"] = "inproc"
 
     def __post_init__(self) -> None:
         _positive(self, "every")
-        if self.transport == "directory" and not self.dir:
-            raise ValueError("transport='directory' needs dir: a path every engine can read")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -484,7 +477,7 @@ class RunConfig:
             )
         if self.rollout.engine == "remote" and self.sync.transport == "inproc":
             raise ValueError(
-                "rollout.engine='remote' cannot use sync.transport='inproc'; use http or directory"
+                "rollout.engine='remote' cannot use sync.transport='inproc'; set sync.transport=http"
             )
         if self.rollout.engine == "embedded" and self.sync.transport == "http":
             raise ValueError("rollout.engine='embedded' syncs in process; set sync.transport=inproc")
