@@ -3,19 +3,19 @@
     python tests/distopt_worker.py WORK                                  reference: 1 process
     python -m torch.distributed.run --nproc_per_node 2 tests/distopt_worker.py WORK   DP=2
 
-Both train the same tiny untied model on the same data: STEPS megatron Adam steps on global
-batches of 2 sequences, then one RL update (`rl_update`, 4 more Adam steps). The reference runs
-each batch as 2 micro-batches with the plain mixed-precision optimizer
+Both train the same tiny untied model on the same data: one megatron Adam step per global batch
+of 2 sequences in WORK/plan.json, then one RL update (`rl_update`, 4 more Adam steps). The
+reference runs each batch as 2 micro-batches with the plain mixed-precision optimizer
 (`Float16OptimizerWithFloat16Params`); the DP=2 run gives each rank 1 sequence and uses the
 distributed optimizer (`DistributedOptimizer`) with one DDP bucket per parameter, so every
 parameter, the lm_head included, is split between the two ranks' owned ranges. Per step both record
 the global lm_head gradient energy (`loss.lm_head_grad_energy`) and megatron's grad norm; per
-version both write a full HF export to WORK/<mode>/v<version> (version STEPS + 1: after the RL
-update). The DP=2 run overlaps the param all-gather (megatron defers it to the next forward) and
-syncs every version right after the step, before any all-gather (`sync.learner.ShardSyncer` with
-the distributed optimizer's ranges), into an HF-layout receiver; on the stage source it asserts
-that the receiver is bit-identical to the export (taken after a forced all-gather) and that each
-patch carries exactly the elements whose bits changed since the previous export (nothing missed,
+version both write a full HF export to WORK/<mode>/v<version> (the last: after the RL update).
+The DP=2 run overlaps the param all-gather (megatron defers it to the next forward) and syncs
+every version right after the step, before any all-gather (`sync.learner.ShardSyncer` with the
+distributed optimizer's ranges), into an HF-layout receiver; on the stage source it asserts that
+the receiver is bit-identical to the export (taken after a forced all-gather) and that each patch
+carries exactly the elements whose bits changed since the previous export (nothing missed,
 nothing twice). Results: WORK/<mode>.json.
 
 Why the two runs can agree bit for bit: a sequence's bf16 gradient is the same whether its loss is
@@ -35,8 +35,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-STEPS = 3
-SEQ = 17
+SEQ = 17  # tokens per sequence in plan.json (16 predicted)
 LR = 1e-3
 CLIP = 1.0e6  # megatron's norm + clip path runs (CUDA type checks included) but never scales
 
