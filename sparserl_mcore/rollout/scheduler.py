@@ -117,7 +117,7 @@ class Scheduler:
         """Advance every request by one token; returns the requests that finished."""
         finished = self._take_aborted()
         decodes = self._reserve_decode_slots()
-        prefills = self._admit()
+        prefills = self._admit(finished)
         if decodes or prefills:
             self.stats.steps += 1
             logits = self._forward(decodes, prefills)
@@ -153,7 +153,9 @@ class Scheduler:
                     self._set_pages(r, r.pages + pages)
         return list(self.running)
 
-    def _admit(self) -> list[RequestState]:
+    def _admit(self, finished: list[RequestState]) -> list[RequestState]:
+        """Start waiting requests while pages and limits allow; a prompt that cannot fit even in an
+        idle pool fails alone (appended to `finished` with its error)."""
         admitted: list[RequestState] = []
         budget = self.max_prefill_tokens
         for r in list(self.waiting):
@@ -170,12 +172,15 @@ class Scheduler:
             own = self._alloc(math.ceil(len(prompt) / ps) - len(shared), requester=None)
             if own is None:
                 self.pool.decref(shared)
-                if not self.running and not admitted:
-                    raise PoolExhaustedError(
-                        f"a {len(prompt)}-token prompt needs more pages than the pool has "
-                        f"({self.pool.num_pages} of {ps} tokens); raise capacity_pages / capacity_bytes"
-                    )
-                break
+                if self.running or admitted:
+                    break  # memory returns as running requests finish
+                r.error = PoolExhaustedError(
+                    f"a {len(prompt)}-token prompt needs more pages than the pool has "
+                    f"({self.pool.num_pages} of {ps} tokens); raise capacity_pages / capacity_bytes"
+                )
+                self.waiting.remove(r)
+                finished.append(r)
+                continue
             self.waiting.remove(r)
             self._start(r, shared, own)
             admitted.append(r)
