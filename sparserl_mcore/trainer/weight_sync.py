@@ -7,7 +7,7 @@ every engine (`apply_patch`: in process for the embedded engine, the HTTP weight
 ones). Nothing dense moves. An fp32 learner (CPU) is diffed through a BF16 shadow of its
 parameters, refreshed before each diff: exactly the values the engines hold.
 
-Start and resume (`full_sync`): the HF tensors are assembled densely once (TP gather per stage,
+Start and resume (`full_sync`): the HF tensors are assembled densely once (each stage's mirror,
 then to the host) and sent as a full state dict, so every engine holds exactly bf16(learner) and
 a resumed run continues from the same engine weights as an uninterrupted one. An engine whose
 patch fails verification gets that full state instead (logged); an unreachable engine leaves the
@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparserl_mcore.ckpt.hf_io import _stage_hf_tensors
 from sparserl_mcore.sync.codec import CodecConfig
 from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, build_sync_groups, even_ranges
 from sparserl_mcore.trainer.engine_pool import EnginePool, EventSink
@@ -77,30 +76,22 @@ class WeightSyncer:
             config=ShardSyncConfig(codec=self.codec),
         )
 
-    def _hf_state_bf16(self) -> dict[str, torch.Tensor] | None:
-        """The whole model as HF-named BF16 tensors on the host rank (None elsewhere)."""
-        core = _core(self.model)
-        rt = self.runtime
-        stage = {
-            name: t.to(torch.bfloat16)
-            for name, t in _stage_hf_tensors(core, self.layout, rt.tp_rank, rt.pp_rank, rt.groups.tp)
-            if t is not None
-        }
-        gathered = [None] * rt.world_size if rt.rank == HOST_RANK else None
-        dist.gather_object(stage if rt.tp_rank == 0 else {}, gathered, dst=HOST_RANK)
-        if rt.rank != HOST_RANK:
-            return None
-        return {name: t for part in gathered for name, t in part.items()}
-
     def full_sync(self, pools: list[EnginePool | None], *, version: int) -> None:
-        """Send every weight (start of a run, resume): engines then hold exactly bf16(learner)."""
-        state = self._hf_state_bf16()
-        if state is not None:
+        """Send every weight (start of a run, resume): engines then hold exactly bf16(learner).
+
+        The shard syncer's construction assembles each stage's HF-layout BF16 mirror on the stage
+        source (its one dense gather); the mirrors reach the host rank and go out as a state dict.
+        """
+        self._shards = self._new_shard_syncer(version)
+        rt = self.runtime
+        gathered = [None] * rt.world_size if rt.rank == HOST_RANK else None
+        dist.gather_object(self._shards.mirror if self._shards.is_source else {}, gathered, dst=HOST_RANK)
+        if gathered is not None:
+            state = {name: t for part in gathered for name, t in part.items()}
             for pool in pools:
                 if pool is not None:
                     pool.for_each(lambda e: e.update_weights(state, version), "full weight sync")
         self.version = version
-        self._shards = self._new_shard_syncer(version)
 
     def sync(self, pools: list[EnginePool | None], *, version: int) -> dict[str, float]:
         """Collective: this version's sparse patch, made from the learner shards, applied by every engine."""
