@@ -53,18 +53,18 @@ def main(argv: list[str]) -> int:
     print(
         f"task: {DEMO_TASK}, completion {DEMO_TASK.completion_tokens()} tokens; warm start: {DEMO_WARM_START}"
     )
-    print("| steps | final loss | warm-start s | prepare s (data, make-tiny, train) | greedy | sampled T=1 |")
+    print("| steps | final loss / exact match | warm-start s | prepare s (all) | greedy | sampled T=1 |")
     print("|---|---|---|---|---|---|")
     steps = result.steps if result else "reused"
-    loss = f"{result.final_loss:.3f}" if result else "-"
+    loss = f"{result.final_loss:.3f} / {result.final_accuracy:.2f}" if result else "-"
     train_s = f"{result.seconds:.0f}" if result else "-"
     print(
         f"| {steps} | {loss} | {train_s} | {prepare_s:.0f} | {scores['greedy']:.3f} "
         f"| {scores['sampled T=1']:.3f} |"
     )
     print(
-        f"decode time for {len(rows)} prompts: greedy {scores['greedy decode s']:.0f} s, sampled "
-        f"{scores['sampled T=1 decode s']:.0f} s"
+        f"decode time for {len(rows)} prompts: greedy {scores['greedy decode s']:.1f} s, sampled "
+        f"{scores['sampled T=1 decode s']:.1f} s"
     )
     print("| engine KV | budget | peak KV bytes / request | greedy | sampled T=1 |")
     print("|---|---|---|---|---|")

@@ -3,10 +3,11 @@
 GRPO learns nothing from a policy whose every sample scores 0 (all groups have zero variance), so
 the demo first fine-tunes the random `make-tiny` checkpoint on reference solutions of the synthetic
 task for a couple of hundred steps with plain HF transformers on CPU. Learning the task is a sharp
-transition (the prompt-digit copy clicks within ~25 steps), so training stops on the loss
-(`target_loss`) just after it: greedy decoding is then right on nearly every prompt, but sampled
-rollouts (T=1, what GRPO trains on) only on ~30% (86 tokens all have to be right): signal for GRPO
-and room to rise. Seeded and single-threaded (reproducible), the checkpoint written atomically.
+transition (the prompt-digit copy clicks within ~25 steps), so training stops on the measured
+teacher-forced exact-match rate (`target_accuracy`) just after it: greedy decoding is then right
+on nearly every prompt, but sampled rollouts (T=1, what GRPO trains on) only on ~30% (86 tokens
+all have to be right): signal for GRPO and room to rise. Seeded and single-threaded
+(reproducible), the checkpoint written atomically.
 Measured by benchmarks/bench_warmstart.py (docs/benchmarks.md, "Warm start").
 
     policy = prepare_policy("runs/demo")          # data splits + make-tiny + warm start (DEMO_*)
@@ -36,7 +37,9 @@ from sparserl_mcore.trainer.tasks import DEMO_TASK, RunningSumTask, write_splits
 class WarmStartConfig:
     """AdamW on the completion tokens of (prompt, solution) pairs; cosine decay after warmup.
 
-    target_loss: stop as soon as the running mean of the token loss falls below it (0 = never).
+    target_accuracy: stop once the running mean of the teacher-forced exact-match rate (share of
+    the batch whose every completion token is the argmax; tracks greedy accuracy, and unlike the
+    token loss does not depend on the completion length) reaches it (0 = run all steps).
     threads: torch CPU threads while training. 1 by default: a model this small gains little
     from a second thread, one thread keeps the float reduction order (hence the trajectory) the
     same on every machine, and on a busy box extra OpenMP threads spin (measured 10x slower with
@@ -48,7 +51,7 @@ class WarmStartConfig:
     lr: float = 3e-3
     warmup_steps: int = 20
     weight_decay: float = 0.0
-    target_loss: float = 0.0
+    target_accuracy: float = 0.0
     seed: int = 0
     threads: int = 1
 
@@ -60,15 +63,16 @@ class WarmStartConfig:
             raise ValueError(f"lr={self.lr}: must be > 0")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"warmup_steps={self.warmup_steps}: must be in [0, steps={self.steps})")
-        if self.target_loss < 0:
-            raise ValueError(f"target_loss={self.target_loss}: must be >= 0 (0 = run all steps)")
+        if not 0 <= self.target_accuracy <= 1:
+            raise ValueError(f"target_accuracy={self.target_accuracy}: must be in [0, 1] (0 = run all steps)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WarmStartResult:
     out_dir: Path
     steps: int
-    final_loss: float
+    final_loss: float  # running means at the end
+    final_accuracy: float
     seconds: float
 
 
@@ -113,33 +117,43 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def _exact_match(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Share of rows whose every scored token is the argmax prediction (teacher forcing)."""
+    preds, targets = logits[:, :-1].argmax(-1), labels[:, 1:]
+    scored = targets != -100
+    return ((preds == targets) | ~scored).all(dim=1).float().mean().item()
+
+
 def _train(
     model: torch.nn.Module,
     examples: Sequence[tuple[list[int], int]],
     pad_id: int,
     cfg: WarmStartConfig,
     log: Callable[[int, float], None] | None,
-) -> tuple[int, float]:
-    """The supervised loop; returns (steps run, running mean loss at the end)."""
+) -> tuple[int, float, float]:
+    """The supervised loop; returns (steps run, running loss, running exact-match rate)."""
     rng = random.Random(cfg.seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    running, step = float("nan"), 0
+    loss_avg, acc_avg, step = float("nan"), 0.0, 0
     while step < cfg.steps:
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, cfg)
-        loss = model(**_batch(rng.sample(examples, min(cfg.batch_size, len(examples))), pad_id)).loss
+        batch = _batch(rng.sample(examples, min(cfg.batch_size, len(examples))), pad_id)
+        out = model(**batch)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        running = loss.item() if math.isnan(running) else 0.9 * running + 0.1 * loss.item()
+        loss, acc = out.loss.item(), _exact_match(out.logits.detach(), batch["labels"])
+        loss_avg = loss if math.isnan(loss_avg) else 0.9 * loss_avg + 0.1 * loss
+        acc_avg = 0.9 * acc_avg + 0.1 * acc
         step += 1
         if log is not None and step % 25 == 0:
-            log(step, running)
-        if running < cfg.target_loss:
+            log(step, loss_avg)
+        if cfg.target_accuracy and acc_avg >= cfg.target_accuracy:
             break
-    return step, running
+    return step, loss_avg, acc_avg
 
 
 def warm_start(
@@ -165,12 +179,14 @@ def warm_start(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     start = time.perf_counter()
     with torch_threads(cfg.threads):
-        step, running = _train(model, _encode(tokenizer, rows), tokenizer.pad_token_id, cfg, log)
+        step, loss, accuracy = _train(model, _encode(tokenizer, rows), tokenizer.pad_token_id, cfg, log)
     seconds = time.perf_counter() - start
     with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    return WarmStartResult(out_dir=Path(out_dir), steps=step, final_loss=running, seconds=seconds)
+    return WarmStartResult(
+        out_dir=Path(out_dir), steps=step, final_loss=loss, final_accuracy=accuracy, seconds=seconds
+    )
 
 
 @torch.no_grad()
@@ -232,7 +248,7 @@ def evaluate_reward(
 # sampled reward) by benchmarks/bench_warmstart.py, recorded in docs/benchmarks.md.
 DEMO_MODEL = TinyModelConfig(arch="qwen2", layers=2, hidden=64, heads=4, kv_heads=2, ffn=256, seed=0)
 DEMO_WARM_START = WarmStartConfig(
-    steps=400, batch_size=32, lr=3e-3, warmup_steps=20, target_loss=0.05, seed=0
+    steps=400, batch_size=32, lr=3e-3, warmup_steps=20, target_accuracy=0.9, seed=0
 )
 
 
