@@ -68,6 +68,13 @@ class KVPool:
     def v_flat(self, layer: int) -> torch.Tensor:
         return self.v[layer].view(-1, *self.v.shape[-2:])
 
+    def k_pages(self, layer: int) -> torch.Tensor:
+        """[pages, page_size, kv_heads, head_dim] view of one layer's keys (page-addressed)."""
+        return self.k[layer]
+
+    def v_pages(self, layer: int) -> torch.Tensor:
+        return self.v[layer]
+
     def alloc(self, n: int) -> list[int]:
         """n fresh pages with one reference each, or PoolExhaustedError (nothing taken)."""
         if n > len(self._free):

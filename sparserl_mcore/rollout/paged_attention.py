@@ -1,9 +1,9 @@
 """Attention over page tables, gather based (plain torch ops, so the same code runs on CPU and CUDA).
 
-Each request's cached K/V are addressed by flat slot ids (`KVPool.slot_table`); a call gathers the
-slots it needs, computes softmax attention (fp32 softmax / accumulation) and can also return the
-attention mass each key received (max over the query heads of a GQA group, summed over queries),
-which H2O accumulates.
+Each request's cached K/V are addressed by its page table (decode) or flat slot ids
+(`KVPool.slot_table`, prefill); a call gathers what it needs, computes softmax attention (fp32
+softmax / accumulation) and can also return the attention mass each key received (max over the
+query heads of a GQA group, summed over queries), which H2O accumulates.
 
 Shape legend: B requests, t new tokens, N / n cached entries, Hq query heads, Hk KV heads, g = Hq/Hk,
 d head dim, S pool slots.
@@ -19,24 +19,28 @@ import torch.nn.functional as F
 
 def decode_attention(
     q: torch.Tensor,
-    k_flat: torch.Tensor,
-    v_flat: torch.Tensor,
-    slots: torch.Tensor,
-    lengths: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    tables: torch.Tensor,
+    valid: torch.Tensor,
     *,
     want_mass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One query per request over its own cache.
+    """One query per request over its own cache, gathered page by page.
 
-    q [B, Hq, d]; k_flat / v_flat [S, Hk, d]; slots [B, N] slot ids padded to N (any valid slot);
-    lengths [B] entries in use. Returns out [B, Hq, d] (q's dtype) and optionally mass [B, Hk, N].
+    q [B, Hq, d]; k_pages / v_pages [pages, page_size, Hk, d] (one layer of the pool); tables [B, P]
+    page ids padded to P (any valid page); valid [B, N = P * page_size] marks the entries in use.
+    Gathering whole pages (contiguous page_size * Hk * d blocks) instead of single slots makes the
+    copy a few large memcpys; the caller builds `tables` and `valid` once per step for all layers.
+    Returns out [B, Hq, d] (q's dtype) and optionally mass [B, Hk, N].
     """
     B, Hq, d = q.shape
-    N, Hk = slots.shape[1], k_flat.shape[1]
-    k = k_flat[slots.reshape(-1)].view(B, N, Hk, d).permute(0, 2, 1, 3)  # [B, Hk, N, d]
-    v = v_flat[slots.reshape(-1)].view(B, N, Hk, d).permute(0, 2, 1, 3)
+    N, Hk = valid.shape[1], k_pages.shape[2]
+    # index_select over [pages, page_size * Hk * d] rows: ~4x faster on CPU than advanced indexing
+    flat = tables.reshape(-1)
+    k = k_pages.flatten(1).index_select(0, flat).view(B, N, Hk, d).permute(0, 2, 1, 3)  # [B, Hk, N, d]
+    v = v_pages.flatten(1).index_select(0, flat).view(B, N, Hk, d).permute(0, 2, 1, 3)
     qg = q.view(B, Hk, Hq // Hk, d)
-    valid = torch.arange(N, device=q.device)[None, :] < lengths[:, None]  # [B, N]
     if not want_mass:  # fused kernel (fp32 accumulation); ~2x faster than the explicit path on CPU
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :])
         return out.reshape(B, Hq, d), None
@@ -61,8 +65,8 @@ def prefill_attention(
     """
     t, Hq, d = q.shape
     n, Hk = slots.shape[0], k_flat.shape[1]
-    k = k_flat[slots].float().permute(1, 2, 0)  # [Hk, d, n]
-    v = v_flat[slots].float().permute(1, 0, 2)  # [Hk, n, d]
+    k = k_flat.index_select(0, slots).float().permute(1, 2, 0)  # [Hk, d, n]
+    v = v_flat.index_select(0, slots).float().permute(1, 0, 2)  # [Hk, n, d]
     qg = q.float().permute(1, 0, 2).reshape(Hk, Hq // Hk, t, d)
     scores = qg @ k[:, None] / math.sqrt(d)  # [Hk, g, t, n]
     future = torch.arange(n, device=q.device)[None, :] > torch.arange(n - t, n, device=q.device)[:, None]

@@ -264,8 +264,7 @@ class Scheduler:
         cos, sin = model.rope(torch.tensor(pos, dtype=torch.long, device=dev))
         write = torch.cat(new_slots)
         n_dec = len(decodes)
-        dec_len = torch.tensor([r.n_cached + 1 for r in decodes], dtype=torch.long, device=dev)
-        dec_slots = _padded([r.slots[: r.n_cached + 1] for r in decodes]) if decodes else None
+        dec_tables, dec_valid = self._decode_tables(decodes) if decodes else (None, None)
         ends = list(itertools.accumulate(prefill_tokens))
         starts = [0, *ends[:-1]] if ends else []
         want_mass = self.compressor is not None and self.compressor.needs_accumulated_attention
@@ -279,7 +278,14 @@ class Scheduler:
             vf.index_copy_(0, write, v)
             outs, layer_mass = [], []
             if decodes:
-                out, mass = decode_attention(q[:n_dec], kf, vf, dec_slots, dec_len, want_mass=want_mass)
+                out, mass = decode_attention(
+                    q[:n_dec],
+                    self.pool.k_pages(layer),
+                    self.pool.v_pages(layer),
+                    dec_tables,
+                    dec_valid,
+                    want_mass=want_mass,
+                )
                 outs.append(out)
                 layer_mass.append(mass)
             for r, start, end in zip(prefills, starts, ends, strict=True):
@@ -294,6 +300,17 @@ class Scheduler:
         self._after_forward(decodes, prefills, q_rows, masses if want_mass else None)
         last = list(range(n_dec)) + [n_dec + e - 1 for e in ends]
         return model.logits(h[torch.tensor(last, dtype=torch.long, device=dev)])
+
+    def _decode_tables(self, decodes: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page tables [B, P] padded with page 0 (real, finite, masked) and the mask [B, P * page_size]
+        of entries in use, built once per step and shared by every layer's decode attention."""
+        ps, dev = self.pool.page_size, self.pool.k.device
+        lengths = [r.n_cached + 1 for r in decodes]
+        width = -(-max(lengths) // ps)
+        tables = [r.pages[: -(-n // ps)] for r, n in zip(decodes, lengths, strict=True)]
+        tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
+        lengths_t = torch.tensor(lengths, dtype=torch.long, device=dev)
+        return tables_t, torch.arange(width * ps, device=dev)[None, :] < lengths_t[:, None]
 
     def _window_rows(self, n_dec: int, prefill_tokens: list[int]) -> torch.Tensor:
         """Rows whose queries enter the observation window: every decode row, each prompt's last w."""
@@ -398,8 +415,8 @@ class Scheduler:
         B, n, keep, d = len(rs), rs[0].n_cached, self.kv_cfg.keep_tokens, cfg.head_dim
         flat = torch.stack([r.slots[:n] for r in rs]).reshape(-1)
         # [B, L, Hk, n, d] copies out of the pool (the pages are released below)
-        keys = torch.stack([self.pool.k_flat(i)[flat] for i in range(L)]).view(L, B, n, -1, d)
-        vals = torch.stack([self.pool.v_flat(i)[flat] for i in range(L)]).view(L, B, n, -1, d)
+        keys = torch.stack([self.pool.k_flat(i).index_select(0, flat) for i in range(L)]).view(L, B, n, -1, d)
+        vals = torch.stack([self.pool.v_flat(i).index_select(0, flat) for i in range(L)]).view(L, B, n, -1, d)
         keys, vals = keys.permute(1, 0, 3, 2, 4), vals.permute(1, 0, 3, 2, 4)
         queries = torch.stack([self._window_queries(r) for r in rs])  # [B, L, Hq, w, d]
         acc = torch.stack([r.acc[:, :, :n] for r in rs]) if rs[0].acc is not None else None
@@ -452,11 +469,6 @@ class Scheduler:
         tail = torch.arange(r.tail_start, r.tail_start + n - k, device=dev)
         tail = tail.expand(cfg.num_layers, cfg.num_kv_heads, -1)
         return tail if base is None else torch.cat([base, tail], dim=-1)
-
-
-def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Stack 1-D slot tensors of different lengths, padding with slot 0 (a real, finite, masked slot)."""
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
 
 
 def _common_pages(a: tuple[int, ...], b: tuple[int, ...], limit: int, page_size: int) -> int:
