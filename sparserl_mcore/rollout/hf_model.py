@@ -270,16 +270,19 @@ class CausalLM:
         """Post-RoPE q [T, Hq, d], k [T, Hk, d] and v [T, Hk, d] of `layer` for residual h [T, D]."""
         cfg, p = self.cfg, f"model.layers.{layer}."
         x = self._norm(h, self.params[p + "input_layernorm.weight"])
-        qkv = F.linear(x, *self.fused[layer]["qkv"])
-        q, k, v = qkv.split([cfg.num_heads * cfg.head_dim, *[cfg.num_kv_heads * cfg.head_dim] * 2], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        qkv = F.linear(x, *self.fused[layer]["qkv"]).view(
+            -1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim
+        )
+        qk, v = qkv.split([cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
         if cfg.qk_norm:
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             q = self._norm(q, self.params[p + "self_attn.q_norm.weight"])
             k = self._norm(k, self.params[p + "self_attn.k_norm.weight"])
+            qk = torch.cat((q, k), dim=1)
+        # q and k heads rotate together: one set of elementwise ops per layer instead of two
         cos, sin = cos[:, None, :], sin[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        q, k = (qk * cos + _rotate_half(qk) * sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        return q, k, v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection + residual + gated-SiLU MLP + residual; attn [T, Hq, d]."""
