@@ -113,8 +113,13 @@ class Scheduler:
         """No request queued or running (read without the engine's locks: a snapshot)."""
         return not self.waiting and not self.running
 
+    @torch.inference_mode()
     def step(self) -> list[RequestState]:
-        """Advance every request by one token; returns the requests that finished."""
+        """Advance every request by one token; returns the requests that finished.
+
+        Runs under inference_mode (no autograd bookkeeping, ~15% off each small op on CPU); the
+        per-request tensors it creates (slot tables, query windows, kept positions) are only ever
+        modified inside step()."""
         finished = self._take_aborted()
         decodes = self._reserve_decode_slots()
         prefills = self._admit(finished)
@@ -296,7 +301,7 @@ class Scheduler:
             if window_rows is not None:
                 q_rows.append(q[window_rows])
             masses.append(layer_mass)
-            h = model.finish_layer(layer, h, torch.cat(outs))
+            h = model.finish_layer(layer, h, outs[0] if len(outs) == 1 else torch.cat(outs))
         self._after_forward(decodes, prefills, q_rows, masses if want_mass else None)
         last = list(range(n_dec)) + [n_dec + e - 1 for e in ends]
         return model.logits(h[torch.tensor(last, dtype=torch.long, device=dev)])
