@@ -299,7 +299,7 @@ class Scheduler:
                 outs.append(out)
                 layer_mass.append(mass)
             if window_rows is not None:
-                q_rows.append(q[window_rows])
+                q_rows.append(q.index_select(0, window_rows))
             masses.append(layer_mass)
             h = model.finish_layer(layer, h, outs[0] if len(outs) == 1 else torch.cat(outs))
         self._after_forward(decodes, prefills, q_rows, masses if want_mass else None)
@@ -354,11 +354,13 @@ class Scheduler:
             r.peak_retained = max(r.peak_retained, r.n_cached)
 
     def _push_queries(self, r: RequestState, q: torch.Tensor) -> None:
-        """Append queries [L, t, Hq, d] to the request's ring of the last `window` queries."""
-        w = self.kv_cfg.window
-        for j in range(q.shape[1]):
-            r.qwin[:, :, (r.q_seen + j) % w] = q[:, j]
-        r.q_seen += q.shape[1]
+        """Append queries [L, t <= window, Hq, d] to the request's ring of the last `window` queries."""
+        w, t = self.kv_cfg.window, q.shape[1]
+        if t == 1:  # a decode row: one basic-indexed copy
+            r.qwin[:, :, r.q_seen % w] = q[:, 0]
+        else:
+            r.qwin[:, :, [(r.q_seen + j) % w for j in range(t)]] = q.transpose(1, 2)
+        r.q_seen += t
 
     # ---- per-token bookkeeping -----------------------------------------------------------------
     def _append(self, r: RequestState, token: int, logprob: float) -> FinishReason | None:
@@ -417,12 +419,12 @@ class Scheduler:
         """Keep `keep_tokens` entries per layer and KV head, compacted into fresh private pages."""
         assert self.compressor is not None
         cfg, L = self.model.cfg, self.model.cfg.num_layers
-        B, n, keep, d = len(rs), rs[0].n_cached, self.kv_cfg.keep_tokens, cfg.head_dim
+        B, n, keep, d, Hk = len(rs), rs[0].n_cached, self.kv_cfg.keep_tokens, cfg.head_dim, cfg.num_kv_heads
         flat = torch.stack([r.slots[:n] for r in rs]).reshape(-1)
-        # [B, L, Hk, n, d] copies out of the pool (the pages are released below)
-        keys = torch.stack([self.pool.k_flat(i).index_select(0, flat) for i in range(L)]).view(L, B, n, -1, d)
-        vals = torch.stack([self.pool.v_flat(i).index_select(0, flat) for i in range(L)]).view(L, B, n, -1, d)
-        keys, vals = keys.permute(1, 0, 3, 2, 4), vals.permute(1, 0, 3, 2, 4)
+        # [B, L, Hk, n, d] copies out of the pool, all layers in one gather (the pages are released below)
+        pool_k, pool_v = self.pool.k.view(L, -1, Hk, d), self.pool.v.view(L, -1, Hk, d)
+        keys = pool_k.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4)
+        vals = pool_v.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4)
         queries = torch.stack([self._window_queries(r) for r in rs])  # [B, L, Hq, w, d]
         acc = torch.stack([r.acc[:, :, :n] for r in rs]) if rs[0].acc is not None else None
         idx = self.compressor.select(
@@ -444,10 +446,9 @@ class Scheduler:
         if not live:
             return
         new_slots = torch.cat([rs[b].slots[:keep] for b in live])
-        kv_heads = keys.shape[2]
-        for layer in range(L):  # [live, Hk, keep, d] -> slot-major [live * keep, Hk, d]
-            self.pool.k_flat(layer)[new_slots] = kept_k[live, layer].transpose(1, 2).reshape(-1, kv_heads, d)
-            self.pool.v_flat(layer)[new_slots] = kept_v[live, layer].transpose(1, 2).reshape(-1, kv_heads, d)
+        # [live, L, Hk, keep, d] -> slot-major [L, live * keep, Hk, d], all layers in one write
+        pool_k.index_copy_(1, new_slots, kept_k[live].permute(1, 0, 3, 2, 4).reshape(L, -1, Hk, d))
+        pool_v.index_copy_(1, new_slots, kept_v[live].permute(1, 0, 3, 2, 4).reshape(L, -1, Hk, d))
         for b in live:
             r = rs[b]
             if acc is not None:
