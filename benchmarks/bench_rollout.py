@@ -1,9 +1,10 @@
 """Embedded rollout engine: throughput vs HF transformers, KV memory under compression, radix sharing.
 
-Same random-weight model (sparserl_mcore.ckpt.tiny) and prompts for every row, one timed run each
-after one short warm-up run per system. Speed is reported as tokens per wall second AND per CPU
-second of the process (one torch thread by default); ratios use CPU seconds, which stay meaningful
-on a shared machine where wall time depends on the neighbours' load.
+Same random-weight model (sparserl_mcore.ckpt.tiny) and prompts for every row. Each system is built
+and warmed up once, then the systems compared in a table run in turn, `--repeats` rounds, so
+neighbours' load hits them alike. Speed is tokens per CPU second of the process (one torch thread by
+default), which stays meaningful on a shared machine where wall time depends on the neighbours'
+load; a ratio is the median over rounds of the same-round ratio, with its min-max over rounds.
 1. tokens/s of `EmbeddedEngine` vs HF `generate` (batched, left-padded, KV cache on, greedy), with
    equal response lengths and with RL-like varied ones;
 2. each compression policy at budgets of 25% and 50% of the generated length: mean per-request
@@ -20,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +56,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--group", type=int, default=8, help="samples per prompt in the radix row")
     p.add_argument("--radix-prompt-len", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per table (systems alternate)")
     return p.parse_args(argv)
 
 
@@ -76,9 +80,6 @@ class Rate:
     def per_cpu_s(self) -> float:
         return self.tokens / self.cpu_s
 
-    def cell(self) -> str:
-        return f"{self.tokens / self.wall_s:.0f} / {self.per_cpu_s:.0f}"
-
 
 class _Clock:
     def __init__(self, device: str) -> None:
@@ -94,16 +95,23 @@ class _Clock:
         self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
-def _timed_engine(path, cfg: EngineConfig, prompts, gens: int | list[int]) -> tuple[Rate, list]:
-    """Generated tokens over the time of one run, and its samples."""
+# A system under test: one call = one timed run, returning its rate and (engines) its samples.
+Runner = Callable[[], tuple[Rate, list]]
+
+
+def _engine_runner(path, cfg: EngineConfig, prompts, gens: int | list[int]) -> Runner:
     engine = EmbeddedEngine(path, cfg)
     engine.generate(_requests(prompts[:2], 8))  # warm-up
-    with _Clock(cfg.device) as clock:
-        samples = engine.generate(_requests(prompts, gens))
-    return Rate(sum(len(s.output_ids) for s in samples), clock.wall, clock.cpu), samples
+
+    def run() -> tuple[Rate, list]:
+        with _Clock(cfg.device) as clock:
+            samples = engine.generate(_requests(prompts, gens))
+        return Rate(sum(len(s.output_ids) for s in samples), clock.wall, clock.cpu), samples
+
+    return run
 
 
-def _timed_hf(path, device: str, prompts, gens: list[int]) -> Rate:
+def _hf_runner(path, device: str, prompts, gens: list[int]) -> Runner:
     """HF `generate` on the left-padded batch. A batch runs until its longest request is done (rows
     stop only at EOS, and stay in the batch); only each request's own tokens count."""
     import transformers
@@ -116,12 +124,38 @@ def _timed_hf(path, device: str, prompts, gens: list[int]) -> Rate:
     kw = dict(do_sample=False, use_cache=True, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=8, **kw)  # warm-up
-        with _Clock(device) as clock:
+
+    def run() -> tuple[Rate, list]:
+        with torch.no_grad(), _Clock(device) as clock:
             out = model.generate(
                 ids, attention_mask=mask, max_new_tokens=max(gens), min_new_tokens=max(gens), **kw
             )
-    assert out.shape[1] - width == max(gens)
-    return Rate(sum(gens), clock.wall, clock.cpu)
+        assert out.shape[1] - width == max(gens)
+        return Rate(sum(gens), clock.wall, clock.cpu), []
+
+    return run
+
+
+def _alternate(runners: dict[str, Runner], repeats: int) -> tuple[dict[str, list[Rate]], dict[str, list]]:
+    """`repeats` rounds, each running every system once in turn; rates per system, last samples."""
+    rates: dict[str, list[Rate]] = {k: [] for k in runners}
+    samples: dict[str, list] = {}
+    for _ in range(repeats):
+        for key, run in runners.items():
+            rate, samples[key] = run()
+            rates[key].append(rate)
+    return rates, samples
+
+
+def _rate_cell(rates: list[Rate]) -> str:
+    cpu = [r.per_cpu_s for r in rates]
+    return f"{statistics.median(cpu):.0f} ({min(cpu):.0f}-{max(cpu):.0f})"
+
+
+def _ratio_cell(num: list[Rate], den: list[Rate]) -> str:
+    """Median and min-max over rounds of the same-round ratio of CPU-time rates."""
+    ratios = [a.per_cpu_s / b.per_cpu_s for a, b in zip(num, den, strict=True)]
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def _mean_peak_bytes(samples) -> float:
@@ -134,8 +168,10 @@ def main(argv: list[str]) -> int:
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(a.prompt_len // 2, a.prompt_len * 3 // 2 + 1, (a.batch,), generator=g).tolist()
     prompts = [torch.randint(100, a.vocab, (n,), generator=g).tolist() for n in lengths]
+    # 256 MiB pools (thousands of pages, far more than any row needs): the compression table holds
+    # nine engines at once, and every pool is zero-filled memory.
     base = dict(
-        device=a.device, page_size=a.page_size, capacity_bytes=2 * 2**30, max_running_requests=a.batch
+        device=a.device, page_size=a.page_size, capacity_bytes=256 * 2**20, max_running_requests=a.batch
     )
     with tempfile.TemporaryDirectory() as tmp:
         tiny = TinyModelConfig(
@@ -153,42 +189,56 @@ def main(argv: list[str]) -> int:
             [a.gen] * a.batch,
             torch.randint(a.gen // 4, a.gen + 1, (a.batch,), generator=g).tolist(),
         )
-        hf_equal = _timed_hf(path, a.device, prompts, equal)
-        none, none_samples = _timed_engine(path, EngineConfig(**base), prompts, equal)
-        hf_varied = _timed_hf(path, a.device, prompts, varied)
-        ours_varied, _ = _timed_engine(path, EngineConfig(**base), prompts, varied)
+        runners = {
+            "hf_equal": _hf_runner(path, a.device, prompts, equal),
+            "ours_equal": _engine_runner(path, EngineConfig(**base), prompts, equal),
+            "hf_varied": _hf_runner(path, a.device, prompts, varied),
+            "ours_varied": _engine_runner(path, EngineConfig(**base), prompts, varied),
+        }
+        rates, _ = _alternate(runners, a.repeats)
         print(
-            "\n| response lengths | HF generate tok/s (wall / CPU) | EmbeddedEngine tok/s (wall / CPU) "
-            "| ratio (CPU) |\n|---|---|---|---|"
+            f"\n{a.repeats} alternating rounds; tokens per CPU second, median (min-max)\n"
+            "| response lengths | HF generate tok/s | EmbeddedEngine tok/s | ratio |\n|---|---|---|---|"
         )
-        for label, hf, ours in (
-            (f"{a.gen} each", hf_equal, none),
-            (f"{min(varied)}-{a.gen}", hf_varied, ours_varied),
-        ):
-            print(f"| {label} | {hf.cell()} | {ours.cell()} | {ours.per_cpu_s / hf.per_cpu_s:.2f}x |")
-        _compression_table(a, path, prompts, base, none, none_samples)
+        for label, key in ((f"{a.gen} each", "equal"), (f"{min(varied)}-{a.gen}", "varied")):
+            hf, ours = rates[f"hf_{key}"], rates[f"ours_{key}"]
+            print(f"| {label} | {_rate_cell(hf)} | {_rate_cell(ours)} | {_ratio_cell(ours, hf)} |")
+        del runners  # their engines' pools
+        _compression_table(a, path, prompts, base)
         _radix_table(a, path, base)
     return 0
 
 
-def _compression_table(a, path, prompts, base, none: Rate, none_samples) -> None:
-    none_bytes = _mean_peak_bytes(none_samples)
-    total = sum(len(p) for p in prompts) / len(prompts) + a.gen
-    print(
-        "\n| policy | budget | peak KV bytes / none | goal (budget share + 1 page) | tok/s (wall / CPU) "
-        "| vs none (CPU) |\n|---|---|---|---|---|---|"
-    )
+def _compression_table(a, path, prompts, base) -> None:
+    """Every policy at both budgets alternating with `none` in the same rounds."""
+    configs = {("none", 0): KVCompressionConfig()}
     for share in (0.25, 0.5):
         budget = int(a.gen * share)
         for method in [m for m in METHODS if m != "none"]:
-            kv = KVCompressionConfig(method=method, budget=budget, interval=max(1, budget // 4), window=8)
-            rate, samples = _timed_engine(path, EngineConfig(**base, kv_compression=kv), prompts, a.gen)
-            ratio = _mean_peak_bytes(samples) / none_bytes
-            goal = (budget + a.page_size) / total
-            print(
-                f"| {method} | {budget} ({share:.0%} of gen) | {ratio:.3f} | {goal:.3f} | {rate.cell()} "
-                f"| {rate.per_cpu_s / none.per_cpu_s:.2f}x |"
+            configs[(method, budget)] = KVCompressionConfig(
+                method=method, budget=budget, interval=max(1, budget // 4), window=8
             )
+    runners = {
+        key: _engine_runner(path, EngineConfig(**base, kv_compression=kv), prompts, a.gen)
+        for key, kv in configs.items()
+    }
+    rates, samples = _alternate(runners, a.repeats)
+    none_rates, none_bytes = rates[("none", 0)], _mean_peak_bytes(samples[("none", 0)])
+    total = sum(len(p) for p in prompts) / len(prompts) + a.gen
+    print(
+        f"\n{a.repeats} alternating rounds with `none` ({_rate_cell(none_rates)} tok/s); tokens per CPU "
+        "second, median (min-max)\n| policy | budget | peak KV bytes / none | goal (budget share + 1 page) "
+        "| tok/s | vs none |\n|---|---|---|---|---|---|"
+    )
+    for (method, budget), kv_rates in rates.items():
+        if method == "none":
+            continue
+        ratio = _mean_peak_bytes(samples[(method, budget)]) / none_bytes
+        goal = (budget + a.page_size) / total
+        print(
+            f"| {method} | {budget} ({budget / a.gen:.0%} of gen) | {ratio:.3f} | {goal:.3f} "
+            f"| {_rate_cell(kv_rates)} | {_ratio_cell(kv_rates, none_rates)} |"
+        )
 
 
 def _radix_table(a, path, base) -> None:
