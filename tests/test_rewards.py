@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sparserl_mcore.rewards import REWARDS, build_reward, running_sum_reward
+from sparserl_mcore.rewards import REWARDS, build_reward, digit_chain_reward, running_sum_reward
 from sparserl_mcore.rewards.math import answers_match, extract_boxed, math_boxed_reward
 
 
@@ -75,10 +75,20 @@ def test_running_sum_reward() -> None:
         running_sum_reward("\n=4", "four")
 
 
+def test_digit_chain_reward_is_the_correct_prefix_share() -> None:
+    assert digit_chain_reward("0774", "0774") == 1.0
+    assert digit_chain_reward("0774\njunk", "0774") == 1.0  # what follows a full chain is ignored
+    assert digit_chain_reward("0734", "0774") == 0.5  # the right digit after an error earns nothing
+    assert digit_chain_reward("07", "0774") == 0.5  # stopped early
+    assert digit_chain_reward("", "0774") == 0.0
+    with pytest.raises(ValueError, match="not a non-empty digit string"):
+        digit_chain_reward("07", "")
+
+
 def test_registry_and_import_path_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert set(REWARDS) == {"math_boxed", "running_sum"}
+    assert set(REWARDS) == {"digit_chain", "math_boxed", "running_sum"}
     assert build_reward("running_sum")("\n=3", "3") == 1.0
-    with pytest.raises(KeyError, match="math_boxed, running_sum"):
+    with pytest.raises(KeyError, match="digit_chain, math_boxed, running_sum"):
         build_reward("gsm8k")
     (tmp_path / "my_rewards.py").write_text(
         "def length_penalty(completion, answer, *, limit=5):\n"

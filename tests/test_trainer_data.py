@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from sparserl_mcore.config import DataConfig
-from sparserl_mcore.rewards import running_sum_reward
+from sparserl_mcore.rewards import digit_chain_reward, running_sum_reward
 from sparserl_mcore.trainer.data import PromptSampler, load_datasets, read_examples
-from sparserl_mcore.trainer.tasks import RunningSumTask, generate, write_splits
+from sparserl_mcore.trainer.tasks import DigitChainTask, RunningSumTask, generate, write_splits
 
 
 def _check_steps(prompt: str, solution: str, modulus: int) -> None:
@@ -27,6 +27,28 @@ def _check_steps(prompt: str, solution: str, modulus: int) -> None:
         assert (int(d), int(prev)) == (expected, total)
         total = (total + expected) % modulus
         assert int(new) == total
+
+
+@pytest.mark.parametrize("task", [DigitChainTask(), DigitChainTask(length=7, lag=3, max_offset=0)])
+def test_digit_chains_follow_the_lagged_sum_and_corruptions_score_their_prefix(task: DigitChainTask) -> None:
+    assert DigitChainTask(length=8).example([3, 7])["answer"] == "07741561"  # Fibonacci mod 10
+    offsets = set()
+    for row in generate(task, 200, seed=1):
+        given = row["prompt"].removeprefix("chain ")
+        offsets.add(len(given) - task.lag)
+        digits = [int(d) for d in given + row["solution"]]  # recomputed here, not by the generator
+        lag = task.lag
+        assert all(digits[t] == (digits[t - 1] + digits[t - lag]) % 10 for t in range(lag, len(digits)))
+        assert row["answer"] == row["solution"] and len(row["solution"]) == task.completion_tokens()
+        assert digit_chain_reward(row["solution"], row["answer"]) == 1.0
+        cut = len(row["answer"]) // 2
+        wrong = row["answer"][:cut] + str((int(row["answer"][cut]) + 1) % 10) + row["answer"][cut + 1 :]
+        assert digit_chain_reward(wrong, row["answer"]) == cut / len(row["answer"])
+    assert offsets == set(range(task.max_offset + 1))
+    with pytest.raises(ValueError, match="lag=1"):
+        DigitChainTask(lag=1)
+    with pytest.raises(ValueError, match="offset=9"):
+        task.example([1] * task.lag, offset=9)
 
 
 @pytest.mark.parametrize("task", [RunningSumTask(), RunningSumTask(min_length=3, max_length=20, modulus=7)])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, build_tokenizer, make_tiny
-from sparserl_mcore.trainer.tasks import RunningSumTask, generate
+from sparserl_mcore.trainer.tasks import DigitChainTask, generate
 from sparserl_mcore.trainer.warmstart import (
     WarmStartConfig,
     _batch,
@@ -33,7 +33,7 @@ def test_labels_score_only_the_completion_and_eos() -> None:
 
 def test_warm_start_writes_a_loadable_checkpoint_and_is_seeded(tmp_path: Path) -> None:
     tiny = make_tiny(TinyModelConfig(layers=1, hidden=32, heads=2, kv_heads=1, ffn=64), tmp_path / "tiny")
-    rows = list(generate(RunningSumTask(min_length=2, max_length=2), 16, seed=0))
+    rows = list(generate(DigitChainTask(length=6), 16, seed=0))  # the demo task, short
     cfg = WarmStartConfig(steps=3, batch_size=4, warmup_steps=1)
     first = warm_start(tiny, rows, tmp_path / "a", cfg)
     second = warm_start(tiny, rows, tmp_path / "b", cfg)

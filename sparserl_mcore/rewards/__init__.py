@@ -14,12 +14,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sparserl_mcore.rewards.math import math_boxed_reward
-from sparserl_mcore.rewards.synthetic import running_sum_reward
+from sparserl_mcore.rewards.synthetic import digit_chain_reward, running_sum_reward
 
 RewardFn = Callable[[str, str], float]
 
 # name -> verifier. Exhaustive: a new built-in reward is added here.
 REWARDS: dict[str, Callable[..., float]] = {
+    "digit_chain": digit_chain_reward,
     "math_boxed": math_boxed_reward,
     "running_sum": running_sum_reward,
 }
@@ -59,4 +60,11 @@ def build_reward(name: str, kwargs: Mapping[str, Any] | None = None) -> RewardFn
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
-__all__ = ["REWARDS", "RewardFn", "build_reward", "math_boxed_reward", "running_sum_reward"]
+__all__ = [
+    "REWARDS",
+    "RewardFn",
+    "build_reward",
+    "digit_chain_reward",
+    "math_boxed_reward",
+    "running_sum_reward",
+]

@@ -1,8 +1,12 @@
-"""Reward of the synthetic running-sum task (sparserl_mcore.trainer.tasks): exact final answer.
+"""Rewards of the synthetic tasks (sparserl_mcore.trainer.tasks).
 
-A completion ends with a line `=N`; the reward is 1.0 when the first such line holds exactly the
-reference integer. Only the final answer is scored, like a math verifier: the intermediate steps
-earn nothing by themselves, but a tiny model cannot get the answer without writing them.
+running_sum: a completion ends with a line `=N`; the reward is 1.0 when the first such line holds
+exactly the reference integer. Only the final answer is scored, like a math verifier.
+
+digit_chain: the share of the reference chain the completion reproduces before its first wrong
+digit. Partial credit on purpose: with exact match a 40-digit chain sampled at T=1 is almost never
+all right, so most GRPO groups would have zero variance; the correct-prefix share still ranks a
+group's samples, and only an all-correct chain earns 1.0.
 """
 
 from __future__ import annotations
@@ -26,3 +30,16 @@ def running_sum_reward(completion: str, answer: str) -> float:
     except ValueError as exc:
         raise ValueError(f"running_sum reward: reference answer {answer!r} is not an integer") from exc
     return 1.0 if parse_final_answer(completion) == expected else 0.0
+
+
+def digit_chain_reward(completion: str, answer: str) -> float:
+    """Share of `answer` (the reference digit chain) matched by the start of `completion` up to its
+    first wrong character, in [0, 1]. What follows a complete chain (EOS, junk) is ignored."""
+    if not answer or not answer.isdigit():
+        raise ValueError(f"digit_chain reward: reference answer {answer!r} is not a non-empty digit string")
+    matched = 0
+    for got, want in zip(completion, answer, strict=False):
+        if got != want:
+            break
+        matched += 1
+    return matched / len(answer)

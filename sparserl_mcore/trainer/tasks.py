@@ -1,4 +1,12 @@
-"""A synthetic, verifiable "long reasoning" task a tiny model can learn on CPU: labelled running sums.
+"""Synthetic, verifiable "long reasoning" tasks a tiny model can learn on CPU.
+
+`DigitChainTask` (the demo's): lagged-Fibonacci digit chains. Every generated digit depends only
+on RECENT generated state, so a policy under a small KV budget (StreamingLLM: sinks + recent
+window) can still solve it, while the evicted positions still shift its distribution: a real
+sampler/learner mismatch for the Sparse-RL correction, not a task compression makes impossible.
+
+`RunningSumTask`: labelled running sums, whose every step copies a prompt digit; any compression
+that evicts the prompt destroys the answer (measured in docs/benchmarks.md, "Warm start").
 
 The prompt lists labelled digits; the completion works through them label by label, writing
 the digit, the running sum so far and the new running sum modulo `modulus`, then the final
@@ -75,10 +83,71 @@ class RunningSumTask:
         return step * self.max_length - 1 + len(ANSWER_MARK) + 1
 
 
-DEMO_TASK = RunningSumTask(min_length=12, max_length=12)  # 86-token completions, ~29-token prompts
+CHAIN_PREFIX = "chain "
 
 
-def generate(task: RunningSumTask, n: int, seed: int) -> Iterator[dict[str, str]]:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DigitChainTask:
+    """Digit chains x[t] = (x[t-1] + x[t-lag]) mod 10 from `lag` seed digits (lag 2: Fibonacci mod 10)::
+
+        prompt:     "chain 37"           (lag 2: seeds 3 7; offset 0)
+        prompt:     "chain 3707"         (the same chain, offset 2: two of its digits already given)
+        completion: "0774156178..."      (the next `length` digits: 3+7=0, 7+0=7, 0+7=7, 7+7=4, ...)
+
+    The answer is the completion, scored by `digit_chain_reward` (correct-prefix share). Each step
+    reads two tokens at fixed distances 1 and `lag` back; the completion continues the prompt's
+    digits with no separator, so its first digit follows the same rule as the rest. The random
+    offset (0..max_offset chain digits already in the prompt) is what makes a held-out prompt
+    solvable: without it lag 2 has only 100 prompts, and the model memorised each training prompt's
+    chain by its distance from the start and scored 0 on held-out seeds; with it the model must find
+    its place from the recent digits, i.e. learn the local rule that compressed KV still allows.
+    Knobs: `length` (difficulty, and the generation length: one token per digit, then EOS), `lag`
+    (lag 3 did not start to learn within 1500 warm-start steps of the demo model) and `max_offset`.
+    """
+
+    length: int = 40
+    lag: int = 2
+    max_offset: int = 4
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.lag <= 6:
+            raise ValueError(f"lag={self.lag}: must be in 2..6 (seed digits in the prompt)")
+        if self.length < 1:
+            raise ValueError(f"length={self.length}: must be >= 1 (digits to generate)")
+        if self.max_offset < 0:
+            raise ValueError(f"max_offset={self.max_offset}: must be >= 0 (chain digits given in the prompt)")
+
+    def chain(self, seeds: list[int], n: int) -> str:
+        """The `n` digits that follow `seeds`."""
+        digits = list(seeds)
+        for _ in range(n):
+            digits.append((digits[-1] + digits[-self.lag]) % 10)
+        return "".join(map(str, digits[len(seeds) :]))
+
+    def sample(self, rng: random.Random) -> dict[str, str]:
+        seeds = [rng.randrange(10) for _ in range(self.lag)]
+        return self.example(seeds, offset=rng.randint(0, self.max_offset))
+
+    def example(self, seeds: list[int], *, offset: int = 0) -> dict[str, str]:
+        """The prompt holds `seeds` and the first `offset` chain digits; the completion the next `length`."""
+        if len(seeds) != self.lag or not all(0 <= d <= 9 for d in seeds):
+            raise ValueError(f"seeds={seeds}: need exactly lag={self.lag} digits 0-9")
+        if not 0 <= offset <= self.max_offset:
+            raise ValueError(f"offset={offset}: must be in 0..max_offset={self.max_offset}")
+        digits = "".join(map(str, seeds)) + self.chain(seeds, offset + self.length)
+        given, chain = digits[: self.lag + offset], digits[self.lag + offset :]
+        return {"prompt": CHAIN_PREFIX + given, "answer": chain, "solution": chain}
+
+    def completion_tokens(self) -> int:
+        """Tokens of the tiny tokenizer in a reference completion, EOS excluded."""
+        return self.length
+
+
+Task = RunningSumTask | DigitChainTask
+DEMO_TASK = DigitChainTask(length=40, lag=2)  # 9-token prompts, 40-token completions
+
+
+def generate(task: Task, n: int, seed: int) -> Iterator[dict[str, str]]:
     """`n` examples, deterministic in `seed`."""
     rng = random.Random(seed)
     for _ in range(n):
@@ -101,7 +170,7 @@ def write_jsonl(rows: list[dict[str, str]], path: str | os.PathLike) -> Path:
 
 
 def write_splits(
-    task: RunningSumTask, out_dir: str | os.PathLike, *, n_train: int, n_eval: int, seed: int
+    task: Task, out_dir: str | os.PathLike, *, n_train: int, n_eval: int, seed: int
 ) -> tuple[Path, Path]:
     """Write train.jsonl and eval.jsonl (disjoint prompts) under `out_dir`; returns both paths."""
     rows = list(generate(task, n_train + n_eval, seed))
