@@ -37,6 +37,7 @@ from sparserl_mcore.rollout.sampler import sample
 
 # Called after each compression with (rid, original positions kept [layers, kv_heads, n_keep], the
 # position the next token will take). Tests rebuild the "retained positions only" recompute from it.
+# The positions tensor is created under inference_mode: read it (or .clone() it), never modify it.
 CompressionListener = Callable[[str, torch.Tensor, int], None]
 StopTextFn = Callable[[list[int]], str]
 
