@@ -89,8 +89,7 @@ def build_optimizer(
         adam_beta1=cfg.betas[0],
         adam_beta2=cfg.betas[1],
         adam_eps=cfg.eps,
-        # megatron-core 0.16's clip helper asserts CUDA tensors: gradient clipping is GPU-only for now
-        clip_grad=0.0 if runtime.cpu else cfg.clip_grad,
+        clip_grad=cfg.clip_grad,  # on CPU too: parallel/cpu_mode.py makes megatron's clip run there
         bf16=bf16,
         params_dtype=spec.params_dtype,
         use_distributed_optimizer=not runtime.cpu,

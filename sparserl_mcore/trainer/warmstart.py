@@ -2,16 +2,15 @@
 
 GRPO learns nothing from a policy whose every sample scores 0 (all groups have zero variance), so
 the demo first fine-tunes the random `make-tiny` checkpoint on reference solutions of the synthetic
-task for a couple of hundred steps with plain HF transformers on CPU. Learning the task is a sharp
-transition (the prompt-digit copy clicks within ~25 steps), so training stops on the measured
-teacher-forced exact-match rate (`target_accuracy`) just after it: greedy decoding is then right
-on nearly every prompt, but sampled rollouts (T=1, what GRPO trains on) only on ~30% (86 tokens
-all have to be right): signal for GRPO and room to rise. Seeded and single-threaded
-(reproducible), the checkpoint written atomically.
+task for a few hundred steps with plain HF transformers on CPU. Learning the task is a sharp
+transition, so training stops on the measured teacher-forced exact-match rate (`target_accuracy`)
+part-way through it: sampled rollouts (T=1, what GRPO trains on) then keep part of each answer
+right, which gives GRPO signal and room to rise. Seeded and single-threaded (reproducible), the
+checkpoint written atomically.
 Measured by benchmarks/bench_warmstart.py (docs/benchmarks.md, "Warm start").
 
     policy = prepare_policy("runs/demo")          # data splits + make-tiny + warm start (DEMO_*)
-    acc = evaluate_reward(policy.model_dir, eval_rows, running_sum_reward, max_new_tokens=96)
+    acc = evaluate_reward(policy.model_dir, eval_rows, digit_chain_reward, max_new_tokens=42)
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import torch
 
 from sparserl_mcore.ckpt.atomic import atomic_output_dir
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
-from sparserl_mcore.trainer.tasks import DEMO_TASK, RunningSumTask, write_splits
+from sparserl_mcore.trainer.tasks import DEMO_TASK, Task, write_splits
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -244,12 +243,12 @@ def evaluate_reward(
     return sum(reward(c, r["answer"]) for c, r in zip(completions, rows, strict=True)) / len(rows)
 
 
-# The demo's starting policy: make-tiny shape and warm-start schedule. Measured (time, greedy and
-# sampled reward) by benchmarks/bench_warmstart.py, recorded in docs/benchmarks.md.
+# The demo's starting policy: make-tiny shape and warm-start schedule. The digit chains (Fibonacci mod
+# 10, 40 digits) are learned gradually (held-out T=1 reward 0.08 at step 125, 0.34 at 175, 0.6 at
+# 300 with a 500-step schedule), so a short fixed schedule stops part-way: sampled rewards clearly
+# above zero, far below the ceiling. Measured by benchmarks/bench_warmstart.py (docs/benchmarks.md).
 DEMO_MODEL = TinyModelConfig(arch="qwen2", layers=2, hidden=64, heads=4, kv_heads=2, ffn=256, seed=0)
-DEMO_WARM_START = WarmStartConfig(
-    steps=400, batch_size=32, lr=3e-3, warmup_steps=20, target_accuracy=0.9, seed=0
-)
+DEMO_WARM_START = WarmStartConfig(steps=250, batch_size=32, lr=3e-3, warmup_steps=20, seed=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -263,7 +262,7 @@ class PreparedPolicy:
 def prepare_policy(
     out_dir: str | os.PathLike,
     *,
-    task: RunningSumTask = DEMO_TASK,
+    task: Task = DEMO_TASK,
     model: TinyModelConfig = DEMO_MODEL,
     cfg: WarmStartConfig = DEMO_WARM_START,
     n_train: int = 4000,
