@@ -7,7 +7,8 @@ patch fragments (`DistributedTransport`), and every rank applies them to an HF-l
 to a receiver with a different TP size. Both are compared bit for bit with a full HF export
 (`ckpt.hf_io.export_hf_weights`) of the same step. The last step forces a wrong base version on
 rank 1 so the dense fallback runs. The same fragments also go through the directory transport
-(anchor every 2 versions): a follower and a late joiner must end bit-identical to the export. Rank results go to WORK/<case>/rank<r>.json.
+(anchor every 2 versions): a follower and a late joiner must end bit-identical to the export.
+Rank results go to WORK/<case>/rank<r>.json.
 """
 
 from __future__ import annotations
