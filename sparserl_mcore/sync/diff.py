@@ -1,19 +1,25 @@
 """Bit-wise diff of 16-bit weights against the last synced copy, producing a `Patch`.
 
 Memory: the caller keeps the last synced copy (2 bytes per parameter; `learner.ShardSyncer` keeps
-only its own slice). A diff allocates a boolean mask of one tensor at a time and the changed
-(index, old value, new value) triples.
+only its own slice). A diff allocates a boolean mask per tensor in flight (one per worker thread)
+and the changed (index, old value, new value) triples.
+
+Speed: the compare and gathers are torch kernels (multi-threaded; numpy's `!=` on int16 was 4x
+slower on 2 cores), `np.flatnonzero` (single-threaded, but it releases the GIL) runs for several
+tensors at once in a thread pool, and identical tensors are skipped by `torch.equal`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from sparserl_mcore.sync.codec import Patch, TensorChange
 from sparserl_mcore.sync.hashing import (
+    bits16,
     bits_view,
     dtype_name,
     model_digest,
@@ -28,17 +34,18 @@ def diff_tensor(name: str, old: torch.Tensor, new: torch.Tensor) -> TensorChange
         raise ValueError(
             f"tensor {name!r}: old {tuple(old.shape)} {old.dtype} vs new {tuple(new.shape)} {new.dtype}"
         )
-    old_bits, new_bits = bits_view(old), bits_view(new)
-    indices = np.flatnonzero(old_bits != new_bits)
-    if indices.size == 0:
+    old_bits, new_bits = bits16(old), bits16(new)
+    if torch.equal(old_bits, new_bits):
         return None
+    indices = np.flatnonzero(torch.ne(old_bits, new_bits).numpy())
+    at = torch.from_numpy(indices)
     return TensorChange(
         name=name,
         dtype=dtype_name(new.dtype),
         shape=tuple(new.shape),
         indices=indices,
-        new_bits=new_bits[indices],
-        old_bits=old_bits[indices],
+        new_bits=new_bits[at].numpy().view(np.uint16),
+        old_bits=old_bits[at].numpy().view(np.uint16),
         digest=tensor_digest(new),
     )
 
@@ -80,9 +87,10 @@ def make_patch(
     """
     if set(old) != set(new):
         raise ValueError(f"old and new differ in tensor names: {sorted(set(old) ^ set(new))[:5]}")
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        found = list(pool.map(lambda name: diff_tensor(name, old[name], new[name]), new))
     changes, digests = [], {}
-    for name, tensor in new.items():
-        change = diff_tensor(name, old[name], tensor)
+    for (name, tensor), change in zip(new.items(), found, strict=True):
         if change is not None:
             changes.append(change)
             digests[name] = change.digest

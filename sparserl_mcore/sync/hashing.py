@@ -16,19 +16,27 @@ import xxhash
 DIGEST_BYTES = 16
 
 
-def bits_view(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's 16-bit patterns as a flat uint16 numpy array sharing memory (CPU tensors)."""
+def bits16(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's 16-bit patterns as a flat int16 CPU tensor (shares memory with CPU tensors).
+
+    Torch rather than numpy for whole-tensor passes: its elementwise kernels use every core.
+    """
     if tensor.element_size() != 2 or tensor.dtype.is_complex:
         raise ValueError(f"sync handles 16-bit float weights, got {tensor.dtype}")
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return flat.view(torch.int16).numpy().view(np.uint16)
+    return flat.view(torch.int16)
+
+
+def bits_view(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's 16-bit patterns as a flat uint16 numpy array sharing memory (CPU tensors)."""
+    return bits16(tensor).numpy().view(np.uint16)
 
 
 def tensor_digest(tensor: torch.Tensor) -> bytes:
     """xxh3-128 of the tensor's raw bytes."""
-    return xxhash.xxh3_128_digest(np.ascontiguousarray(bits_view(tensor)))
+    return xxhash.xxh3_128_digest(np.ascontiguousarray(bits_view(tensor)).data)
 
 
 def model_digest(digests: Mapping[str, bytes], meta: Mapping[str, tuple[str, tuple[int, ...]]]) -> bytes:
