@@ -43,8 +43,9 @@ class PatchError(ValueError):
 
 
 def _zigzag(delta: np.ndarray) -> np.ndarray:
-    d = delta.astype(np.int16).astype(np.int32)
-    return ((d << 1) ^ (d >> 15)).astype(np.uint16)
+    """Zigzag of int16 deltas in 16-bit arithmetic (no int32 temporaries; the shift wraps mod 2**16)."""
+    d = delta.view(np.int16)
+    return ((d << 1) ^ (d >> 15)).view(np.uint16)
 
 
 def _unzigzag(z: np.ndarray) -> np.ndarray:
@@ -68,7 +69,7 @@ VALUE_ENCODINGS: dict[str, ValueEncoding] = {
     "xor": ValueEncoding(lambda old, new: old ^ new, lambda old, stored: old ^ stored, needs_base=True),
     # zigzag of (new - old) mod 2**16 on the raw bit patterns: a one-ulp step is 1 or 2
     "sub": ValueEncoding(
-        lambda old, new: _zigzag(new.astype(np.int32) - old.astype(np.int32)),
+        lambda old, new: _zigzag(new - old),  # uint16 subtraction wraps mod 2**16
         lambda old, stored: (old.astype(np.int32) + _unzigzag(stored).astype(np.int32)).astype(np.uint16),
         needs_base=True,
     ),
@@ -164,7 +165,10 @@ class DecodedPatch:
 
 
 def _encode_indices(indices: np.ndarray) -> tuple[np.ndarray, bytes, int, int]:
-    gaps = np.diff(indices.astype(np.int64), prepend=np.int64(-1)) - 1
+    gaps = np.empty(indices.size, np.int64)
+    gaps[:1] = indices[:1]
+    np.subtract(indices[1:], indices[:-1], out=gaps[1:])
+    gaps[1:] -= 1
     big = gaps >= ESCAPE
     escapes = gaps[big] - ESCAPE
     width = 0
@@ -184,7 +188,8 @@ def _stored_values(change: TensorChange, encoding: str) -> np.ndarray:
         return change.new_bits
     if change.old_bits is None:
         raise ValueError(f"tensor {change.name!r}: encoding {encoding!r} needs old_bits; use 'overwrite'")
-    return VALUE_ENCODINGS[encoding].encode(change.old_bits, change.new_bits)
+    as16 = [b.astype(np.uint16, copy=False) for b in (change.old_bits, change.new_bits)]
+    return VALUE_ENCODINGS[encoding].encode(*as16)
 
 
 def encode_patch(patch: Patch, config: CodecConfig = CodecConfig()) -> bytes:
@@ -206,8 +211,8 @@ def encode_patch(patch: Patch, config: CodecConfig = CodecConfig()) -> bytes:
     streams = [
         np.concatenate(gaps).tobytes() if gaps else b"",
         b"".join(escapes),
-        (all_values & 0xFF).astype(np.uint8).tobytes(),
-        (all_values >> 8).astype(np.uint8).tobytes(),
+        all_values.astype("<u2", copy=False).view(np.uint8)[0::2].tobytes(),
+        all_values.astype("<u2", copy=False).view(np.uint8)[1::2].tobytes(),
     ]
     header = {
         "version": patch.version,
