@@ -16,6 +16,7 @@ from sparserl_mcore.sync.codec import (
     decode_patch,
     encode_patch,
     inspect_patch,
+    read_header,
 )
 from sparserl_mcore.sync.diff import full_patch, make_patch
 
@@ -69,14 +70,24 @@ def test_round_trip_bit_exact(weights, encoding, zstd_level):
     assert receiver.model_digest() == patch.model_digest
 
 
-def test_large_gaps_use_escapes(weights):
+@pytest.mark.parametrize(
+    ("indices", "gap_width"),
+    [
+        # half the gaps exceed a byte: two-byte gaps, themselves escaping past 65534
+        ([0, 1, 254, 255, 511, 70_000, 200_000, 209_999], 2),
+        # one long gap among many short ones: one-byte gaps with a single escape
+        ([*range(0, 300, 3), 1000, *range(1001, 1200, 2), 209_999], 1),
+    ],
+)
+@pytest.mark.parametrize("zstd_level", [None, 1])
+def test_large_gaps_use_escapes(indices, gap_width, zstd_level):
     big = {"w": torch.zeros(70_000, 3, dtype=torch.bfloat16)}
     new = {"w": big["w"].clone()}
-    flat = new["w"].view(-1)
-    flat[[0, 1, 254, 255, 511, 70_000, 200_000, 209_999]] = 1.0
+    new["w"].view(-1)[indices] = 1.0
     patch = make_patch(big, new, version=1, base_version=0, anchor_version=0)
-    decoded = decode_patch(encode_patch(patch))
-    np.testing.assert_array_equal(decoded.tensors[0].indices, [0, 1, 254, 255, 511, 70_000, 200_000, 209_999])
+    data = encode_patch(patch, CodecConfig(zstd_level=zstd_level))
+    assert read_header(data)[1]["tensors"][0]["gap_width"] == gap_width
+    np.testing.assert_array_equal(decode_patch(data).tensors[0].indices, indices)
 
 
 def test_full_patch_restores_any_state(weights):

@@ -19,7 +19,7 @@ from sparserl_mcore.sync.apply import HFReceiver
 from sparserl_mcore.sync.codec import CodecConfig, PatchError, encode_patch
 from sparserl_mcore.sync.diff import full_patch, make_patch
 
-PREFIX = struct.Struct("<8sHBBIQQ")
+PREFIX = struct.Struct("<8sHBBIIQQ")
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -42,15 +42,18 @@ def _stepped(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tenso
 def _split(data: bytes) -> tuple[tuple, dict, bytes]:
     fields = PREFIX.unpack_from(data)
     header_len = fields[4]
-    header = json.loads(data[PREFIX.size : PREFIX.size + header_len])
+    header = json.loads(zstandard.ZstdDecompressor().decompress(data[PREFIX.size : PREFIX.size + header_len]))
     return fields, header, data[PREFIX.size + header_len : -16]
 
 
 def _seal(fields: tuple, header: dict, raw: bytes, compress: bool = True) -> bytes:
     """Re-frame with a valid checksum, as a buggy (not a noisy) sender would."""
-    body = zstandard.ZstdCompressor(level=1).compress(raw) if compress else raw
-    head = json.dumps(header).encode()
-    prefix = PREFIX.pack(fields[0], fields[1], 1 if compress else 0, 0, len(head), len(body), len(raw))
+    raw_head = json.dumps(header).encode()
+    zstd = zstandard.ZstdCompressor(level=1)
+    body, head = (zstd.compress(raw), zstd.compress(raw_head)) if compress else (raw, raw_head)
+    prefix = PREFIX.pack(
+        fields[0], fields[1], 1 if compress else 0, 0, len(head), len(raw_head), len(body), len(raw)
+    )
     return prefix + head + body + xxhash.xxh3_128_digest(prefix + head + body)
 
 
@@ -149,6 +152,8 @@ def test_resealed_semantic_damage_is_rejected(setup):
     with_header(lambda h: h["tensors"].reverse())  # tensor sections reordered
     with_header(lambda h: h["streams"].update(gaps=n_gaps - 1, escapes=streams["escapes"] + 1))
     with_header(lambda h: h.pop("tensors"))
+    with_header(lambda h: h["tensors"][0].update(gap_width=2))  # gap planes misread
+    with_header(lambda h: h["tensors"][0].update(gap_width=0))
     # gap stream bytes driven out of range: last gap pushed past the tensor end
     out_of_range = bytearray(raw)
     out_of_range[header["tensors"][0]["nnz"] - 1] = 254
