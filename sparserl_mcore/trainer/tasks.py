@@ -20,7 +20,7 @@ induction-style copy), and otherwise only nearby tokens (the previous sum, the d
 written). A model cannot produce the final answer without writing the steps, and once KV
 compression has evicted the prompt's digits it can no longer copy them: that is what makes the
 KV budget bite. With the character-level tokenizer of `sparserl model make-tiny` every character
-is one token: a completion is `7 * length + 2` tokens plus EOS (86 for the demo's 12 digits).
+is one token: a completion is `7 * length + 2` tokens plus EOS (86 for 12 digits).
 Difficulty knobs: `min_length..max_length` (digits per prompt, drawn per example) and `modulus`.
 """
 
