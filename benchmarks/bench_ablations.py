@@ -1,4 +1,4 @@
-"""Ablations on the demo task (warm-started tiny Qwen2, Fibonacci-mod-10 digit chains, TP=2 over 2 gloo processes).
+"""Ablations on the demo task (warm-started tiny Qwen2, Fibonacci-mod-10 digit chains, TP=2, gloo).
 
     python -m benchmarks.bench_ablations [--steps 12] [--out runs/ablations] [--target 0.3]
     (`make bench` / `python -m benchmarks bench_ablations` run it with the defaults)
