@@ -162,11 +162,6 @@ def kv_bytes_per_token(spec: Any, runtime: Any) -> int:
 
 
 def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
-    if cfg.sync.transport == "directory":
-        raise ValueError(
-            "sync.transport='directory' is not wired into the trainer (patches reach engines through "
-            "their apply_patch route); use sync.transport=inproc (embedded) or http (remote)"
-        )
     host = runtime.rank == HOST_RANK
     log = MetricsLogger(cfg.telemetry, enabled=host, run_config=to_dict(cfg), device_index=runtime.local_rank)
     pool_cfg = PoolConfig(
