@@ -9,6 +9,7 @@ sync.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
@@ -36,26 +37,30 @@ def _flat_bits(tensor: torch.Tensor, name: str) -> torch.Tensor:
     return tensor.detach().view(-1).view(torch.int16)
 
 
-def check_target(patch: DecodedPatch, state: Mapping[str, torch.Tensor], version: int | None) -> None:
-    """Everything that must hold before writing: raises PatchError, touches nothing."""
+def check_target(
+    patch: DecodedPatch,
+    tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    version: int | None,
+) -> None:
+    """Everything that must hold before writing, against the receiver's HF `{name: (shape, dtype)}`:
+    raises PatchError, touches nothing. Shared by the plain and the sharded receiver."""
     if not patch.full and patch.base_version != version:
         raise PatchError(
             f"patch {patch.version} is based on version {patch.base_version}, the receiver holds {version}"
         )
-    numel = sum(t.numel() for t in state.values())
-    if patch.model_tensors != len(state) or patch.model_numel != numel:
+    numel = sum(math.prod(shape) for shape, _ in tensors.values())
+    if patch.model_tensors != len(tensors) or patch.model_numel != numel:
         raise PatchError(
             f"patch describes a model of {patch.model_tensors} tensors / {patch.model_numel} elements, "
-            f"the receiver has {len(state)} / {numel}"
+            f"the receiver has {len(tensors)} / {numel}"
         )
     for t in patch.tensors:
-        if t.name not in state:
+        if t.name not in tensors:
             raise PatchError(f"patch tensor {t.name!r} is unknown to the receiver")
-        target = state[t.name]
-        if tuple(target.shape) != t.shape or target.dtype != DTYPES[t.dtype]:
+        shape, dtype = tensors[t.name]
+        if tuple(shape) != t.shape or dtype != DTYPES[t.dtype]:
             raise PatchError(
-                f"patch tensor {t.name!r} is {t.shape} {t.dtype}, the receiver's is "
-                f"{tuple(target.shape)} {target.dtype}"
+                f"patch tensor {t.name!r} is {t.shape} {t.dtype}, the receiver's is {tuple(shape)} {dtype}"
             )
 
 
@@ -101,7 +106,7 @@ def apply_decoded(
     digests: Mapping[str, bytes] | None = None,
 ) -> ApplyResult:
     """Apply a decoded patch in place; see the module docstring for the all-or-nothing contract."""
-    check_target(patch, state, version)
+    check_target(patch, {name: (tuple(t.shape), t.dtype) for name, t in state.items()}, version)
     digests = dict(digests) if digests is not None else state_dict_digests(state)
     planned = []
     for t in patch.tensors:

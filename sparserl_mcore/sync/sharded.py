@@ -17,15 +17,14 @@ import numpy as np
 import torch
 
 from sparserl_mcore.ckpt.layout import ModelLayout
-from sparserl_mcore.sync.apply import ApplyResult, gather_bits, scatter_bits
+from sparserl_mcore.sync.apply import ApplyResult, check_target, gather_bits, scatter_bits
 from sparserl_mcore.sync.codec import (
     VALUE_ENCODINGS,
-    DecodedPatch,
     DecodedTensor,
     PatchError,
     decode_fragments,
 )
-from sparserl_mcore.sync.hashing import DTYPES, dtype_name, model_digest, tensor_digest
+from sparserl_mcore.sync.hashing import dtype_name, model_digest, tensor_digest
 
 Shard = tuple[int, int]  # (tp_rank, pp_rank)
 
@@ -76,27 +75,6 @@ class ShardedReceiver:
                             (out[rows] if cols is None else out[rows, cols]).copy_(view)
         return out
 
-    def _check(self, patch: DecodedPatch) -> None:
-        if not patch.full and patch.base_version != self.version:
-            raise PatchError(
-                f"patch {patch.version} is based on {patch.base_version}, the receiver holds {self.version}"
-            )
-        shapes = self.layout.hf_shapes
-        if patch.model_tensors != len(shapes) or patch.model_numel != sum(
-            int(np.prod(s)) for s in shapes.values()
-        ):
-            raise PatchError(
-                f"patch describes {patch.model_tensors} tensors / {patch.model_numel} elements, "
-                f"not {self.layout!r}"
-            )
-        for t in patch.tensors:
-            if t.name not in shapes:
-                raise PatchError(f"patch tensor {t.name!r} is unknown to {self.layout!r}")
-            if tuple(shapes[t.name]) != t.shape or DTYPES[t.dtype] != self.dtype:
-                raise PatchError(
-                    f"patch tensor {t.name!r} is {t.shape} {t.dtype}, receiver {shapes[t.name]} {self.dtype}"
-                )
-
     def _plan(self, t: DecodedTensor) -> list[_Write]:
         idx = torch.from_numpy(t.indices) if t.indices is not None else torch.arange(int(np.prod(t.shape)))
         writes = []
@@ -117,7 +95,8 @@ class ShardedReceiver:
     def apply(self, parts: bytes | list[bytes]) -> ApplyResult:
         """Validate, write every held copy, verify covered tensors; PatchError leaves nothing changed."""
         patch = decode_fragments(parts)
-        self._check(patch)
+        hf_tensors = {name: (shape, self.dtype) for name, shape in self.layout.hf_shapes.items()}
+        check_target(patch, hf_tensors, self.version)
         planned = []
         for t in patch.tensors:
             writes = self._plan(t)
