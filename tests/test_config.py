@@ -81,6 +81,7 @@ def test_remote_engine_urls_from_an_override() -> None:
         (["train.steps.max=3"], ["train.steps", "expected an integer"]),
         (["train.steps"], ["KEY=VALUE"]),
         (["rollout.engine=remote"], ["needs urls"]),
+        (["sync.transport=directory"], ["sync.transport", "'directory'", "inproc, http"]),
         (["train.prompts_per_step=3"], ["3 * 8 = 24", "global_batch_size=256"]),
     ],
 )
