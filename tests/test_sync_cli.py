@@ -35,26 +35,21 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     )
 
 
+def _sync(command: str, **flags: object) -> int:
+    """`sparserl sync COMMAND --flag value ...` in-process; returns the exit status."""
+    argv = ["sync", command]
+    for flag, value in flags.items():
+        argv += [f"--{flag}", str(value)]
+    return main(argv)
+
+
 def test_diff_apply_inspect_files(tmp_path, capsys):
     old, new = _weights(0), _step(_weights(0))
     save_file(old, tmp_path / "a.safetensors")
     save_file(new, tmp_path / "b.safetensors")
     patch = tmp_path / "p.srlp"
     assert (
-        main(
-            [
-                "sync",
-                "diff",
-                "--old",
-                str(tmp_path / "a.safetensors"),
-                "--new",
-                str(tmp_path / "b.safetensors"),
-                "--out",
-                str(patch),
-                "--version",
-                "5",
-            ]
-        )
+        _sync("diff", old=tmp_path / "a.safetensors", new=tmp_path / "b.safetensors", out=patch, version=5)
         == 0
     )
     capsys.readouterr()
@@ -67,21 +62,7 @@ def test_diff_apply_inspect_files(tmp_path, capsys):
         patch.stat().st_size,
     )
     out = tmp_path / "c.safetensors"
-    assert (
-        main(
-            [
-                "sync",
-                "apply",
-                "--base",
-                str(tmp_path / "a.safetensors"),
-                "--patch",
-                str(patch),
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert _sync("apply", base=tmp_path / "a.safetensors", patch=patch, out=out) == 0
     assert _same(load_file(out), new)
     assert out.read_bytes() == (tmp_path / "b.safetensors").read_bytes()  # the file itself, too
 
@@ -91,31 +72,9 @@ def test_apply_to_wrong_base_fails_and_writes_nothing(tmp_path, capsys):
     save_file(_step(_weights(0)), tmp_path / "b.safetensors")
     save_file(_weights(1), tmp_path / "other.safetensors")
     patch = tmp_path / "p.srlp"
-    main(
-        [
-            "sync",
-            "diff",
-            "--old",
-            str(tmp_path / "a.safetensors"),
-            "--new",
-            str(tmp_path / "b.safetensors"),
-            "--out",
-            str(patch),
-        ]
-    )
+    assert _sync("diff", old=tmp_path / "a.safetensors", new=tmp_path / "b.safetensors", out=patch) == 0
     out = tmp_path / "c.safetensors"
-    rc = main(
-        [
-            "sync",
-            "apply",
-            "--base",
-            str(tmp_path / "other.safetensors"),
-            "--patch",
-            str(patch),
-            "--out",
-            str(out),
-        ]
-    )
+    rc = _sync("apply", base=tmp_path / "other.safetensors", patch=patch, out=out)
     assert rc == 1 and not out.exists()
     assert "digest mismatch" in capsys.readouterr().err
 
@@ -136,21 +95,7 @@ def test_hf_directories_via_console_script(tmp_path):
     # one real console-script run (xor, no zstd); apply in-process
     cmd = [sys.executable, "-m", "sparserl_mcore", "sync", *diff, "--encoding", "xor", "--zstd-level", "0"]
     subprocess.run(cmd, check=True, capture_output=True)
-    assert (
-        main(
-            [
-                "sync",
-                "apply",
-                "--base",
-                str(tmp_path / "A"),
-                "--patch",
-                str(patch),
-                "--out",
-                str(tmp_path / "C"),
-            ]
-        )
-        == 0
-    )
+    assert _sync("apply", base=tmp_path / "A", patch=patch, out=tmp_path / "C") == 0
     got = {}
     for f in sorted((tmp_path / "C").glob("*.safetensors")):
         got.update(load_file(f))
