@@ -230,7 +230,14 @@ def test_invalid_json_and_wrong_content_type(served):
 
 
 @pytest.mark.parametrize(
-    "route", ["/update_weights_from_patch", "/update_weights_from_disk", "/flush_cache", "/pause_generation"]
+    "route",
+    [
+        "/update_weights_from_patch",
+        "/update_weights_from_disk",
+        "/flush_cache",
+        "/pause_generation",
+        "/abort_request",
+    ],  # fmt: skip
 )
 def test_state_routes_require_token(served, route):
     url, engine = served
@@ -300,6 +307,20 @@ def test_client_disconnect_does_not_hurt_other_requests(served):
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
     assert "slow" in engine.aborted
     assert time.monotonic() - t0 < 30, "the aborted request should not have run to 4000 tokens"
+
+
+def test_remote_abort_finishes_a_running_request(served):
+    url, engine = served
+    req = GenerateRequest(input_ids=PROMPT, sampling=SamplingParams(**_greedy(4000)), rid="remote-abort")
+    with RemoteEngine(url, token=TOKEN) as client:
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(s=client.generate([req])[0]))
+        thread.start()
+        time.sleep(0.5)
+        client.abort("remote-abort")
+        thread.join(30)
+        assert not thread.is_alive(), "the aborted request should not have run to 4000 tokens"
+    assert result["s"].finish_reason == "abort" and len(result["s"].output_ids) < 4000
 
 
 def test_pause_holds_generation_until_continue(served):

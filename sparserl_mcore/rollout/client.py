@@ -130,6 +130,9 @@ class RemoteEngine:
     def flush_cache(self) -> None:
         self._call("POST", "/flush_cache")
 
+    def abort(self, rid: str) -> None:
+        self._call("POST", "/abort_request", json={"rid": rid})
+
     def pause(self) -> None:
         self._call("POST", "/pause_generation")
 

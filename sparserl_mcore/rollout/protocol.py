@@ -145,6 +145,10 @@ class RolloutEngine(Protocol):
         """Drop every unreferenced prefix-cache entry so no stale KV is reused."""
         ...
 
+    def abort(self, rid: str) -> None:
+        """Finish request `rid` early with finish_reason "abort" (no-op if it is not in flight)."""
+        ...
+
     def pause(self) -> None:
         """Stop scheduling decode steps (in-flight requests wait) until `resume`."""
         ...

@@ -16,8 +16,8 @@ the caller's thread -- the engine is parked -- which lets a trainer do pause -> 
 continue, as with SGLang.
 
 Cancellation: a cancelled job that has not started is dropped; one already running is aborted
-through `engine.abort(rid)` when the engine offers it (its requests finish as "abort"), else its
-result is discarded. Either way the other jobs complete normally.
+through `engine.abort(rid)` (its requests finish as "abort"). Either way the other jobs complete
+normally.
 """
 
 from __future__ import annotations
@@ -111,10 +111,9 @@ class EngineWorker:
             running = job in self._running
             if not running and job in self._queue:
                 self._queue.remove(job)
-        abort = getattr(self.engine, "abort", None)  # optional: not every engine can stop mid-batch
-        if running and abort is not None:
+        if running:
             for request in job.requests:
-                abort(request.rid)
+                self.engine.abort(request.rid)
         job.future.cancel()
 
     def control(self, fn: Callable[[RolloutEngine], Any]) -> Future[Any]:

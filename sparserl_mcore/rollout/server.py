@@ -156,6 +156,16 @@ def create_app(
         await asyncio.to_thread(worker.resume)
         return {"success": True, "message": "generation continued"}
 
+    @app.post("/abort_request", dependencies=[Depends(auth)])
+    async def abort_request(request: Request) -> dict[str, Any]:
+        # Straight to the engine, not a control job: that would wait for the batch to finish.
+        body = await _json(request)
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if not isinstance(rid, str) or not rid:
+            raise ValueError('abort_request needs a JSON object {"rid": "<request id>"}')
+        await asyncio.to_thread(engine.abort, rid)
+        return {"success": True, "message": f"request {rid!r} aborted if it was in flight"}
+
     _add_weight_routes(app, worker, auth)
     return app
 
