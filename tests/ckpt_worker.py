@@ -1,6 +1,7 @@
 """Multi-rank half of tests/test_ckpt_convert.py, run once under torchrun with 2 ranks.
 
-Reads WORK/plan.json and, re-initialising the parallel runtime for each layout:
+Reads WORK/plan.json and, re-initialising the parallel runtime for each layout (the runtime keys
+each initialisation apart in torchrun's store, so no per-round rendezvous is needed here):
 - "roundtrips": HF -> dist checkpoint at (tp, pp) -> HF at (tp2, pp2), files left for the test
   process to compare bit for bit with the source;
 - "reshard": load HF at TP=1, keep logits, save a dist checkpoint; load that at TP=2 and at PP=2
@@ -9,11 +10,8 @@ Reads WORK/plan.json and, re-initialising the parallel runtime for each layout:
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
 import pathlib
-import socket
 import sys
 
 import torch
@@ -22,31 +20,9 @@ import torch.distributed as dist
 PROMPTS = torch.tensor([[3, 17, 42, 5, 99, 12, 7, 64], [1, 2, 3, 4, 5, 6, 7, 8]])
 
 
-_INCARNATIONS = itertools.count()
-_AGENT_STORE = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-
-
-def _fresh_rendezvous() -> None:
-    """Point env:// at a new TCPStore for each re-initialisation of the process group.
-
-    torch resets its group counter on destroy, so a second init on torchrun's agent store would
-    read the first incarnation's (dead) gloo addresses. Rank 0 hosts a new store on a free port
-    and publishes the port through the agent store.
-    """
-    key = f"ckpt_worker/port/{next(_INCARNATIONS)}"
-    agent = dist.TCPStore(*_AGENT_STORE, is_master=False)
-    if int(os.environ["RANK"]) == 0:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            agent.set(key, str(sock.getsockname()[1]))
-    os.environ["MASTER_PORT"] = agent.get(key).decode()
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-
-
 def _runtime(tp: int, pp: int):
     from sparserl_mcore.parallel import ParallelConfig, initialize
 
-    _fresh_rendezvous()
     return initialize(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
 
 
