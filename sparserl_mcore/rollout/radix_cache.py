@@ -113,10 +113,6 @@ class RadixCache:
             freed += len(victim.pages)
         return freed
 
-    def evictable_pages(self) -> int:
-        """Pages that eviction could free now (subtrees nobody but the tree references)."""
-        return sum(len(n.pages) for n in self._nodes() if self._unreferenced_subtree(n))
-
     def flush(self) -> None:
         """Forget every entry (weights changed): drop the tree's references, keep requests' ones."""
         for node in self._nodes():
@@ -126,9 +122,6 @@ class RadixCache:
 
     def _unreferenced(self, node: _Node) -> bool:
         return all(self.pool.refs[p] == 1 for p in node.pages)
-
-    def _unreferenced_subtree(self, node: _Node) -> bool:
-        return self._unreferenced(node) and all(self._unreferenced_subtree(c) for c in node.children.values())
 
     def _remove(self, node: _Node) -> None:
         assert node.parent is not None
