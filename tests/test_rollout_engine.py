@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 import transformers
+from hf_reference import hf_greedy
 
 from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
 from sparserl_mcore.rollout.kvcompress import METHODS, KVCompressionConfig
@@ -47,19 +48,6 @@ def _prompts(n: int, seed: int = 1, lengths=(5, 11, 17, 8)) -> list[list[int]]:
     return [torch.randint(0, VOCAB - 1, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
 
-def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 def _recomputed_logprobs(engine, sample, temperature: float, kv_masks=None) -> torch.Tensor:
     seq = torch.tensor(list(sample.prompt_ids) + list(sample.output_ids[:-1]))
     logits = engine.model.forward_reference(seq, kv_masks)[len(sample.prompt_ids) - 1 :]
@@ -74,7 +62,7 @@ def test_greedy_matches_hf_generate_and_pages_return(hf_model):
     prompts = _prompts(6)
     samples = engine.generate([GenerateRequest(input_ids=p, sampling=GREEDY) for p in prompts])
     for prompt, sample in zip(prompts, samples, strict=True):
-        assert list(sample.output_ids) == _hf_greedy(model, prompt, GREEDY.max_new_tokens)
+        assert list(sample.output_ids) == hf_greedy(model, prompt, GREEDY.max_new_tokens)
         assert sample.finish_reason == "length" and sample.kv_stats.evictions == 0
         assert sample.kv_stats.peak_retained_tokens == len(prompt) + GREEDY.max_new_tokens - 1
     assert engine.pool.num_free + engine.radix.num_pages == engine.pool.num_pages
@@ -167,7 +155,7 @@ def test_concurrent_callers_share_prefix_and_survive_retraction(hf_model):
     for t in threads:
         t.join(120)
     for i, prompt in enumerate(prompts):
-        ref = _hf_greedy(model, prompt, GREEDY.max_new_tokens)
+        ref = hf_greedy(model, prompt, GREEDY.max_new_tokens)
         assert [list(s.output_ids) for s in results[i]] == [ref] * 3
     stats = engine.stats()
     assert stats["radix_hit_tokens"] > 0 and stats["retractions"] > 0

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import torch
 import transformers
+from hf_reference import hf_greedy
 from safetensors.torch import load_file
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
@@ -47,16 +48,7 @@ def _weights(hf_dir: pathlib.Path) -> dict[str, torch.Tensor]:
 def _hf_greedy(hf_dir: pathlib.Path, weights: dict[str, torch.Tensor], prompt, n: int) -> list[int]:
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     model.load_state_dict({k: v.float() for k, v in weights.items()})
-    ids = torch.tensor([list(prompt)])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy(model, prompt, n)
 
 
 def _greedy(n: int) -> SamplingParams:

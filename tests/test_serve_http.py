@@ -3,7 +3,7 @@
 The engine behind the server here is `HFReferenceEngine`: plain HF transformers decoding, written
 independently of the embedded engine, so these tests check the HTTP layer (shapes, errors, auth,
 weight routes, cancellation) against known-good generations. The embedded engine behind the real
-`sparserl serve` subprocess is covered in test_serve_cli.py.
+`sparserl serve` subprocess is covered in test_serve_embedded.py.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import httpx
 import pytest
 import torch
+from hf_reference import hf_greedy
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, build_tokenizer, make_tiny
 from sparserl_mcore.rollout.client import RemoteEngine, RemoteEngineError, RemoteValueError
@@ -138,8 +139,7 @@ def _hf_greedy(hf_dir: str, prompt: list[int], n: int) -> list[int]:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy(model, prompt, n)
 
 
 def test_generate_with_logprobs_has_sglang_shapes(served, hf_dir):
@@ -237,7 +237,7 @@ def test_invalid_json_and_wrong_content_type(served):
         "/flush_cache",
         "/pause_generation",
         "/abort_request",
-    ],  # fmt: skip
+    ],
 )
 def test_state_routes_require_token(served, route):
     url, engine = served
