@@ -30,12 +30,14 @@ cpu_only = pytest.mark.skipif(
 def test_layout_errors_name_the_numbers(tp, pp, world, layers, heads, kv_heads, message):
     cfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     with pytest.raises(ValueError, match=message):
-        cfg.validate_for(world, layers, heads, kv_heads)
+        cfg.validate_world(world)
+        cfg.validate_model(num_layers=layers, num_heads=heads, num_kv_heads=kv_heads)
 
 
-def test_valid_layout_and_data_parallel_size():
-    ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).validate_for(8, 4, 4, 2)
-    assert ParallelConfig(tensor_model_parallel_size=2).data_parallel_size(8) == 4
+def test_valid_layout_passes():
+    cfg = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    cfg.validate_world(8)
+    cfg.validate_model(num_layers=4, num_heads=4, num_kv_heads=2)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])

@@ -1,7 +1,7 @@
 """Parallel runtime: layout config, process-group start-up, CPU execution mode, local launcher.
 
 Public API:
-- `ParallelConfig` (pure Python): TP / PP / CP sizes, `validate_for(world, layers, heads, kv_heads)`.
+- `ParallelConfig` (pure Python): TP / PP / CP sizes, `validate_world(world)`, `validate_model(...)`.
 - `initialize(cfg, seed=..., backend=None) -> Runtime` and `shutdown()` (import torch + megatron).
 - `cpu_mode`: the one module making megatron-core run on CPU (entered by `initialize` on CPU).
 - `launch.launch_local(argv, nproc, env=None, timeout=None)`: torchrun as a subprocess.

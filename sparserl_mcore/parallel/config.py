@@ -1,8 +1,8 @@
 """Parallel layout of the learner, in megatron-core's own names.
 
 `ParallelConfig` is pure Python (no torch import) so configs can be validated before any process
-group exists; `validate_for` checks a layout against a world size and a model shape and names the
-numbers that do not fit.
+group exists; `validate_world` / `validate_model` check a layout against a world size and a model
+shape and name the numbers that do not fit.
 """
 
 from __future__ import annotations
@@ -29,11 +29,6 @@ class ParallelConfig:
         """Ranks holding one model replica (TP * PP * CP)."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         return tp * pp * self.context_parallel_size
-
-    def data_parallel_size(self, world_size: int) -> int:
-        """Data-parallel replicas in a world of `world_size` ranks (raises if it does not divide)."""
-        self.validate_world(world_size)
-        return world_size // self.model_parallel_size
 
     def validate_world(self, world_size: int) -> None:
         tp, pp, cp = (
@@ -71,8 +66,3 @@ class ParallelConfig:
                 f"pipeline_model_parallel_size={pp} does not divide num_hidden_layers={num_layers}; "
                 "stages get equal layer counts, choose a PP size that divides the layer count"
             )
-
-    def validate_for(self, world_size: int, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
-        """Check this layout against a world size and a model shape."""
-        self.validate_world(world_size)
-        self.validate_model(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads)
