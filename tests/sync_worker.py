@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 
 def _train_step(ddp, optimizer, tokens: torch.Tensor, rt) -> float:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from sparserl_mcore.parallel.forward import run_schedule
 
     def loss_func(per_token: torch.Tensor):
         loss = per_token.float().mean()
@@ -35,20 +34,16 @@ def _train_step(ddp, optimizer, tokens: torch.Tensor, rt) -> float:
         positions = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
         return model(inputs, positions, None, labels=labels), loss_func
 
-    kwargs = {"pg_collection": rt.groups}
-    if rt.pp_size > 1:
-        kwargs["p2p_communicator"] = P2PCommunicator(pp_group=rt.groups.pp, config=ddp.config)
     optimizer.zero_grad()
     ddp.zero_grad_buffer()
-    get_forward_backward_func(pp_size=rt.pp_size)(
-        forward_step_func=step,
-        data_iterator=iter(tokens.split(1)),
-        model=[ddp],
-        num_microbatches=tokens.shape[0],
-        seq_length=tokens.shape[1] - 1,
+    run_schedule(
+        ddp,
+        tokens.split(1),
+        step,
+        groups=rt.groups,
         micro_batch_size=1,
+        seq_length=tokens.shape[1] - 1,
         forward_only=False,
-        **kwargs,
     )
     ok, _, _ = optimizer.step()
     assert ok, "optimizer step was skipped"

@@ -28,8 +28,6 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
@@ -39,7 +37,7 @@ from sparserl_mcore.loss.lm_head_grad import leaf_optimizers, lm_head_grad_energ
 from sparserl_mcore.loss.policy import PolicyLossConfig, policy_loss
 from sparserl_mcore.loss.totals import LossTotals, reduce_metrics
 from sparserl_mcore.loss.vocab_parallel import vocab_parallel_logprobs
-from sparserl_mcore.parallel.forward import forward_only
+from sparserl_mcore.parallel.forward import forward_only, run_schedule
 from sparserl_mcore.parallel.runtime import Runtime
 
 
@@ -186,20 +184,14 @@ def _micro_batches(tensors: dict[str, Tensor | None], rows: slice, size: int) ->
 
 def _forward_backward(model, micro_batches: list[dict], loss_fn, runtime: Runtime) -> list[dict]:
     b, t = micro_batches[0]["tokens"].shape
-    kwargs = {"pg_collection": runtime.groups}
-    if runtime.pp_size > 1:
-        kwargs["p2p_communicator"] = P2PCommunicator(
-            pp_group=runtime.groups.pp, config=get_model_config(model)
-        )
-    return get_forward_backward_func(pp_size=runtime.pp_size)(
-        forward_step_func=partial(_forward_step, loss_fn),
-        data_iterator=iter(micro_batches),
-        model=[model],
-        num_microbatches=len(micro_batches),
-        seq_length=t,
+    return run_schedule(
+        model,
+        micro_batches,
+        partial(_forward_step, loss_fn),
+        groups=runtime.groups,
         micro_batch_size=b,
+        seq_length=t,
         forward_only=False,
-        **kwargs,
     )
 
 

@@ -6,7 +6,8 @@ Public API:
 - `cpu_mode`: the one module making megatron-core run on CPU (entered by `initialize` on CPU).
 - `launch.launch_local(argv, nproc, env=None, timeout=None)`: torchrun as a subprocess.
 - `forward.forward_only(model, micro_batches, post_fn=..., groups=...)` and `forward.forward_logits`:
-  forward-only passes through megatron's pipeline schedules (log-prob recompute, verification).
+  forward-only passes through megatron's pipeline schedules (log-prob recompute, verification);
+  `forward.run_schedule` is the one call into megatron's schedules (the RL update trains through it).
 
 `initialize`, `shutdown` and `Runtime` are loaded lazily so importing the config stays cheap.
 """

@@ -5,7 +5,8 @@ token ids on every rank of a model-parallel group and applies `post_fn` to each 
 output on the last pipeline stage; the rest of the stages return []. `post_fn` receives the
 TP-local (vocab-sharded) logits [b, s, V/TP] and the micro-batch, so log-prob recompute can reduce
 them vocab-parallel without ever gathering the vocabulary. `forward_logits` is the verification
-special case that gathers full-vocab logits.
+special case that gathers full-vocab logits. `run_schedule` is the shared call into the schedule
+(pipeline communicator included) that the RL update's training pass uses as well.
 
 Every stage must pass the same micro-batches (the first stage embeds them, the last one hands them to
 `post_fn`); the schedule moves activations between stages itself.
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_model_config
 
 PostFn = Callable[[torch.Tensor, torch.Tensor], Any]
 
@@ -56,23 +58,51 @@ def forward_only(
     if len(shapes) != 1:
         raise ValueError(f"micro-batches must share one [batch, seq] shape, got {sorted(shapes)}")
     ((micro_batch_size, seq_length),) = shapes
-    pp_size = groups.pp.size()
-    schedule_kwargs: dict[str, Any] = {"pg_collection": groups}
-    if pp_size > 1:
-        schedule_kwargs["p2p_communicator"] = P2PCommunicator(pp_group=groups.pp, config=model.config)
-    forward_backward = get_forward_backward_func(pp_size=pp_size)
     with torch.no_grad():
-        return forward_backward(
-            forward_step_func=partial(_step, post_fn),
-            data_iterator=iter(micro_batches),
-            model=[model],
-            num_microbatches=len(micro_batches),
-            seq_length=seq_length,
+        return run_schedule(
+            model,
+            micro_batches,
+            partial(_step, post_fn),
+            groups=groups,
             micro_batch_size=micro_batch_size,
+            seq_length=seq_length,
             forward_only=True,
             collect_non_loss_data=True,
-            **schedule_kwargs,
         )
+
+
+def run_schedule(
+    model: torch.nn.Module,
+    micro_batches: Sequence[Any],
+    forward_step_func: Callable,
+    *,
+    groups: ProcessGroupCollection,
+    micro_batch_size: int,
+    seq_length: int,
+    forward_only: bool,
+    **schedule_kwargs: Any,
+) -> list[Any]:
+    """One pass of megatron's pipeline schedule for `groups.pp` (forward-only or training).
+
+    The one place that picks the schedule and, with more than one stage, builds the P2P
+    communicator from the (possibly DDP-wrapped) model's config.
+    """
+    pp_size = groups.pp.size()
+    if pp_size > 1:
+        schedule_kwargs["p2p_communicator"] = P2PCommunicator(
+            pp_group=groups.pp, config=get_model_config(model)
+        )
+    return get_forward_backward_func(pp_size=pp_size)(
+        forward_step_func=forward_step_func,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+        pg_collection=groups,
+        **schedule_kwargs,
+    )
 
 
 def gather_vocab(logits_local: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
