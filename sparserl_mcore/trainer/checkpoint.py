@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
+from sparserl_mcore.trainer.learner import unwrap_model
+
 LATEST = "latest"
 _OPTIM_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -33,15 +35,8 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
-def _core(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside megatron's DDP / Float16 wrappers (their own sharded_state_dict adds prefixes)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def _sharded_state(model: torch.nn.Module, optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
-    model_sd = _core(model).sharded_state_dict()
+    model_sd = unwrap_model(model).sharded_state_dict()
     optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_META)
     return {"model": model_sd, "optimizer": optim_sd}
 
@@ -124,7 +119,7 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: Any, sched
     """Collective: restore model, optimizer, scheduler and this rank's RNG; return the loop state."""
     template = _sharded_state(model, optimizer, is_loading=True)
     state = dist_checkpointing.load(template, str(path))
-    _core(model).load_state_dict(state["model"])
+    unwrap_model(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rng_file = path / f"rng_rank{dist.get_rank():05d}.pt"

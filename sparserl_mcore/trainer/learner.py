@@ -50,6 +50,13 @@ def wrap_ddp(
     return DistributedDataParallel(spec.config, ddp_config, model, pg_collection=runtime.groups)
 
 
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP / Float16 wrappers (their own sharded_state_dict adds prefixes)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 class NonFiniteGradGuard:
     """The megatron optimizer, with `prepare_grads` also reporting NaN/Inf gradients.
 

@@ -25,6 +25,7 @@ from sparserl_mcore.telemetry import MetricsLogger
 from sparserl_mcore.trainer import learner as learner_lib
 from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
 from sparserl_mcore.trainer.evaluate import Evaluator
+from sparserl_mcore.trainer.learner import unwrap_model
 from sparserl_mcore.trainer.loop import Trainer
 from sparserl_mcore.trainer.prompts import PromptData
 from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt
@@ -69,7 +70,7 @@ class Learner:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        core = _core(self.model)
+        core = unwrap_model(self.model)
         weight_map = export_hf_weights(
             core,
             self.layout,
@@ -87,12 +88,6 @@ class Learner:
             tmp.rename(out_path)
         dist.barrier()
         return out_path
-
-
-def _core(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def build_learner(cfg: RunConfig, runtime: Any) -> Learner:

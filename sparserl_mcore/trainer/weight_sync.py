@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from sparserl_mcore.sync.codec import CodecConfig
 from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, build_sync_groups, even_ranges
+from sparserl_mcore.trainer.learner import unwrap_model
 from sparserl_mcore.trainer.engine_pool import EnginePool, EventSink
 from sparserl_mcore.trainer.rollouts import HOST_RANK
 
@@ -53,7 +54,7 @@ class WeightSyncer:
         self._on_event = on_event
         self.version = 0
         self._groups = build_sync_groups(runtime)
-        core = _core(model)
+        core = unwrap_model(model)
         self._shadow = _Bf16Shadow(core) if next(core.parameters()).dtype == torch.float32 else None
         self._diffed = self._shadow if self._shadow is not None else core
         self._shards: ShardSyncer | None = None
@@ -128,9 +129,3 @@ class WeightSyncer:
                     f"patch rejected ({exc}) and no full state on the host under PP > 1"
                 ) from exc
             engine.update_weights(mirror, version)
-
-
-def _core(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
