@@ -76,5 +76,5 @@ def test_retries_are_bounded():
 
 
 def test_bad_pool_config_names_the_field():
-    with pytest.raises(ValueError, match="rollout.chunk_timeout_s"):
+    with pytest.raises(ValueError, match="chunk_timeout_s=0 must be > 0"):
         PoolConfig(chunk_timeout_s=0)

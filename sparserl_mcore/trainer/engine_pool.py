@@ -39,11 +39,15 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
-            raise ValueError(f"rollout.chunk_size={self.chunk_size} must be >= 1")
+            raise ValueError(
+                f"chunk_size={self.chunk_size} must be >= 1 (the trainer passes rollout.group_size)"
+            )
         if self.chunk_timeout_s <= 0:
-            raise ValueError(f"rollout.chunk_timeout_s={self.chunk_timeout_s} must be > 0 seconds")
+            raise ValueError(
+                f"chunk_timeout_s={self.chunk_timeout_s} must be > 0 seconds (from rollout.request_timeout_s)"
+            )
         if self.max_attempts < 1:
-            raise ValueError(f"rollout.max_attempts={self.max_attempts} must be >= 1")
+            raise ValueError(f"max_attempts={self.max_attempts} must be >= 1 (rollout.max_retries + 1)")
 
 
 @dataclasses.dataclass
