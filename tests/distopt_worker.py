@@ -85,7 +85,7 @@ def build(hf_dir: str, rt, *, distributed: bool):
 
 def forward_backward(ddp, tokens: torch.Tensor, rt) -> None:
     """Megatron's schedule over `tokens` (one micro-batch per row), mean token NLL per micro-batch."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from sparserl_mcore.parallel.forward import run_schedule
 
     def loss_func(per_token: torch.Tensor):
         loss = per_token.float().mean()
@@ -98,15 +98,14 @@ def forward_backward(ddp, tokens: torch.Tensor, rt) -> None:
         return model(inputs, positions, None, labels=labels), loss_func
 
     ddp.zero_grad_buffer()
-    get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=iter(tokens.split(1)),
-        model=[ddp],
-        num_microbatches=tokens.shape[0],
-        seq_length=SEQ - 1,
+    run_schedule(
+        ddp,
+        tokens.split(1),
+        step,
+        groups=rt.groups,
         micro_batch_size=1,
+        seq_length=SEQ - 1,
         forward_only=False,
-        pg_collection=rt.groups,
     )
 
 
