@@ -16,7 +16,6 @@ pool.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -24,8 +23,8 @@ import torch.distributed as dist
 
 from sparserl_mcore.sync.codec import CodecConfig
 from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, build_sync_groups, even_ranges
-from sparserl_mcore.trainer.learner import unwrap_model
 from sparserl_mcore.trainer.engine_pool import EnginePool, EventSink
+from sparserl_mcore.trainer.learner import unwrap_model
 from sparserl_mcore.trainer.rollouts import HOST_RANK
 
 
@@ -50,14 +49,14 @@ class WeightSyncer:
     def __init__(
         self, model: torch.nn.Module, layout: Any, runtime: Any, codec: CodecConfig, on_event: EventSink
     ):
-        self.model, self.layout, self.runtime, self.codec = model, layout, runtime, codec
+        self.layout, self.runtime, self.codec = layout, runtime, codec
         self._on_event = on_event
-        self.version = 0
         self._groups = build_sync_groups(runtime)
         core = unwrap_model(model)
         self._shadow = _Bf16Shadow(core) if next(core.parameters()).dtype == torch.float32 else None
         self._diffed = self._shadow if self._shadow is not None else core
         self._shards: ShardSyncer | None = None
+        self._dense_bytes = 2 * sum(torch.Size(s).numel() for s in layout.hf_shapes.values())
 
     def _new_shard_syncer(self, version: int) -> ShardSyncer:
         """Snapshot of the current weights as `version` (after a full sync, or a resume)."""
@@ -92,11 +91,9 @@ class WeightSyncer:
             for pool in pools:
                 if pool is not None:
                     pool.for_each(lambda e: e.update_weights(state, version), "full weight sync")
-        self.version = version
 
     def sync(self, pools: list[EnginePool | None], *, version: int) -> dict[str, float]:
         """Collective: this version's sparse patch, made from the learner shards, applied by every engine."""
-        start = time.perf_counter()
         if self._shadow is not None:
             self._shadow.refresh()
         fragments = self._shards.make_patch(version)
@@ -108,14 +105,11 @@ class WeightSyncer:
             for pool in pools:
                 if pool is not None:
                     pool.for_each(lambda e: self._apply(e, blob, version), "sparse weight sync")
-            numel = sum(int(torch.Size(s).numel()) for s in self.layout.hf_shapes.values())
             metrics = {
                 "sync/patch_bytes": float(len(blob)),
-                "sync/dense_bytes": float(2 * numel),
-                "sync/ratio_vs_dense": 2 * numel / max(len(blob), 1),
+                "sync/dense_bytes": float(self._dense_bytes),
+                "sync/ratio_vs_dense": self._dense_bytes / max(len(blob), 1),
             }
-        self.version = version
-        metrics["time/sync_wall_s"] = time.perf_counter() - start
         return metrics
 
     def _apply(self, engine: Any, blob: bytes, version: int) -> None:
