@@ -34,15 +34,15 @@ def run(args: argparse.Namespace) -> int:
     from sparserl_mcore.config import ConfigError, load_config
 
     try:
-        load_config(args.config, _overrides(args))
+        cfg = load_config(args.config, _overrides(args))
     except ConfigError as exc:
         print(f"sparserl train: {exc}", file=sys.stderr)
         return 2
     if args.nproc is not None:
         return launch(args.config, _overrides(args), args.nproc)
-    from sparserl_mcore.trainer.loop import train_from_config
+    from sparserl_mcore.trainer.loop import train
 
-    summary = train_from_config(args.config, _overrides(args))
+    summary = train(cfg)
     if summary.message:
         print(f"sparserl train: {summary.message}", file=sys.stderr)
     return summary.exit_code

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from sparserl_mcore import parallel
-from sparserl_mcore.config import RunConfig, load_config
+from sparserl_mcore.config import RunConfig
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.telemetry import RunProgress
 from sparserl_mcore.trainer import checkpoint
@@ -51,10 +51,6 @@ class RunSummary:
     checkpoint_path: Path | None = None
     hf_path: Path | None = None
     message: str = ""
-
-
-def train_from_config(path: str | Path, overrides: Sequence[str] = ()) -> RunSummary:
-    return train(load_config(path, overrides))
 
 
 def train(cfg: RunConfig) -> RunSummary:
