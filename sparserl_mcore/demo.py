@@ -118,26 +118,25 @@ def run(args: argparse.Namespace) -> int:
     import yaml
     from rich.console import Console
 
-    from sparserl_mcore.config import load_config_text
     from sparserl_mcore.trainer.cli import launch
 
     console = Console()
     out = Path(args.out).resolve()
     start = time.perf_counter()
     config = demo_config(out, args.steps, args.nproc, args.overrides)  # fails before any training
-    cfg = load_config_text(yaml.safe_dump(config))
+    metrics = Path(config["telemetry"]["dir"]) / "metrics.jsonl"
     prepare(out, console)
     cfg_path = out / "demo.yaml"
     cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    (Path(cfg.telemetry.dir) / "metrics.jsonl").unlink(missing_ok=True)
+    metrics.unlink(missing_ok=True)
     console.print(f"GRPO: TP={args.nproc} over {args.nproc} gloo processes, {DEMO_YAML} -> {cfg_path}")
     code = launch(str(cfg_path), ["checkpoint.resume=false"], args.nproc)
     if code != 0:
         console.print(f"[red]training failed with exit code {code}[/]")
         return code
-    metrics = Path(cfg.telemetry.dir) / "metrics.jsonl"
     console.print(summary_table(metrics))
-    console.print(f"plot: {Path(cfg.telemetry.dir) / 'summary.png'}")
-    console.print(f"final checkpoint: {cfg.checkpoint.dir} (HF safetensors: {cfg.checkpoint.save_hf})")
+    console.print(f"plot: {metrics.parent / 'summary.png'}")
+    ckpt = config["checkpoint"]
+    console.print(f"final checkpoint: {ckpt['dir']} (HF safetensors: {ckpt['save_hf']})")
     console.print(f"total time {time.perf_counter() - start:.0f} s")
     return 0
