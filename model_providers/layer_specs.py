@@ -15,8 +15,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from model_providers.attention import SDPACoreAttention
 
-TRANSFORMER_IMPLS = ("local", "transformer_engine")
-
 
 def te_available() -> bool:
     """True when Transformer Engine is importable and a GPU is present."""
@@ -40,9 +38,11 @@ def te_layer_spec(*, qk_norm: bool) -> ModuleSpec:
     return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
 
 
+LAYER_SPECS = {"local": local_layer_spec, "transformer_engine": te_layer_spec}
+TRANSFORMER_IMPLS = tuple(LAYER_SPECS)
+
+
 def layer_spec(impl: str, *, qk_norm: bool) -> ModuleSpec:
-    if impl == "local":
-        return local_layer_spec(qk_norm=qk_norm)
-    if impl == "transformer_engine":
-        return te_layer_spec(qk_norm=qk_norm)
-    raise ValueError(f"transformer_impl={impl!r}; choose one of {TRANSFORMER_IMPLS}")
+    if impl not in LAYER_SPECS:
+        raise ValueError(f"transformer_impl={impl!r}; choose one of {TRANSFORMER_IMPLS}")
+    return LAYER_SPECS[impl](qk_norm=qk_norm)
