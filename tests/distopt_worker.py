@@ -35,7 +35,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-SEQ = 17  # tokens per sequence in plan.json (16 predicted)
 LR = 1e-3
 CLIP = 1.0e6  # megatron's norm + clip path runs (CUDA type checks included) but never scales
 
@@ -104,7 +103,7 @@ def forward_backward(ddp, tokens: torch.Tensor, rt) -> None:
         step,
         groups=rt.groups,
         micro_batch_size=1,
-        seq_length=SEQ - 1,
+        seq_length=tokens.shape[1] - 1,
         forward_only=False,
     )
 

@@ -21,30 +21,12 @@ import torch
 import torch.distributed as dist
 
 
-def _train_step(ddp, optimizer, tokens: torch.Tensor, rt) -> float:
-    from sparserl_mcore.parallel.forward import run_schedule
-
-    def loss_func(per_token: torch.Tensor):
-        loss = per_token.float().mean()
-        return loss, {"loss": loss.detach()}
-
-    def step(data_iterator, model):
-        mb = next(data_iterator)
-        inputs, labels = mb[:, :-1], mb[:, 1:]
-        positions = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
-        return model(inputs, positions, None, labels=labels), loss_func
+def _train_step(ddp, optimizer, tokens: torch.Tensor, rt) -> None:
+    """One Adam step on the mean token NLL of `tokens` (one micro-batch per row)."""
+    from distopt_worker import forward_backward
 
     optimizer.zero_grad()
-    ddp.zero_grad_buffer()
-    run_schedule(
-        ddp,
-        tokens.split(1),
-        step,
-        groups=rt.groups,
-        micro_batch_size=1,
-        seq_length=tokens.shape[1] - 1,
-        forward_only=False,
-    )
+    forward_backward(ddp, tokens, rt)
     ok, _, _ = optimizer.step()
     assert ok, "optimizer step was skipped"
 
