@@ -58,7 +58,8 @@ def _logits(model, rt, vocab: int) -> torch.Tensor | None:
 
 def reshard(hf_dir: str, work: pathlib.Path) -> None:
     from model_providers.gpt import build_model, build_spec
-    from sparserl_mcore.ckpt.dist_ckpt import McoreCheckpointMeta, load_dist, save_dist, spec_for_checkpoint
+    from sparserl_mcore.ckpt import convert
+    from sparserl_mcore.ckpt.dist_ckpt import load_dist, spec_for_checkpoint
     from sparserl_mcore.ckpt.hf_io import load_hf_weights
     from sparserl_mcore.ckpt.layout import layout_for
     from sparserl_mcore.parallel import shutdown
@@ -69,14 +70,10 @@ def reshard(hf_dir: str, work: pathlib.Path) -> None:
         spec = build_spec(hf_dir, rt.parallel)
         model = build_model(spec, pre_process=True, post_process=True)
         load_hf_weights(model, layout_for(spec), hf_dir, tp_rank=0, pp_rank=0)
-        save_dist(model, _fresh_dir(rt, mcore))
+        logits = _logits(model, rt, spec.vocab_size)
         if rt.rank == 0:
-            McoreCheckpointMeta.from_spec(spec).write(mcore)
-            (mcore / "hf").mkdir()
-            (mcore / "hf" / "config.json").write_text(pathlib.Path(hf_dir, "config.json").read_text())
-            torch.save(_logits(model, rt, spec.vocab_size), work / "logits_tp1.pt")
-        else:
-            _logits(model, rt, spec.vocab_size)
+            torch.save(logits, work / "logits_tp1.pt")
+        convert.hf_to_mcore(hf_dir, _fresh_dir(rt, mcore), rt)
     finally:
         shutdown()
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
