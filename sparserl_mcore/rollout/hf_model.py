@@ -22,11 +22,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-# Projections stored back to back in one tensor per layer so each runs as ONE matmul; the HF-named
-# entries of `CausalLM.params` are row views into it, so in-place updates by HF name still work.
-FUSED: dict[str, tuple[str, ...]] = {
+# The matmuls of one layer. Projections of a group are stored back to back in one tensor so each
+# group runs as ONE matmul; the HF-named entries of `CausalLM.params` are views into that tensor, so
+# in-place updates by HF name still work. Only q/k/v may carry a bias (`_optional_shapes`).
+LINEARS: dict[str, tuple[str, ...]] = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
 }
 # model_type -> whether attention applies a per-head RMSNorm to q and k (Qwen3) before RoPE.
 ARCHITECTURES: dict[str, bool] = {"qwen2": False, "qwen3": True, "llama": False}
@@ -175,11 +178,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class CausalLM:
     """Qwen2/Qwen3/Llama decoder over an HF-named parameter dict (no nn.Module: nothing to train)."""
 
@@ -187,9 +185,20 @@ class CausalLM:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
+        # fp32 on CPU stores weights input-major ([in, out] contiguous): MKL's fp32 GEMM at decode
+        # batch sizes (M = 16..64 rows) ran 1.2-1.7x faster on x @ W than on F.linear's x @ W.T in
+        # our measurements (bench machine, torch 2.13), while bf16 did not gain, so bf16 keeps the HF
+        # layout (also the layout sync patches write in place; see EmbeddedEngine._wire_state).
+        self.input_major = self.device.type == "cpu" and dtype == torch.float32
         self.params = self._checked(params)
-        self.fused = [self._fuse(layer) for layer in range(cfg.num_layers)]
+        # per layer: group -> (weight [in, out] (a view when HF-major), bias or None)
+        self.linears = [self._pack_layer(layer) for layer in range(cfg.num_layers)]
+        if cfg.tie_word_embeddings:  # the embedding's rows must stay contiguous for the lookup
+            self.head = self.params["model.embed_tokens.weight"].t()
+        else:
+            self.head = self._pack(["lm_head.weight"])
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
+        self._rope_table = torch.empty(0, 2, 1, cfg.head_dim, dtype=dtype, device=self.device)
 
     @classmethod
     def from_pretrained(cls, hf_dir: str | pathlib.Path, *, device="cpu", dtype=torch.float32) -> CausalLM:
@@ -211,26 +220,34 @@ class CausalLM:
             out[name] = tensor.to(device=self.device, dtype=self.dtype).contiguous()
         return out
 
-    def _fuse(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """Concatenate the FUSED projections of one layer; rebind their HF names to views."""
+    def _pack_layer(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Pack each LINEARS group of one layer into one tensor; rebind their HF names to views."""
         out = {}
-        for key, parts in FUSED.items():
+        for key, parts in LINEARS.items():
             names = [f"model.layers.{layer}.{part}" for part in parts]
-            weight = self._concat_and_rebind([n + ".weight" for n in names])
             biases = [n + ".bias" for n in names if n + ".bias" in self.params]
             if biases and len(biases) != len(names):
                 raise ValueError(f"layer {layer}: only {biases} of the {key} projections have a bias")
-            out[key] = (weight, self._concat_and_rebind(biases) if biases else None)
+            bias = torch.cat([self.params[b] for b in biases]) if biases else None
+            if bias is not None:
+                sizes = [self.params[b].shape[0] for b in biases]
+                for b, view in zip(biases, bias.split(sizes), strict=True):
+                    self.params[b] = view
+            out[key] = (self._pack([n + ".weight" for n in names]), bias)
         return out
 
-    def _concat_and_rebind(self, names: list[str]) -> torch.Tensor:
-        fused = torch.cat([self.params[n] for n in names])
-        offset = 0
-        for n in names:
-            rows = self.params[n].shape[0]
-            self.params[n] = fused[offset : offset + rows]
-            offset += rows
-        return fused
+    def _pack(self, names: list[str]) -> torch.Tensor:
+        """Concatenate HF weights [out_i, in] along out; returns the matmul operand [in, sum out_i]."""
+        rows = [self.params[n].shape[0] for n in names]
+        hf = torch.cat([self.params[n] for n in names])
+        if not self.input_major:
+            for n, view in zip(names, hf.split(rows), strict=True):
+                self.params[n] = view
+            return hf.t()
+        packed = hf.t().contiguous()
+        for n, view in zip(names, packed.split(rows, dim=1), strict=True):
+            self.params[n] = view.t()
+        return packed
 
     def update(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into the live parameters in place; all checked before any is written."""
@@ -247,22 +264,41 @@ class CausalLM:
 
     # ---- forward pieces ------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, the same math as the 16-bit path below
+            return F.rms_norm(x, weight.shape, weight, self.cfg.rms_norm_eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return weight * x32.to(x.dtype)
 
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.params[name + ".weight"], self.params.get(name + ".bias"))
+    def _matmul(
+        self, x: torch.Tensor, layer: int, key: str, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x @ W (+ bias) (+ residual) as one BLAS call; no group has both a bias and a residual."""
+        weight, bias = self.linears[layer][key]
+        add = bias if residual is None else residual
+        return torch.mm(x, weight) if add is None else torch.addmm(add, x, weight)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, D] residual stream."""
         return F.embedding(ids, self.params["model.embed_tokens.weight"])
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, d] for integer positions [T]."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+    def rope(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, d] for integer positions [T], all < end.
+
+        Looked up in a table grown on demand (doubling), so a decode step costs one index_select.
+        The sign of HF's rotate_half is folded into the sin table: rotate_half(x) * sin ==
+        roll(x, d/2) * signed_sin exactly (a sign flip rounds exactly).
+        """
+        if end > self._rope_table.shape[0]:
+            n = max(end, 2 * self._rope_table.shape[0], 256)
+            freqs = torch.arange(n, device=self.device).float()[:, None] * self.inv_freq[None, :]
+            half = freqs.shape[-1]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            sin = emb.sin()
+            sin[:, :half].neg_()
+            self._rope_table = torch.stack((emb.cos(), sin), dim=1)[:, :, None].to(self.dtype)
+        both = self._rope_table.index_select(0, positions)  # [T, 2, 1, d]
+        return both[:, 0], both[:, 1]
 
     def qkv(
         self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -270,33 +306,28 @@ class CausalLM:
         """Post-RoPE q [T, Hq, d], k [T, Hk, d] and v [T, Hk, d] of `layer` for residual h [T, D]."""
         cfg, p = self.cfg, f"model.layers.{layer}."
         x = self._norm(h, self.params[p + "input_layernorm.weight"])
-        qkv = F.linear(x, *self.fused[layer]["qkv"]).view(
-            -1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim
-        )
+        qkv = self._matmul(x, layer, "qkv").view(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         qk, v = qkv.split([cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
         if cfg.qk_norm:
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             q = self._norm(q, self.params[p + "self_attn.q_norm.weight"])
             k = self._norm(k, self.params[p + "self_attn.k_norm.weight"])
             qk = torch.cat((q, k), dim=1)
-        # q and k heads rotate together: one set of elementwise ops per layer instead of two
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q, k = (qk * cos + _rotate_half(qk) * sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        # q and k heads rotate together: x * cos + rotate_half(x) * sin, in three ops
+        qk = torch.addcmul(qk * cos, torch.roll(qk, cfg.head_dim // 2, dims=-1), sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         return q, k, v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection + residual + gated-SiLU MLP + residual; attn [T, Hq, d]."""
-        p = f"model.layers.{layer}."
-        h = h + self._linear(attn.reshape(attn.shape[0], -1), p + "self_attn.o_proj")
-        x = self._norm(h, self.params[p + "post_attention_layernorm.weight"])
-        gate, up = F.linear(x, *self.fused[layer]["gate_up"]).chunk(2, dim=-1)
-        return h + self._linear(F.silu(gate) * up, p + "mlp.down_proj")
+        h = self._matmul(attn.reshape(attn.shape[0], -1), layer, "o", residual=h)
+        x = self._norm(h, self.params[f"model.layers.{layer}.post_attention_layernorm.weight"])
+        gate, up = self._matmul(x, layer, "gate_up").chunk(2, dim=-1)
+        return self._matmul(F.silu(gate).mul_(up), layer, "down", residual=h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[T, D] -> fp32 logits [T, V]."""
-        x = self._norm(h, self.params["model.norm.weight"])
-        head = self.params.get("lm_head.weight", self.params["model.embed_tokens.weight"])
-        return F.linear(x, head).float()
+        return (self._norm(h, self.params["model.norm.weight"]) @ self.head).float()
 
     @torch.no_grad()
     def forward_reference(
@@ -310,7 +341,7 @@ class CausalLM:
         """
         ids = ids.to(self.device)
         T = ids.shape[0]
-        cos, sin = self.rope(torch.arange(T, device=self.device))
+        cos, sin = self.rope(torch.arange(T, device=self.device), T)
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
         h = self.embed(ids)
         group = self.cfg.num_heads // self.cfg.num_kv_heads
