@@ -19,19 +19,24 @@ def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
 ) -> tuple[list[int], list[float]]:
     """Draw one token per row of fp32 logits [B, V]; returns (tokens, log-probs)."""
-    temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=logits.device)
-    logp = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
-    tokens = logits.argmax(dim=-1).tolist()
-    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy:
-            tokens[row] = _draw(logp[row], p, gen)
-    chosen = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-    return tokens, logp.gather(1, chosen[:, None])[:, 0].tolist()
+    temps = [p.temperature or 1.0 for p in params]
+    scaled = logits.float()
+    if any(t != 1.0 for t in temps):
+        scaled = scaled / torch.tensor(temps, dtype=torch.float32, device=logits.device)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    chosen = logits.argmax(dim=-1)
+    drawn = [row for row, p in enumerate(params) if not p.greedy]
+    if drawn:
+        tokens = chosen.tolist()
+        probs = logp[drawn].exp()  # one op for every sampled row
+        for i, row in enumerate(drawn):
+            tokens[row] = _draw(probs[i], params[row], generators[row])
+        chosen = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+    return chosen.tolist(), logp.gather(1, chosen[:, None])[:, 0].tolist()
 
 
-def _draw(logp: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    """Sample from exp(logp) [V] restricted to the top-k and then the top-p nucleus."""
-    probs = logp.exp()
+def _draw(probs: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    """Sample from probs [V] restricted to the top-k and then the top-p nucleus."""
     if p.top_k > 0 and p.top_k < probs.shape[0]:
         kth = probs.topk(p.top_k).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
