@@ -227,7 +227,7 @@ def test_weight_updates_flush_cache_and_apply_sync_patches(hf_model):
     )
     # fp32 on CPU computes from input-major [in, out] fused q/k/v buffers: the patch restoring the
     # scaled v_proj must land in them
-    qkv_in_out = engine.model.linears[1]["qkv"][0]
+    qkv_in_out = engine.model.layers[1].qkv
     v_cols = slice(-engine.model.cfg.num_kv_heads * engine.model.cfg.head_dim, None)
     assert engine.model.input_major and qkv_in_out.is_contiguous()
     torch.testing.assert_close(
@@ -252,7 +252,7 @@ def test_bf16_engine_applies_sparse_patch_in_place_and_rejects_bad_one(hf_model)
     prompt = _prompts(1)[0]
     before = engine.generate([GenerateRequest(input_ids=prompt, sampling=GREEDY)])[0]
     assert engine.apply_patch(patch) == 1
-    fused_qkv = engine.model.linears[0]["qkv"][0]
+    fused_qkv = engine.model.layers[0].qkv
     assert fused_qkv.data_ptr() <= engine.model.params["model.layers.0.self_attn.k_proj.weight"].data_ptr()
     for name in new:
         assert torch.equal(engine.model.params[name], new[name]), name

@@ -100,6 +100,23 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True, eq=False)
+class LayerWeights:
+    """One layer's tensors, bound once so a step does no name look-ups. Each is the same object as,
+    or a view of, a `CausalLM.params` entry, so in-place updates by HF name reach it. Matmul
+    operands are [in, out] (`x @ qkv`), views of HF-major storage or input-major contiguous."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None  # Qwen3 only
+    k_norm: torch.Tensor | None
+    qkv: torch.Tensor  # [D, (Hq + 2 Hk) d]: q, k, v projections back to back
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [Hq d, D]
+    gate_up: torch.Tensor  # [D, 2 I]: gate, up back to back
+    down: torch.Tensor  # [I, D]
+
+
 def load_hf_dir(hf_dir: str | pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """config.json (+ generation_config.json) and all safetensors shards of an HF checkpoint."""
     root = pathlib.Path(hf_dir)
@@ -191,8 +208,7 @@ class CausalLM:
         # layout (also the layout sync patches write in place; see EmbeddedEngine._wire_state).
         self.input_major = self.device.type == "cpu" and dtype == torch.float32
         self.params = self._checked(params)
-        # per layer: group -> (weight [in, out] (a view when HF-major), bias or None)
-        self.linears = [self._pack_layer(layer) for layer in range(cfg.num_layers)]
+        self.layers = [self._bind_layer(layer) for layer in range(cfg.num_layers)]
         if cfg.tie_word_embeddings:  # the embedding's rows must stay contiguous for the lookup
             self.head = self.params["model.embed_tokens.weight"].t()
         else:
@@ -220,8 +236,24 @@ class CausalLM:
             out[name] = tensor.to(device=self.device, dtype=self.dtype).contiguous()
         return out
 
-    def _pack_layer(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """Pack each LINEARS group of one layer into one tensor; rebind their HF names to views."""
+    def _bind_layer(self, layer: int) -> LayerWeights:
+        """Pack each LINEARS group of one layer into one tensor (HF names rebound to views)."""
+        p = f"model.layers.{layer}."
+        packed = self._pack_linears(layer)
+        return LayerWeights(
+            input_norm=self.params[p + "input_layernorm.weight"],
+            post_norm=self.params[p + "post_attention_layernorm.weight"],
+            q_norm=self.params.get(p + "self_attn.q_norm.weight"),
+            k_norm=self.params.get(p + "self_attn.k_norm.weight"),
+            qkv=packed["qkv"][0],
+            qkv_bias=packed["qkv"][1],
+            o=packed["o"][0],
+            gate_up=packed["gate_up"][0],
+            down=packed["down"][0],
+        )
+
+    def _pack_linears(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """group -> (matmul operand [in, out], concatenated bias or None)."""
         out = {}
         for key, parts in LINEARS.items():
             names = [f"model.layers.{layer}.{part}" for part in parts]
@@ -264,19 +296,11 @@ class CausalLM:
 
     # ---- forward pieces ------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, the same math as the 16-bit path below
-            return F.rms_norm(x, weight.shape, weight, self.cfg.rms_norm_eps)
+        if x.dtype == torch.float32:  # one op, the same math as the 16-bit path below
+            return torch.rms_norm(x, weight.shape, weight, self.cfg.rms_norm_eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return weight * x32.to(x.dtype)
-
-    def _matmul(
-        self, x: torch.Tensor, layer: int, key: str, residual: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """x @ W (+ bias) (+ residual) as one BLAS call; no group has both a bias and a residual."""
-        weight, bias = self.linears[layer][key]
-        add = bias if residual is None else residual
-        return torch.mm(x, weight) if add is None else torch.addmm(add, x, weight)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, D] residual stream."""
@@ -304,26 +328,23 @@ class CausalLM:
         self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Post-RoPE q [T, Hq, d], k [T, Hk, d] and v [T, Hk, d] of `layer` for residual h [T, D]."""
-        cfg, p = self.cfg, f"model.layers.{layer}."
-        x = self._norm(h, self.params[p + "input_layernorm.weight"])
-        qkv = self._matmul(x, layer, "qkv").view(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-        qk, v = qkv.split([cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
-        if cfg.qk_norm:
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-            q = self._norm(q, self.params[p + "self_attn.q_norm.weight"])
-            k = self._norm(k, self.params[p + "self_attn.k_norm.weight"])
-            qk = torch.cat((q, k), dim=1)
+        cfg, w, hq = self.cfg, self.layers[layer], self.cfg.num_heads
+        x = self._norm(h, w.input_norm)
+        qkv = torch.mm(x, w.qkv) if w.qkv_bias is None else torch.addmm(w.qkv_bias, x, w.qkv)
+        qkv = qkv.view(-1, hq + 2 * cfg.num_kv_heads, cfg.head_dim)
+        qk, v = qkv[:, : hq + cfg.num_kv_heads], qkv[:, hq + cfg.num_kv_heads :]
+        if w.q_norm is not None and w.k_norm is not None:
+            qk = torch.cat((self._norm(qk[:, :hq], w.q_norm), self._norm(qk[:, hq:], w.k_norm)), dim=1)
         # q and k heads rotate together: x * cos + rotate_half(x) * sin, in three ops
-        qk = torch.addcmul(qk * cos, torch.roll(qk, cfg.head_dim // 2, dims=-1), sin)
-        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        return q, k, v
+        qk = torch.addcmul(qk * cos, qk.roll(cfg.head_dim // 2, -1), sin)
+        return qk[:, :hq], qk[:, hq:], v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection + residual + gated-SiLU MLP + residual; attn [T, Hq, d]."""
-        h = self._matmul(attn.reshape(attn.shape[0], -1), layer, "o", residual=h)
-        x = self._norm(h, self.params[f"model.layers.{layer}.post_attention_layernorm.weight"])
-        gate, up = self._matmul(x, layer, "gate_up").chunk(2, dim=-1)
-        return self._matmul(F.silu(gate).mul_(up), layer, "down", residual=h)
+        w, inter = self.layers[layer], self.cfg.intermediate_size
+        h = torch.addmm(h, attn.reshape(attn.shape[0], -1), w.o)  # residual add inside the GEMM
+        gate_up = torch.mm(self._norm(h, w.post_norm), w.gate_up)
+        return torch.addmm(h, F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]), w.down)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[T, D] -> fp32 logits [T, V]."""
