@@ -24,7 +24,7 @@ def sample(
     if any(t != 1.0 for t in temps):
         scaled = scaled / torch.tensor(temps, dtype=torch.float32, device=logits.device)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
-    chosen = logits.argmax(dim=-1)
+    chosen = logits.max(dim=-1).indices  # argmax's first-maximum index; max measured faster on CPU
     drawn = [row for row, p in enumerate(params) if not p.greedy]
     if drawn:
         tokens = chosen.tolist()

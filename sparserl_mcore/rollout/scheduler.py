@@ -118,7 +118,7 @@ class Scheduler:
     def step(self) -> list[RequestState]:
         """Advance every request by one token; returns the requests that finished.
 
-        Runs under inference_mode (no autograd bookkeeping, ~15% off each small op on CPU); the
+        Runs under inference_mode (no autograd bookkeeping on any op); the
         per-request tensors it creates (slot tables, query windows, kept positions) are only ever
         modified inside step()."""
         finished = self._take_aborted()
