@@ -14,7 +14,8 @@ load; a ratio is the median over rounds of the same-round ratio, with its min-ma
    peak KV bytes relative to `none` (goal: <= budget share + one page) and tokens/s relative to
    `none` (goal: >= 0.9);
 3. radix sharing: pool pages holding the prompts of G samples per prompt, radix on vs off (goal:
-   <= 1/G + one page per sample).
+   <= 1/G + one page per sample);
+4. the matmul layout behind the engine's fp32 CPU weights: F.linear (HF layout) vs input-major.
 
 `python -m benchmarks bench_rollout` (defaults) or `python -m benchmarks.bench_rollout --device cuda ...`;
 results are recorded in docs/benchmarks.md ("## Rollout engine").
@@ -23,6 +24,7 @@ results are recorded in docs/benchmarks.md ("## Rollout engine").
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -30,15 +32,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
 from sparserl_mcore.rollout.kvcompress import METHODS, KVCompressionConfig
 from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
 
-TABLES = ("throughput", "compression", "radix")
+TABLES = ("throughput", "compression", "radix", "gemm")
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -78,16 +82,14 @@ def _args(argv: list[str]) -> argparse.Namespace:
 def _requests(
     prompts: list[list[int]], gens: int | list[int], temperature: float = 0.0
 ) -> list[GenerateRequest]:
-    """Greedy (temperature 0), or seeded pure sampling (no top-k / top-p) at `temperature`."""
+    """Greedy (temperature 0), or pure sampling (no top-k / top-p, unseeded as RL rollouts usually
+    are: HF draws from its one global generator) at `temperature`."""
     gens = gens if isinstance(gens, list) else [gens] * len(prompts)
     return [
         GenerateRequest(
-            input_ids=p,
-            sampling=SamplingParams(
-                temperature=temperature, max_new_tokens=n, ignore_eos=True, seed=i if temperature else None
-            ),
+            input_ids=p, sampling=SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True)
         )
-        for i, (p, n) in enumerate(zip(prompts, gens, strict=True))
+        for p, n in zip(prompts, gens, strict=True)
     ]
 
 
@@ -220,6 +222,8 @@ def main(argv: list[str]) -> int:
             _compression_table(a, path, prompts, base)
         if "radix" in tables:
             _radix_table(a, path, base)
+        if "gemm" in tables:
+            _gemm_table(a)
     return 0
 
 
@@ -296,6 +300,43 @@ def _compression_table(a, path, prompts, base) -> None:
             f"| {method} | {budget} ({budget / a.gen:.0%} of gen) | {ratio:.3f} | {goal:.3f} "
             f"| {_rate_cell(kv_rates)} | {_ratio_cell(kv_rates, none_rates)} |"
         )
+
+
+def _gemm_table(a) -> None:
+    """Why the engine stores fp32 CPU weights input-major: F.linear(x, W) (HF layout, W [out, in])
+    vs x @ W_t (W_t [in, out] contiguous), same values, at decode (M = 16, 64) and other row counts."""
+    shapes = {  # (in, out): this model's gate_up and lm_head, and Qwen2.5-0.5B-like gate_up
+        "gate_up": (a.hidden, 2 * int(a.hidden * 2.75)),
+        "lm_head": (a.hidden, a.vocab),
+        "0.5B gate_up": (896, 9728),
+    }
+    print("\n| matmul (in x out) | dtype | rows M | F.linear us | x @ W_t us | speed-up |")
+    print("|---|---|---|---|---|---|")
+    for (name, (k, n)), dtype, m in itertools.product(
+        shapes.items(), (torch.float32, torch.bfloat16), (1, 16, 64, 512)
+    ):
+        w = torch.randn(n, k, dtype=dtype, device=a.device)
+        x = torch.randn(m, k, dtype=dtype, device=a.device)
+        calls = {"linear": partial(F.linear, x, w), "input-major": partial(torch.mm, x, w.t().contiguous())}
+        us = _median_call_us(calls, max(3, int(3e8 / (m * n * k))), a.repeats, a.device)
+        print(
+            f"| {name} ({k} x {n}) | {str(dtype).removeprefix('torch.')} | {m} | {us['linear']:.0f} | "
+            f"{us['input-major']:.0f} | {us['linear'] / us['input-major']:.2f}x |"
+        )
+
+
+def _median_call_us(calls: dict[str, Callable], n: int, repeats: int, device: str) -> dict[str, float]:
+    """Median over `repeats` rounds (the calls alternate in every round) of CPU us per call."""
+    times: dict[str, list[float]] = {key: [] for key in calls}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for key, fn in calls.items():
+                fn()
+                with _Clock(device) as clock:
+                    for _ in range(n):
+                        fn()
+                times[key].append(clock.cpu / n * 1e6)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def _radix_table(a, path, base) -> None:

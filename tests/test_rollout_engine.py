@@ -74,9 +74,14 @@ def test_sampled_logprobs_equal_dense_recompute(hf_model):
     _, path = hf_model
     engine = _engine(path)
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=30, ignore_eos=True, seed=5)
-    samples = engine.generate([GenerateRequest(input_ids=p, sampling=params) for p in _prompts(4)])
-    for s in samples:
-        ref = _recomputed_logprobs(engine, s, params.temperature)
+    # unseeded, unfiltered rows share the engine's generator and draw in one batched call
+    pure = SamplingParams(temperature=1.3, max_new_tokens=30, ignore_eos=True)
+    samples = engine.generate(
+        [GenerateRequest(input_ids=p, sampling=params) for p in _prompts(4)]
+        + [GenerateRequest(input_ids=p, sampling=pure) for p in _prompts(3, seed=2)]
+    )
+    for s, temperature in zip(samples, [params.temperature] * 4 + [pure.temperature] * 3, strict=True):
+        ref = _recomputed_logprobs(engine, s, temperature)
         torch.testing.assert_close(torch.tensor(s.output_logprobs), ref, atol=1e-4, rtol=0)
     # A seed fixes the draws whatever else shares the batch.
     again = engine.generate([GenerateRequest(input_ids=samples[2].prompt_ids, sampling=params)])[0]

@@ -29,15 +29,29 @@ def sample(
     if drawn:
         tokens = chosen.tolist()
         probs = logp[drawn].exp()  # one op for every sampled row
+        # Unfiltered rows sharing a generator (unseeded requests share the engine's) draw in one
+        # call; a seeded request has its own generator, so its draws never depend on the batch.
+        shared: dict[int, list[int]] = {}
         for i, row in enumerate(drawn):
-            tokens[row] = _draw(probs[i], params[row], generators[row])
+            if _filtered(params[row], probs.shape[1]):
+                tokens[row] = _draw(probs[i], params[row], generators[row])
+            else:
+                shared.setdefault(id(generators[row]), []).append(i)
+        for rows in shared.values():
+            picks = torch.multinomial(probs[rows], 1, generator=generators[drawn[rows[0]]])[:, 0]
+            for i, token in zip(rows, picks.tolist(), strict=True):
+                tokens[drawn[i]] = token
         chosen = torch.tensor(tokens, dtype=torch.long, device=logits.device)
     return chosen.tolist(), logp.gather(1, chosen[:, None])[:, 0].tolist()
 
 
+def _filtered(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0
+
+
 def _draw(probs: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
     """Sample from probs [V] restricted to the top-k and then the top-p nucleus."""
-    if p.top_k > 0 and p.top_k < probs.shape[0]:
+    if 0 < p.top_k < probs.shape[0]:
         kth = probs.topk(p.top_k).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
     if p.top_p < 1.0:
