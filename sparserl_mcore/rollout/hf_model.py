@@ -202,11 +202,10 @@ class CausalLM:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
-        # fp32 on CPU stores weights input-major ([in, out] contiguous): on the bench machine (torch
-        # 2.13, MKL, 1 thread) fp32 x @ W ran 1.1-1.7x faster than F.linear's x @ W.T at decode batch
-        # sizes (M = 16..64 rows; hidden 256-1536), about equal at M = 1 and 512, while bf16 did not
-        # gain (0.6-1.1x), so bf16 keeps the HF layout, the one sync patches write in place (see
-        # EmbeddedEngine._wire_state).
+        # fp32 on CPU stores weights input-major ([in, out] contiguous): with MKL, fp32 x @ W ran as
+        # fast as or faster (up to 2x at decode row counts) than F.linear's x @ W.T, while bf16 did
+        # not gain (bench_rollout's matmul layout table, docs/benchmarks.md). So 16-bit weights keep
+        # the HF layout, the one sync patches write in place (see EmbeddedEngine._wire_state).
         self.input_major = self.device.type == "cpu" and dtype == torch.float32
         self.params = self._checked(params)
         self.layers = [self._bind_layer(layer) for layer in range(cfg.num_layers)]
@@ -333,19 +332,20 @@ class CausalLM:
         x = self._norm(h, w.input_norm)
         qkv = torch.mm(x, w.qkv) if w.qkv_bias is None else torch.addmm(w.qkv_bias, x, w.qkv)
         qkv = qkv.view(-1, hq + 2 * cfg.num_kv_heads, cfg.head_dim)
-        qk, v = qkv[:, : hq + cfg.num_kv_heads], qkv[:, hq + cfg.num_kv_heads :]
+        qk, v = qkv.split_with_sizes([hq + cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
         if w.q_norm is not None and w.k_norm is not None:
             qk = torch.cat((self._norm(qk[:, :hq], w.q_norm), self._norm(qk[:, hq:], w.k_norm)), dim=1)
         # q and k heads rotate together: x * cos + rotate_half(x) * sin, in three ops
         qk = torch.addcmul(qk * cos, qk.roll(cfg.head_dim // 2, -1), sin)
-        return qk[:, :hq], qk[:, hq:], v
+        q, k = qk.split_with_sizes([hq, cfg.num_kv_heads], dim=1)
+        return q, k, v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection + residual + gated-SiLU MLP + residual; attn [T, Hq, d]."""
-        w, inter = self.layers[layer], self.cfg.intermediate_size
+        w = self.layers[layer]
         h = torch.addmm(h, attn.reshape(attn.shape[0], -1), w.o)  # residual add inside the GEMM
-        gate_up = torch.mm(self._norm(h, w.post_norm), w.gate_up)
-        return torch.addmm(h, F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]), w.down)
+        gate, up = torch.mm(self._norm(h, w.post_norm), w.gate_up).chunk(2, dim=-1)
+        return torch.addmm(h, F.silu(gate).mul_(up), w.down)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[T, D] -> fp32 logits [T, V]."""

@@ -46,24 +46,25 @@ class DecodeLayout:
 
 def decode_attention(
     q: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
     layout: DecodeLayout,
     *,
     want_mass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query per request over its own cache, gathered page by page.
 
-    q [B, Hq, d]; k_pages / v_pages [pages, page_size, Hk, d] (one layer of the pool). Gathering
-    whole pages (contiguous page_size * Hk * d blocks, `index_select` over rows) makes the copy a
-    few large memcpys instead of per-entry indexing. Returns out [B, Hq, d] (q's dtype) and
-    optionally mass [B, Hk, N].
+    q [B, Hq, d]; k_rows / v_rows [pages, page_size * Hk * d] (one layer of the pool, a row per
+    page). Gathering whole pages (contiguous blocks, `index_select` over rows) makes the copy a few
+    large memcpys instead of per-entry indexing. Returns out [B, Hq, d] (q's dtype) and optionally
+    mass [B, Hk, N].
     """
     B, Hq, d = q.shape
-    N, Hk = layout.valid.shape[1], k_pages.shape[2]
+    N = layout.valid.shape[1]
     # [B, Hk, N, d]
-    k = k_pages.flatten(1).index_select(0, layout.pages).view(B, N, Hk, d).permute(0, 2, 1, 3)
-    v = v_pages.flatten(1).index_select(0, layout.pages).view(B, N, Hk, d).permute(0, 2, 1, 3)
+    k = k_rows.index_select(0, layout.pages).view(B, N, -1, d).transpose(1, 2)
+    v = v_rows.index_select(0, layout.pages).view(B, N, -1, d).transpose(1, 2)
+    Hk = k.shape[1]
     qg = q.view(B, Hk, Hq // Hk, d)  # the g query heads of a KV head act as g query rows
     if not want_mass:  # fused kernel, fp32 accumulation
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=layout.bias).reshape(B, Hq, d), None

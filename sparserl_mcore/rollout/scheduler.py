@@ -285,7 +285,7 @@ class Scheduler:
             outs, layer_mass = [], []
             if decodes:
                 out, mass = decode_attention(
-                    q[:n_dec], self.pool.k_pages(layer), self.pool.v_pages(layer), layout, want_mass=want_mass
+                    q[:n_dec], self.pool.k_rows(layer), self.pool.v_rows(layer), layout, want_mass=want_mass
                 )
                 outs.append(out)
                 layer_mass.append(mass)
