@@ -239,34 +239,31 @@ class CausalLM:
     def _bind_layer(self, layer: int) -> LayerWeights:
         """Pack each LINEARS group of one layer into one tensor (HF names rebound to views)."""
         p = f"model.layers.{layer}."
-        packed = self._pack_linears(layer)
+        packed = {key: self._pack([f"{p}{part}.weight" for part in parts]) for key, parts in LINEARS.items()}
         return LayerWeights(
             input_norm=self.params[p + "input_layernorm.weight"],
             post_norm=self.params[p + "post_attention_layernorm.weight"],
             q_norm=self.params.get(p + "self_attn.q_norm.weight"),
             k_norm=self.params.get(p + "self_attn.k_norm.weight"),
-            qkv=packed["qkv"][0],
-            qkv_bias=packed["qkv"][1],
-            o=packed["o"][0],
-            gate_up=packed["gate_up"][0],
-            down=packed["down"][0],
+            qkv=packed["qkv"],
+            qkv_bias=self._pack_qkv_bias(p),
+            o=packed["o"],
+            gate_up=packed["gate_up"],
+            down=packed["down"],
         )
 
-    def _pack_linears(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """group -> (matmul operand [in, out], concatenated bias or None)."""
-        out = {}
-        for key, parts in LINEARS.items():
-            names = [f"model.layers.{layer}.{part}" for part in parts]
-            biases = [n + ".bias" for n in names if n + ".bias" in self.params]
-            if biases and len(biases) != len(names):
-                raise ValueError(f"layer {layer}: only {biases} of the {key} projections have a bias")
-            bias = torch.cat([self.params[b] for b in biases]) if biases else None
-            if bias is not None:
-                sizes = [self.params[b].shape[0] for b in biases]
-                for b, view in zip(biases, bias.split(sizes), strict=True):
-                    self.params[b] = view
-            out[key] = (self._pack([n + ".weight" for n in names]), bias)
-        return out
+    def _pack_qkv_bias(self, prefix: str) -> torch.Tensor | None:
+        """q/k/v biases back to back (all three or none); their HF names rebound to views."""
+        names = [f"{prefix}{part}.bias" for part in LINEARS["qkv"]]
+        present = [n for n in names if n in self.params]
+        if not present:
+            return None
+        if present != names:
+            raise ValueError(f"{prefix}: only {present} of the q/k/v projections have a bias")
+        bias = torch.cat([self.params[n] for n in names])
+        for n, view in zip(names, bias.split([self.params[n].shape[0] for n in names]), strict=True):
+            self.params[n] = view
+        return bias
 
     def _pack(self, names: list[str]) -> torch.Tensor:
         """Concatenate HF weights [out_i, in] along out; returns the matmul operand [in, sum out_i]."""

@@ -118,9 +118,8 @@ class Scheduler:
     def step(self) -> list[RequestState]:
         """Advance every request by one token; returns the requests that finished.
 
-        Runs under inference_mode (no autograd bookkeeping on any op); the
-        per-request tensors it creates (slot tables, query windows, kept positions) are only ever
-        modified inside step()."""
+        Runs under inference_mode (no autograd bookkeeping on any op); the per-request tensors it
+        creates (slot tables, query windows, kept positions) are only ever modified inside step()."""
         finished = self._take_aborted()
         decodes = self._reserve_decode_slots()
         prefills = self._admit(finished)
