@@ -5,13 +5,17 @@ and warmed up once, then the systems compared in a table run in turn, `--repeats
 neighbours' load hits them alike. Speed is tokens per CPU second of the process (one torch thread by
 default), which stays meaningful on a shared machine where wall time depends on the neighbours'
 load; a ratio is the median over rounds of the same-round ratio, with its min-max over rounds.
-1. tokens/s of `EmbeddedEngine` vs HF `generate` (batched, left-padded, KV cache on, greedy), with
-   equal response lengths and with RL-like varied ones;
+1. tokens/s of `EmbeddedEngine` vs HF `generate` (batched, left-padded, KV cache on), greedy with
+   equal response lengths and with RL-like varied ones, and an RL-shaped batch (P prompts x G
+   samples at temperature 1, varied lengths) where the engine's radix cache shares each prompt's
+   prefill among its G samples; the engine's prefix cache is flushed before every timed run, so
+   repeating the same prompts round after round does not skip prefill work HF has to do;
 2. each compression policy at budgets of 25% and 50% of the generated length: mean per-request
    peak KV bytes relative to `none` (goal: <= budget share + one page) and tokens/s relative to
    `none` (goal: >= 0.9);
 3. radix sharing: pool pages holding the prompts of G samples per prompt, radix on vs off (goal:
-   <= 1/G + one page per sample).
+   <= 1/G + one page per sample);
+4. the matmul layout behind the engine's fp32 CPU weights: F.linear (HF layout) vs input-major.
 
 `python -m benchmarks bench_rollout` (defaults) or `python -m benchmarks.bench_rollout --device cuda ...`;
 results are recorded in docs/benchmarks.md ("## Rollout engine").
@@ -20,6 +24,7 @@ results are recorded in docs/benchmarks.md ("## Rollout engine").
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -27,13 +32,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
 from sparserl_mcore.rollout.kvcompress import METHODS, KVCompressionConfig
 from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
+
+TABLES = ("throughput", "compression", "radix", "gemm")
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -54,17 +63,31 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32, help="mean; lengths vary +-50%% as in real batches")
     p.add_argument("--gen", type=int, default=128, help="generated tokens per request")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--group", type=int, default=8, help="samples per prompt in the radix row")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt (RL-shaped and radix rows)")
+    p.add_argument("--rl-prompt-len", type=int, default=128, help="prompt tokens in the RL-shaped row")
     p.add_argument("--radix-prompt-len", type=int, default=200)
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per table (systems alternate)")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--tables",
+        default=",".join(TABLES),
+        help=f"comma-separated subset of {','.join(TABLES)} (default: all)",
+    )
+    a = p.parse_args(argv)
+    unknown = set(a.tables.split(",")) - set(TABLES)
+    if unknown:
+        p.error(f"--tables: unknown {sorted(unknown)}; known: {', '.join(TABLES)}")
+    return a
 
 
-def _requests(prompts: list[list[int]], gens: int | list[int]) -> list[GenerateRequest]:
+def _requests(
+    prompts: list[list[int]], gens: int | list[int], temperature: float = 0.0
+) -> list[GenerateRequest]:
+    """Greedy (temperature 0), or pure sampling (no top-k / top-p, unseeded as RL rollouts usually
+    are: HF draws from its one global generator) at `temperature`."""
     gens = gens if isinstance(gens, list) else [gens] * len(prompts)
     return [
         GenerateRequest(
-            input_ids=p, sampling=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+            input_ids=p, sampling=SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True)
         )
         for p, n in zip(prompts, gens, strict=True)
     ]
@@ -99,21 +122,25 @@ class _Clock:
 Runner = Callable[[], tuple[Rate, list]]
 
 
-def _engine_runner(path, cfg: EngineConfig, prompts, gens: int | list[int]) -> Runner:
+def _engine_runner(
+    path, cfg: EngineConfig, prompts, gens: int | list[int], temperature: float = 0.0
+) -> Runner:
     engine = EmbeddedEngine(path, cfg)
-    engine.generate(_requests(prompts[:2], 8))  # warm-up
+    engine.generate(_requests(prompts[:2], 8, temperature))  # warm-up
 
     def run() -> tuple[Rate, list]:
+        engine.flush_cache()  # no KV left from the previous round: each round prefills like HF
         with _Clock(cfg.device) as clock:
-            samples = engine.generate(_requests(prompts, gens))
+            samples = engine.generate(_requests(prompts, gens, temperature))
         return Rate(sum(len(s.output_ids) for s in samples), clock.wall, clock.cpu), samples
 
     return run
 
 
-def _hf_runner(path, device: str, prompts, gens: list[int]) -> Runner:
+def _hf_runner(path, device: str, prompts, gens: list[int], temperature: float = 0.0) -> Runner:
     """HF `generate` on the left-padded batch. A batch runs until its longest request is done (rows
-    stop only at EOS, and stay in the batch); only each request's own tokens count."""
+    stop only at EOS, and stay in the batch); only each request's own tokens count. temperature > 0:
+    pure sampling (top_k=0 and top_p=1 turn HF's default filters off, as in `_requests`)."""
     import transformers
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -121,7 +148,11 @@ def _hf_runner(path, device: str, prompts, gens: list[int]) -> Runner:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    kw = dict(do_sample=False, use_cache=True, eos_token_id=None, pad_token_id=0)
+    kw = dict(use_cache=True, eos_token_id=None, pad_token_id=0)
+    if temperature:
+        kw |= dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kw |= dict(do_sample=False)
     with torch.no_grad():
         model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=8, **kw)  # warm-up
 
@@ -184,29 +215,59 @@ def main(argv: list[str]) -> int:
             f"torch threads {torch.get_num_threads()}; {a.batch} prompts of {min(lengths)}-{max(lengths)} "
             f"tokens, up to {a.gen} generated, page {a.page_size}"
         )
-        # Equal lengths (no early exits), then RL-like response lengths (uniform gen/4 .. gen).
-        equal, varied = (
-            [a.gen] * a.batch,
-            torch.randint(a.gen // 4, a.gen + 1, (a.batch,), generator=g).tolist(),
-        )
-        runners = {
-            "hf_equal": _hf_runner(path, a.device, prompts, equal),
-            "ours_equal": _engine_runner(path, EngineConfig(**base), prompts, equal),
-            "hf_varied": _hf_runner(path, a.device, prompts, varied),
-            "ours_varied": _engine_runner(path, EngineConfig(**base), prompts, varied),
-        }
-        rates, _ = _alternate(runners, a.repeats)
-        print(
-            f"\n{a.repeats} alternating rounds; tokens per CPU second, median (min-max)\n"
-            "| response lengths | HF generate tok/s | EmbeddedEngine tok/s | ratio |\n|---|---|---|---|"
-        )
-        for label, key in ((f"{a.gen} each", "equal"), (f"{min(varied)}-{a.gen}", "varied")):
-            hf, ours = rates[f"hf_{key}"], rates[f"ours_{key}"]
-            print(f"| {label} | {_rate_cell(hf)} | {_rate_cell(ours)} | {_ratio_cell(ours, hf)} |")
-        del runners  # their engines' pools
-        _compression_table(a, path, prompts, base)
-        _radix_table(a, path, base)
+        tables = a.tables.split(",")
+        if "throughput" in tables:
+            _throughput_table(a, path, prompts, base, g)
+        if "compression" in tables:
+            _compression_table(a, path, prompts, base)
+        if "radix" in tables:
+            _radix_table(a, path, base)
+        if "gemm" in tables:
+            _gemm_table(a)
     return 0
+
+
+def _throughput_table(a, path, prompts, base, g: torch.Generator) -> None:
+    """The engine vs HF generate on the same batches, alternating in the same rounds."""
+    # Equal lengths (no early exits), then RL-like response lengths (uniform gen/4 .. gen).
+    equal, varied = (
+        [a.gen] * a.batch,
+        torch.randint(a.gen // 4, a.gen + 1, (a.batch,), generator=g).tolist(),
+    )
+    # RL-shaped: batch // group prompts, each sampled `group` times at temperature 1.
+    rl_prompts = [
+        torch.randint(100, a.vocab, (a.rl_prompt_len,), generator=g).tolist()
+        for _ in range(max(1, a.batch // a.group))
+    ]
+    rl_batch = [p for p in rl_prompts for _ in range(a.group)]
+    rl_gens = torch.randint(a.gen // 4, a.gen + 1, (len(rl_batch),), generator=g).tolist()
+    rl_base = {**base, "max_running_requests": len(rl_batch)}
+    runners = {
+        "hf_equal": _hf_runner(path, a.device, prompts, equal),
+        "ours_equal": _engine_runner(path, EngineConfig(**base), prompts, equal),
+        "hf_varied": _hf_runner(path, a.device, prompts, varied),
+        "ours_varied": _engine_runner(path, EngineConfig(**base), prompts, varied),
+        "hf_rl": _hf_runner(path, a.device, rl_batch, rl_gens, temperature=1.0),
+        "ours_rl": _engine_runner(path, EngineConfig(**rl_base), rl_batch, rl_gens, temperature=1.0),
+    }
+    rates, _ = _alternate(runners, a.repeats)
+    print(
+        f"\n{a.repeats} alternating rounds; tokens per CPU second, median (min-max)\n"
+        "| batch | response lengths | HF generate tok/s | EmbeddedEngine tok/s | ratio |\n"
+        "|---|---|---|---|---|"
+    )
+    rows = (
+        (f"{a.batch} prompts, greedy", f"{a.gen} each", "equal"),
+        (f"{a.batch} prompts, greedy", f"{min(varied)}-{a.gen}", "varied"),
+        (
+            f"{len(rl_prompts)} prompts of {a.rl_prompt_len} x G={a.group}, temperature 1",
+            f"{min(rl_gens)}-{max(rl_gens)}",
+            "rl",
+        ),
+    )
+    for batch, lengths, key in rows:
+        hf, ours = rates[f"hf_{key}"], rates[f"ours_{key}"]
+        print(f"| {batch} | {lengths} | {_rate_cell(hf)} | {_rate_cell(ours)} | {_ratio_cell(ours, hf)} |")
 
 
 def _compression_table(a, path, prompts, base) -> None:
@@ -239,6 +300,43 @@ def _compression_table(a, path, prompts, base) -> None:
             f"| {method} | {budget} ({budget / a.gen:.0%} of gen) | {ratio:.3f} | {goal:.3f} "
             f"| {_rate_cell(kv_rates)} | {_ratio_cell(kv_rates, none_rates)} |"
         )
+
+
+def _gemm_table(a) -> None:
+    """Why the engine stores fp32 CPU weights input-major: F.linear(x, W) (HF layout, W [out, in])
+    vs x @ W_t (W_t [in, out] contiguous), same values, at decode (M = 16, 64) and other row counts."""
+    shapes = {  # (in, out): this model's gate_up and lm_head, and Qwen2.5-0.5B-like gate_up
+        "gate_up": (a.hidden, 2 * int(a.hidden * 2.75)),
+        "lm_head": (a.hidden, a.vocab),
+        "0.5B gate_up": (896, 9728),
+    }
+    print("\n| matmul (in x out) | dtype | rows M | F.linear us | x @ W_t us | speed-up |")
+    print("|---|---|---|---|---|---|")
+    for (name, (k, n)), dtype, m in itertools.product(
+        shapes.items(), (torch.float32, torch.bfloat16), (1, 16, 64, 512)
+    ):
+        w = torch.randn(n, k, dtype=dtype, device=a.device)
+        x = torch.randn(m, k, dtype=dtype, device=a.device)
+        calls = {"linear": partial(F.linear, x, w), "input-major": partial(torch.mm, x, w.t().contiguous())}
+        us = _median_call_us(calls, max(3, int(3e8 / (m * n * k))), a.repeats, a.device)
+        print(
+            f"| {name} ({k} x {n}) | {str(dtype).removeprefix('torch.')} | {m} | {us['linear']:.0f} | "
+            f"{us['input-major']:.0f} | {us['linear'] / us['input-major']:.2f}x |"
+        )
+
+
+def _median_call_us(calls: dict[str, Callable], n: int, repeats: int, device: str) -> dict[str, float]:
+    """Median over `repeats` rounds (the calls alternate in every round) of CPU us per call."""
+    times: dict[str, list[float]] = {key: [] for key in calls}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for key, fn in calls.items():
+                fn()
+                with _Clock(device) as clock:
+                    for _ in range(n):
+                        fn()
+                times[key].append(clock.cpu / n * 1e6)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def _radix_table(a, path, base) -> None:

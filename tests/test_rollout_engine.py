@@ -74,9 +74,14 @@ def test_sampled_logprobs_equal_dense_recompute(hf_model):
     _, path = hf_model
     engine = _engine(path)
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=30, ignore_eos=True, seed=5)
-    samples = engine.generate([GenerateRequest(input_ids=p, sampling=params) for p in _prompts(4)])
-    for s in samples:
-        ref = _recomputed_logprobs(engine, s, params.temperature)
+    # unseeded, unfiltered rows share the engine's generator and draw in one batched call
+    pure = SamplingParams(temperature=1.3, max_new_tokens=30, ignore_eos=True)
+    samples = engine.generate(
+        [GenerateRequest(input_ids=p, sampling=params) for p in _prompts(4)]
+        + [GenerateRequest(input_ids=p, sampling=pure) for p in _prompts(3, seed=2)]
+    )
+    for s, temperature in zip(samples, [params.temperature] * 4 + [pure.temperature] * 3, strict=True):
+        ref = _recomputed_logprobs(engine, s, temperature)
         torch.testing.assert_close(torch.tensor(s.output_logprobs), ref, atol=1e-4, rtol=0)
     # A seed fixes the draws whatever else shares the batch.
     again = engine.generate([GenerateRequest(input_ids=samples[2].prompt_ids, sampling=params)])[0]
@@ -225,6 +230,14 @@ def test_weight_updates_flush_cache_and_apply_sync_patches(hf_model):
     torch.testing.assert_close(
         engine.model.params["model.norm.weight"], hf_state["model.norm.weight"].float()
     )
+    # fp32 on CPU computes from input-major [in, out] fused q/k/v buffers: the patch restoring the
+    # scaled v_proj must land in them
+    qkv_in_out = engine.model.layers[1].qkv
+    v_cols = slice(-engine.model.cfg.num_kv_heads * engine.model.cfg.head_dim, None)
+    assert engine.model.input_major and qkv_in_out.is_contiguous()
+    torch.testing.assert_close(
+        qkv_in_out[:, v_cols].t(), hf_state["model.layers.1.self_attn.v_proj.weight"].float()
+    )
     assert engine.radix.num_pages == 0
 
 
@@ -244,7 +257,7 @@ def test_bf16_engine_applies_sparse_patch_in_place_and_rejects_bad_one(hf_model)
     prompt = _prompts(1)[0]
     before = engine.generate([GenerateRequest(input_ids=prompt, sampling=GREEDY)])[0]
     assert engine.apply_patch(patch) == 1
-    fused_qkv = engine.model.fused[0]["qkv"][0]
+    fused_qkv = engine.model.layers[0].qkv
     assert fused_qkv.data_ptr() <= engine.model.params["model.layers.0.self_attn.k_proj.weight"].data_ptr()
     for name in new:
         assert torch.equal(engine.model.params[name], new[name]), name

@@ -234,11 +234,15 @@ class EmbeddedEngine:
             return result.version
 
     def _wire_state(self) -> dict[str, torch.Tensor]:
-        """The BF16 HF-layout state patches address: the live parameters when they are 16-bit,
-        else a BF16 copy whose changed tensors are copied into the fp32 parameters."""
+        """The BF16 HF-layout state patches address: the live parameters when they are 16-bit (then
+        stored HF-major, so contiguous), else a contiguous BF16 copy whose changed tensors are copied
+        into the fp32 parameters (views into input-major weights, see CausalLM)."""
         if self.model.dtype in (torch.bfloat16, torch.float16):
             return self.model.params
-        return {n: t.to(torch.bfloat16) for n, t in self.model.params.items()}
+        return {
+            n: t.to(torch.bfloat16, memory_format=torch.contiguous_format)
+            for n, t in self.model.params.items()
+        }
 
     def _set_version(self, version: int) -> None:
         self.scheduler.weight_version = version

@@ -22,11 +22,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-# Projections stored back to back in one tensor per layer so each runs as ONE matmul; the HF-named
-# entries of `CausalLM.params` are row views into it, so in-place updates by HF name still work.
-FUSED: dict[str, tuple[str, ...]] = {
+# The matmuls of one layer. Projections of a group are stored back to back in one tensor so each
+# group runs as ONE matmul; the HF-named entries of `CausalLM.params` are views into that tensor, so
+# in-place updates by HF name still work. Only q/k/v may carry a bias (`_optional_shapes`).
+LINEARS: dict[str, tuple[str, ...]] = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
 }
 # model_type -> whether attention applies a per-head RMSNorm to q and k (Qwen3) before RoPE.
 ARCHITECTURES: dict[str, bool] = {"qwen2": False, "qwen3": True, "llama": False}
@@ -95,6 +98,23 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
         )
+
+
+@dataclass(frozen=True, eq=False)
+class LayerWeights:
+    """One layer's tensors, bound once so a step does no name look-ups. Each is the same object as,
+    or a view of, a `CausalLM.params` entry, so in-place updates by HF name reach it. Matmul
+    operands are [in, out] (`x @ qkv`), views of HF-major storage or input-major contiguous."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None  # Qwen3 only
+    k_norm: torch.Tensor | None
+    qkv: torch.Tensor  # [D, (Hq + 2 Hk) d]: q, k, v projections back to back
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [Hq d, D]
+    gate_up: torch.Tensor  # [D, 2 I]: gate, up back to back
+    down: torch.Tensor  # [I, D]
 
 
 def load_hf_dir(hf_dir: str | pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -175,11 +195,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class CausalLM:
     """Qwen2/Qwen3/Llama decoder over an HF-named parameter dict (no nn.Module: nothing to train)."""
 
@@ -187,9 +202,19 @@ class CausalLM:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
+        # fp32 on CPU stores weights input-major ([in, out] contiguous): with MKL, fp32 x @ W ran as
+        # fast as or faster (up to 2x at decode row counts) than F.linear's x @ W.T, while bf16 did
+        # not gain (bench_rollout's matmul layout table, docs/benchmarks.md). So 16-bit weights keep
+        # the HF layout, the one sync patches write in place (see EmbeddedEngine._wire_state).
+        self.input_major = self.device.type == "cpu" and dtype == torch.float32
         self.params = self._checked(params)
-        self.fused = [self._fuse(layer) for layer in range(cfg.num_layers)]
+        self.layers = [self._bind_layer(layer) for layer in range(cfg.num_layers)]
+        if cfg.tie_word_embeddings:  # the embedding's rows must stay contiguous for the lookup
+            self.head = self.params["model.embed_tokens.weight"].t()
+        else:
+            self.head = self._pack(["lm_head.weight"])
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
+        self._rope_table = torch.empty(0, 2, 1, cfg.head_dim, dtype=dtype, device=self.device)
 
     @classmethod
     def from_pretrained(cls, hf_dir: str | pathlib.Path, *, device="cpu", dtype=torch.float32) -> CausalLM:
@@ -211,26 +236,47 @@ class CausalLM:
             out[name] = tensor.to(device=self.device, dtype=self.dtype).contiguous()
         return out
 
-    def _fuse(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """Concatenate the FUSED projections of one layer; rebind their HF names to views."""
-        out = {}
-        for key, parts in FUSED.items():
-            names = [f"model.layers.{layer}.{part}" for part in parts]
-            weight = self._concat_and_rebind([n + ".weight" for n in names])
-            biases = [n + ".bias" for n in names if n + ".bias" in self.params]
-            if biases and len(biases) != len(names):
-                raise ValueError(f"layer {layer}: only {biases} of the {key} projections have a bias")
-            out[key] = (weight, self._concat_and_rebind(biases) if biases else None)
-        return out
+    def _bind_layer(self, layer: int) -> LayerWeights:
+        """Pack each LINEARS group of one layer into one tensor (HF names rebound to views)."""
+        p = f"model.layers.{layer}."
+        packed = {key: self._pack([f"{p}{part}.weight" for part in parts]) for key, parts in LINEARS.items()}
+        return LayerWeights(
+            input_norm=self.params[p + "input_layernorm.weight"],
+            post_norm=self.params[p + "post_attention_layernorm.weight"],
+            q_norm=self.params.get(p + "self_attn.q_norm.weight"),
+            k_norm=self.params.get(p + "self_attn.k_norm.weight"),
+            qkv=packed["qkv"],
+            qkv_bias=self._pack_qkv_bias(p),
+            o=packed["o"],
+            gate_up=packed["gate_up"],
+            down=packed["down"],
+        )
 
-    def _concat_and_rebind(self, names: list[str]) -> torch.Tensor:
-        fused = torch.cat([self.params[n] for n in names])
-        offset = 0
-        for n in names:
-            rows = self.params[n].shape[0]
-            self.params[n] = fused[offset : offset + rows]
-            offset += rows
-        return fused
+    def _pack_qkv_bias(self, prefix: str) -> torch.Tensor | None:
+        """q/k/v biases back to back (all three or none); their HF names rebound to views."""
+        names = [f"{prefix}{part}.bias" for part in LINEARS["qkv"]]
+        present = [n for n in names if n in self.params]
+        if not present:
+            return None
+        if present != names:
+            raise ValueError(f"{prefix}: only {present} of the q/k/v projections have a bias")
+        bias = torch.cat([self.params[n] for n in names])
+        for n, view in zip(names, bias.split([self.params[n].shape[0] for n in names]), strict=True):
+            self.params[n] = view
+        return bias
+
+    def _pack(self, names: list[str]) -> torch.Tensor:
+        """Concatenate HF weights [out_i, in] along out; returns the matmul operand [in, sum out_i]."""
+        rows = [self.params[n].shape[0] for n in names]
+        hf = torch.cat([self.params[n] for n in names])
+        if not self.input_major:
+            for n, view in zip(names, hf.split(rows), strict=True):
+                self.params[n] = view
+            return hf.t()
+        packed = hf.t().contiguous()
+        for n, view in zip(names, packed.split(rows, dim=1), strict=True):
+            self.params[n] = view.t()
+        return packed
 
     def update(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into the live parameters in place; all checked before any is written."""
@@ -247,56 +293,60 @@ class CausalLM:
 
     # ---- forward pieces ------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one op, the same math as the 16-bit path below
+            return torch.rms_norm(x, weight.shape, weight, self.cfg.rms_norm_eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return weight * x32.to(x.dtype)
-
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.params[name + ".weight"], self.params.get(name + ".bias"))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, D] residual stream."""
         return F.embedding(ids, self.params["model.embed_tokens.weight"])
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, d] for integer positions [T]."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+    def rope(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, d] for integer positions [T], all < end.
+
+        Looked up in a table grown on demand (doubling), so a decode step costs one index_select.
+        The sign of HF's rotate_half is folded into the sin table: rotate_half(x) * sin ==
+        roll(x, d/2) * signed_sin exactly (a sign flip rounds exactly).
+        """
+        if end > self._rope_table.shape[0]:
+            n = max(end, 2 * self._rope_table.shape[0], 256)
+            freqs = torch.arange(n, device=self.device).float()[:, None] * self.inv_freq[None, :]
+            half = freqs.shape[-1]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            sin = emb.sin()
+            sin[:, :half].neg_()
+            self._rope_table = torch.stack((emb.cos(), sin), dim=1)[:, :, None].to(self.dtype)
+        both = self._rope_table.index_select(0, positions)  # [T, 2, 1, d]
+        return both[:, 0], both[:, 1]
 
     def qkv(
         self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Post-RoPE q [T, Hq, d], k [T, Hk, d] and v [T, Hk, d] of `layer` for residual h [T, D]."""
-        cfg, p = self.cfg, f"model.layers.{layer}."
-        x = self._norm(h, self.params[p + "input_layernorm.weight"])
-        qkv = F.linear(x, *self.fused[layer]["qkv"]).view(
-            -1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim
-        )
-        qk, v = qkv.split([cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
-        if cfg.qk_norm:
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-            q = self._norm(q, self.params[p + "self_attn.q_norm.weight"])
-            k = self._norm(k, self.params[p + "self_attn.k_norm.weight"])
-            qk = torch.cat((q, k), dim=1)
-        # q and k heads rotate together: one set of elementwise ops per layer instead of two
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q, k = (qk * cos + _rotate_half(qk) * sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        cfg, w, hq = self.cfg, self.layers[layer], self.cfg.num_heads
+        x = self._norm(h, w.input_norm)
+        qkv = torch.mm(x, w.qkv) if w.qkv_bias is None else torch.addmm(w.qkv_bias, x, w.qkv)
+        qkv = qkv.view(-1, hq + 2 * cfg.num_kv_heads, cfg.head_dim)
+        qk, v = qkv.split_with_sizes([hq + cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
+        if w.q_norm is not None and w.k_norm is not None:
+            qk = torch.cat((self._norm(qk[:, :hq], w.q_norm), self._norm(qk[:, hq:], w.k_norm)), dim=1)
+        # q and k heads rotate together: x * cos + rotate_half(x) * sin, in three ops
+        qk = torch.addcmul(qk * cos, qk.roll(cfg.head_dim // 2, -1), sin)
+        q, k = qk.split_with_sizes([hq, cfg.num_kv_heads], dim=1)
         return q, k, v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection + residual + gated-SiLU MLP + residual; attn [T, Hq, d]."""
-        p = f"model.layers.{layer}."
-        h = h + self._linear(attn.reshape(attn.shape[0], -1), p + "self_attn.o_proj")
-        x = self._norm(h, self.params[p + "post_attention_layernorm.weight"])
-        gate, up = F.linear(x, *self.fused[layer]["gate_up"]).chunk(2, dim=-1)
-        return h + self._linear(F.silu(gate) * up, p + "mlp.down_proj")
+        w = self.layers[layer]
+        h = torch.addmm(h, attn.reshape(attn.shape[0], -1), w.o)  # residual add inside the GEMM
+        gate, up = torch.mm(self._norm(h, w.post_norm), w.gate_up).chunk(2, dim=-1)
+        return torch.addmm(h, F.silu(gate).mul_(up), w.down)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[T, D] -> fp32 logits [T, V]."""
-        x = self._norm(h, self.params["model.norm.weight"])
-        head = self.params.get("lm_head.weight", self.params["model.embed_tokens.weight"])
-        return F.linear(x, head).float()
+        return (self._norm(h, self.params["model.norm.weight"]) @ self.head).float()
 
     @torch.no_grad()
     def forward_reference(
@@ -310,7 +360,7 @@ class CausalLM:
         """
         ids = ids.to(self.device)
         T = ids.shape[0]
-        cos, sin = self.rope(torch.arange(T, device=self.device))
+        cos, sin = self.rope(torch.arange(T, device=self.device), T)
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
         h = self.embed(ids)
         group = self.cfg.num_heads // self.cfg.num_kv_heads

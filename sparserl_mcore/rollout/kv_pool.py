@@ -36,6 +36,11 @@ class KVPool:
         # Zero-filled: padded gather positions read real (masked) slots, never uninitialised NaNs.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # per-layer views, made once: a decode step asks for them in every layer
+        self._k_flat = [self.k[layer].view(-1, kv_heads, head_dim) for layer in range(num_layers)]
+        self._v_flat = [self.v[layer].view(-1, kv_heads, head_dim) for layer in range(num_layers)]
+        self._k_rows = [self.k[layer].view(num_pages, -1) for layer in range(num_layers)]
+        self._v_rows = [self.v[layer].view(num_pages, -1) for layer in range(num_layers)]
         self.page_size = page_size
         self.num_pages = num_pages
         self.refs = [0] * num_pages
@@ -63,17 +68,17 @@ class KVPool:
 
     def k_flat(self, layer: int) -> torch.Tensor:
         """[pages * page_size, kv_heads, head_dim] view of one layer's keys (slot-addressed)."""
-        return self.k[layer].view(-1, *self.k.shape[-2:])
+        return self._k_flat[layer]
 
     def v_flat(self, layer: int) -> torch.Tensor:
-        return self.v[layer].view(-1, *self.v.shape[-2:])
+        return self._v_flat[layer]
 
-    def k_pages(self, layer: int) -> torch.Tensor:
-        """[pages, page_size, kv_heads, head_dim] view of one layer's keys (page-addressed)."""
-        return self.k[layer]
+    def k_rows(self, layer: int) -> torch.Tensor:
+        """[pages, page_size * kv_heads * head_dim] view of one layer's keys: one row per page."""
+        return self._k_rows[layer]
 
-    def v_pages(self, layer: int) -> torch.Tensor:
-        return self.v[layer]
+    def v_rows(self, layer: int) -> torch.Tensor:
+        return self._v_rows[layer]
 
     def alloc(self, n: int) -> list[int]:
         """n fresh pages with one reference each, or PoolExhaustedError (nothing taken)."""

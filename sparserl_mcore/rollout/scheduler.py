@@ -30,7 +30,7 @@ import torch
 from sparserl_mcore.rollout.hf_model import CausalLM
 from sparserl_mcore.rollout.kv_pool import KVPool, PoolExhaustedError
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
-from sparserl_mcore.rollout.paged_attention import decode_attention, prefill_attention
+from sparserl_mcore.rollout.paged_attention import DecodeLayout, decode_attention, prefill_attention
 from sparserl_mcore.rollout.protocol import FinishReason, GenerateRequest, KVStats, Sample
 from sparserl_mcore.rollout.radix_cache import RadixCache
 from sparserl_mcore.rollout.sampler import sample
@@ -118,9 +118,8 @@ class Scheduler:
     def step(self) -> list[RequestState]:
         """Advance every request by one token; returns the requests that finished.
 
-        Runs under inference_mode (no autograd bookkeeping, ~15% off each small op on CPU); the
-        per-request tensors it creates (slot tables, query windows, kept positions) are only ever
-        modified inside step()."""
+        Runs under inference_mode (no autograd bookkeeping on any op); the per-request tensors it
+        creates (slot tables, query windows, kept positions) are only ever modified inside step()."""
         finished = self._take_aborted()
         decodes = self._reserve_decode_slots()
         prefills = self._admit(finished)
@@ -254,23 +253,23 @@ class Scheduler:
     # ---- the forward ---------------------------------------------------------------------------
     def _forward(self, decodes: list[RequestState], prefills: list[RequestState]) -> torch.Tensor:
         """One mixed forward; writes the new K/V into the pool; returns logits [B, V] (decodes first)."""
-        dev, model = self.pool.k.device, self.model
-        ids, pos, new_slots, prefill_tokens = [], [], [], []
+        dev, model, ps = self.pool.k.device, self.model, self.pool.page_size
+        # token ids, RoPE positions and pool slots of every new token, as Python ints: one tensor
+        ids, pos, write, prefill_tokens = [], [], [], []
         for r in decodes:
             ids.append(r.output_ids[-1])
             pos.append(r.next_pos)
-            new_slots.append(r.slots[r.n_cached : r.n_cached + 1])
+            write.append(r.pages[r.n_cached // ps] * ps + r.n_cached % ps)
         for r in prefills:
-            tail = r.req.input_ids[r.n_cached :]
-            ids.extend(tail)
-            pos.extend(range(r.n_cached, len(r.req.input_ids)))
-            new_slots.append(r.slots[r.n_cached : len(r.req.input_ids)])
-            prefill_tokens.append(len(tail))
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
-        cos, sin = model.rope(torch.tensor(pos, dtype=torch.long, device=dev))
-        write = torch.cat(new_slots)
+            n = len(r.req.input_ids)
+            ids.extend(r.req.input_ids[r.n_cached :])
+            pos.extend(range(r.n_cached, n))
+            write.extend(r.pages[i // ps] * ps + i % ps for i in range(r.n_cached, n))
+            prefill_tokens.append(n - r.n_cached)
+        ids_t, pos_t, write = torch.tensor([ids, pos, write], dtype=torch.long, device=dev)
+        cos, sin = model.rope(pos_t, max(pos) + 1)
         n_dec = len(decodes)
-        dec_tables, dec_valid = self._decode_tables(decodes) if decodes else (None, None)
+        layout = self._decode_layout(decodes) if decodes else None
         ends = list(itertools.accumulate(prefill_tokens))
         starts = [0, *ends[:-1]] if ends else []
         want_mass = self.compressor is not None and self.compressor.needs_accumulated_attention
@@ -285,12 +284,7 @@ class Scheduler:
             outs, layer_mass = [], []
             if decodes:
                 out, mass = decode_attention(
-                    q[:n_dec],
-                    self.pool.k_pages(layer),
-                    self.pool.v_pages(layer),
-                    dec_tables,
-                    dec_valid,
-                    want_mass=want_mass,
+                    q[:n_dec], self.pool.k_rows(layer), self.pool.v_rows(layer), layout, want_mass=want_mass
                 )
                 outs.append(out)
                 layer_mass.append(mass)
@@ -304,19 +298,19 @@ class Scheduler:
             masses.append(layer_mass)
             h = model.finish_layer(layer, h, outs[0] if len(outs) == 1 else torch.cat(outs))
         self._after_forward(decodes, prefills, q_rows, masses if want_mass else None)
-        last = list(range(n_dec)) + [n_dec + e - 1 for e in ends]
-        return model.logits(h[torch.tensor(last, dtype=torch.long, device=dev)])
+        if prefills:  # only each prompt's last position samples
+            last = list(range(n_dec)) + [n_dec + e - 1 for e in ends]
+            h = h.index_select(0, torch.tensor(last, dtype=torch.long, device=dev))
+        return model.logits(h)
 
-    def _decode_tables(self, decodes: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Page tables [B, P] padded with page 0 (real, finite, masked) and the mask [B, P * page_size]
-        of entries in use, built once per step and shared by every layer's decode attention."""
-        ps, dev = self.pool.page_size, self.pool.k.device
+    def _decode_layout(self, decodes: list[RequestState]) -> DecodeLayout:
+        """Page tables padded with page 0 (real, finite, masked) and masks, built once per step and
+        shared by every layer's decode attention."""
+        ps = self.pool.page_size
         lengths = [r.n_cached + 1 for r in decodes]
-        width = -(-max(lengths) // ps)
         tables = [r.pages[: -(-n // ps)] for r, n in zip(decodes, lengths, strict=True)]
-        tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
-        lengths_t = torch.tensor(lengths, dtype=torch.long, device=dev)
-        return tables_t, torch.arange(width * ps, device=dev)[None, :] < lengths_t[:, None]
+        dtype, device = self.pool.k.dtype, self.pool.k.device
+        return DecodeLayout.build(tables, lengths, page_size=ps, dtype=dtype, device=device)
 
     def _window_rows(self, n_dec: int, prefill_tokens: list[int]) -> torch.Tensor:
         """Rows whose queries enter the observation window: every decode row, each prompt's last w."""
