@@ -510,7 +510,9 @@ def decode_patch(data: bytes) -> DecodedPatch:
         if base is None and not entry.dense:
             raise PatchError(f"full patch (no base version) has a sparse tensor {entry.name!r}")
         ranks = []
-        for (nnz, gap_width, width, n_escape), size in zip(entry.runs, entry.sizes, strict=False):
+        for k, (nnz, gap_width, width, n_escape) in enumerate(entry.runs):
+            # lower classes: ranks among the class's elements; the bulk (last run): flat indices
+            span = entry.sizes[k] if k < len(entry.cuts) else int(np.prod(entry.shape, dtype=np.int64))
             if g + nnz * gap_width > gaps_all.size or e + n_escape * width > len(escapes_all):
                 raise PatchError(f"tensor {entry.name!r}: index streams end early")
             ranks.append(
@@ -519,7 +521,7 @@ def decode_patch(data: bytes) -> DecodedPatch:
                     gap_width,
                     bytes(escapes_all[e : e + n_escape * width]),
                     width,
-                    size,
+                    span,
                     entry.name,
                 )
             )
