@@ -25,8 +25,8 @@ PREFIX = struct.Struct("<8sHBBIIQQ")
 def _state(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {
-        "a.weight": (torch.randn(96, 40, generator=gen) * 0.02).bfloat16(),
-        "b.weight": (torch.randn(2000, generator=gen) * 0.02).bfloat16(),
+        "a.weight": (torch.randn(96, 400, generator=gen) * 0.02).bfloat16(),
+        "b.weight": (torch.randn(20000, generator=gen) * 0.02).bfloat16(),
         "c.bias": torch.zeros(40, dtype=torch.bfloat16),
     }
 
@@ -156,7 +156,7 @@ def test_resealed_semantic_damage_is_rejected(setup):
     first = header["tensors"][0]
     with_header(lambda h: h["tensors"].append(dict(h["tensors"][0])))  # duplicated tensor entry
     with_header(lambda h: h["tensors"][0].update(name="zzz.weight"))  # unknown tensor
-    with_header(lambda h: h["tensors"][0].update(shape=[40, 96]))  # wrong shape
+    with_header(lambda h: h["tensors"][0].update(shape=[400, 96]))  # wrong shape
     with_header(lambda h: h["tensors"][0].update(dtype="float32"))
     with_header(lambda h: h["tensors"][0].update(nnz=first["nnz"] + 1))
     with_header(lambda h: h["tensors"][0].update(digest="00" * 16))  # wrong reconstructed digest
@@ -172,11 +172,12 @@ def test_resealed_semantic_damage_is_rejected(setup):
     with_header(lambda h: h["tensors"][0].update(runs=h["tensors"][0]["runs"][:1]))
     # class layout: a cut moved (sizes no longer those of the base), sizes shifted between classes,
     # a cut dropped, cuts not ascending, a cut past the finite magnitudes
-    with_header(lambda h: h["tensors"][0].update(cuts=[first["cuts"][0] + 128]))
-    sizes = first["class_sizes"]
-    with_header(lambda h: h["tensors"][0].update(class_sizes=[sizes[0] + 1, sizes[1] - 1]))
-    with_header(lambda h: h["tensors"][0].update(cuts=[], class_sizes=[sum(sizes)]))
-    with_header(lambda h: h["tensors"][0].update(cuts=[first["cuts"][0], 1], class_sizes=[*sizes, 0]))
+    cuts, sizes = first["cuts"], first["class_sizes"]
+    assert len(cuts) >= 2
+    with_header(lambda h: h["tensors"][0].update(cuts=[*cuts[:-1], cuts[-1] + 128]))
+    with_header(lambda h: h["tensors"][0].update(class_sizes=[sizes[0] + 1, sizes[1] - 1, *sizes[2:]]))
+    with_header(lambda h: h["tensors"][0].update(cuts=cuts[:-1], class_sizes=sizes[:-1]))
+    with_header(lambda h: h["tensors"][0].update(cuts=cuts[::-1]))
     with_header(lambda h: h["tensors"][0].update(cuts=[0x7F81]))
     # gap stream bytes driven out of range: the first class's ranks pushed past its size
     nnz0 = first["runs"][0][0]

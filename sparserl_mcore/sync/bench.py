@@ -195,7 +195,7 @@ HEADER = (
 
 def _format(r: dict) -> str:
     return (
-        f"{r['lr']:>7.0e} {r['step']:>4} {r['encoding']:>9} {r['positions']:>5} {100 * r['sparsity']:>8.3f}% "
+        f"{r['lr']:>7.2g} {r['step']:>4} {r['encoding']:>9} {r['positions']:>5} {100 * r['sparsity']:>8.3f}% "
         f"{r['patch_bytes'] / 2**20:>9.3f} {r['ratio']:>6.1f}x {r['bytes_per_changed']:>6.3f} "
         f"{r['encode_s']:>6.2f} {r['apply_s']:>7.2f} {r['dense_save_s']:>6.2f} {r['dense_load_s']:>6.2f} "
         f"{'yes' if r['bit_identical'] else 'NO':>5}"
