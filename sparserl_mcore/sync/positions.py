@@ -8,9 +8,10 @@ tensor's elements into a few magnitude classes by cuts on |base bits| (`cuts`, a
 each class's changed positions as gaps among that class's elements costs ~ sum of nnz_c x H(p_c) / p_c
 bits instead of nnz x H(p) / p: near nothing for classes that (almost) all flip or none do.
 
-Class c of an element is the number of cuts <= its magnitude bits (`bits & 0x7fff`); the last class
-(at or above every cut) is the bulk and is never listed: its ranks map back through the sorted list
-of lower-class elements. Cost per tensor: one chunked O(numel) compare + the lower classes' indices.
+Class c of an element is the number of cuts <= its magnitude bits (`bits & 0x7fff`). The lower
+classes are listed (ascending flat indices) on both sides and their changes coded as ranks in
+them; the last class (at or above every cut) is the bulk, never listed, whose changes keep flat
+indices. Cost per tensor: one chunked O(numel) compare plus work per listed element.
 """
 
 from __future__ import annotations
@@ -129,10 +130,10 @@ def class_ranks(
         low = np.delete(low, np.searchsorted(low, indices[now_low & ~was_low]))
         came = indices[was_low & ~now_low]
         low = np.insert(low, np.searchsorted(low, came), came)
-    changed = np.zeros(base_bits.size, bool)  # a flag scratch: gathers instead of binary searches
-    changed[indices] = True
+    flags = np.zeros(base_bits.size, bool)  # change flags: gathers instead of binary searches
+    flags[indices] = True
     mags = base_bits[low] & 0x7FFF
-    low_changed = changed[low]
+    low_changed = flags[low]
     mags[low_changed] = old_mag[was_low]  # both in ascending index order
     low_class = _classes(mags, cuts)
     ranks, sizes = [], []
