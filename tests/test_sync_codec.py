@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from sparserl_mcore.sync import positions
 from sparserl_mcore.sync.apply import HFReceiver
 from sparserl_mcore.sync.codec import (
     POSITION_MODELS,
@@ -198,3 +199,29 @@ def test_fragments_apply_together_only(weights):
         receiver.apply(good)
         assert _equal(receiver.state, new)
     assert inspect_patch(b"".join(parts))["fragments"] == 2
+
+
+def test_class_ranks_read_only_unchanged_positions_of_base_bits():
+    """The learner passes its already-updated mirror as base_bits: changed elements that crossed a
+    cut (both ways) must still be classed by their old values, so the result equals the old tensor's."""
+    gen = torch.Generator().manual_seed(4)
+    old = _bits((torch.randn(5000, generator=gen) * 0.02).bfloat16()).numpy().view(np.uint16).copy()
+    cuts = (0x3900, 0x3A00)  # |w| < 2^-13, < 2^-11 (bf16 exponent boundaries)
+    new = old.copy()
+    changed = np.sort(np.random.default_rng(0).choice(old.size, 400, replace=False))
+    new[changed[::2]] = (old[changed[::2]] & 0x8000) | 0x3880  # now below both cuts
+    new[changed[1::2]] = (old[changed[1::2]] & 0x8000) | 0x3C00  # now above both
+    changed = changed[new[changed] != old[changed]]
+    mags = old[changed] & 0x7FFF
+    assert ((mags < 0x3A00) & ((new[changed] & 0x7FFF) >= 0x3A00)).any()  # crossings both ways
+    assert ((mags >= 0x3A00) & ((new[changed] & 0x7FFF) < 0x3A00)).any()
+    from_old = positions.class_ranks(changed, old[changed], old, cuts)
+    from_new = positions.class_ranks(changed, old[changed], new, cuts)
+    assert from_old[2] == from_new[2]
+    np.testing.assert_array_equal(from_old[1], from_new[1])
+    for a, b in zip(from_old[0], from_new[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    # and the receiver, holding the old tensor, maps them back to the changed positions
+    flat = positions.class_positions(old, cuts, from_old[2], from_old[0])
+    np.testing.assert_array_equal(np.sort(flat), changed)
+    np.testing.assert_array_equal(flat, changed[from_old[1]])
