@@ -6,6 +6,9 @@ random token sequences, and is cast back to bf16 after each step (megatron-style
 Per step and value encoding: BF16 sparsity, patch bytes, ratio vs dense BF16, bytes per changed
 element, encode time (diff + hashes + encode), decode+apply+verify time, next to a dense
 safetensors save and load of the same weights, and bit-identity of the patched receiver.
+`--position-models base plain` measures both position models side by side; `--mid-training` starts
+the fp32 master inside each weight's rounding interval (a fresh master makes the first steps flip
+by exponent alone, the best case for the base position model).
 """
 
 from __future__ import annotations
