@@ -421,13 +421,11 @@ def _check_entry(entry: dict, i: int) -> _Entry:
         )
     runs = []
     for k, run in enumerate(_field(entry, "runs", list, where)):
-        run_nnz, gap_width, width, n_escape = (
-            run if isinstance(run, list) and len(run) == 4 else (None, None, None, None)
-        )
-        ok = (
-            all(isinstance(x, int) and not isinstance(x, bool) for x in run) if run_nnz is not None else False
-        )
-        if not ok or not 0 <= run_nnz <= sizes[min(k, len(sizes) - 1)] or gap_width not in GAP_WIDTHS:
+        ints = isinstance(run, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in run)
+        if not ints or len(run) != 4:
+            raise PatchError(f"patch header: {where} ({name}) run {k} {run} is not 4 integers")
+        run_nnz, gap_width, width, n_escape = run
+        if not 0 <= run_nnz <= sizes[min(k, len(sizes) - 1)] or gap_width not in GAP_WIDTHS:
             raise PatchError(f"patch header: {where} ({name}) run {k} {run} invalid")
         if (width == 0) != (n_escape == 0) or width not in (0, *_WIDTHS) or not 0 <= n_escape <= run_nnz:
             raise PatchError(
