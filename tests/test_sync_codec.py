@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from sparserl_mcore.sync import positions
 from sparserl_mcore.sync.apply import HFReceiver
 from sparserl_mcore.sync.codec import (
+    POSITION_MODELS,
     VALUE_ENCODINGS,
     CodecConfig,
     PatchError,
@@ -17,6 +19,7 @@ from sparserl_mcore.sync.codec import (
     encode_patch,
     inspect_patch,
     read_header,
+    resolve_positions,
 )
 from sparserl_mcore.sync.diff import full_patch, make_patch
 
@@ -55,13 +58,18 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
 
 
+@pytest.mark.parametrize("position_model", POSITION_MODELS)
 @pytest.mark.parametrize("encoding", sorted(VALUE_ENCODINGS))
 @pytest.mark.parametrize("zstd_level", [None, 1, 9])
-def test_round_trip_bit_exact(weights, encoding, zstd_level):
-    new = _adam_like_step(weights, 1e-4, seed=1)
+def test_round_trip_bit_exact(weights, encoding, zstd_level, position_model):
+    new = _adam_like_step(weights, 3e-6, seed=1)
     new["odd.weight"] = torch.tensor([-0.0, 0.0, 1.0, -1e-30, 1e-30, float("nan")], dtype=torch.bfloat16)
     patch = make_patch(weights, new, version=7, base_version=6, anchor_version=0)
-    data = encode_patch(patch, CodecConfig(encoding=encoding, zstd_level=zstd_level))
+    config = CodecConfig(encoding=encoding, zstd_level=zstd_level, position_model=position_model)
+    data = encode_patch(patch, config)
+    base_coded = [t["name"] for t in read_header(data)[1]["tensors"] if t["cuts"]]
+    # overwrite needs no base values, so it keeps plain positions
+    assert bool(base_coded) == (position_model == "base" and encoding != "overwrite")
     receiver = HFReceiver({k: v.clone() for k, v in weights.items()}, version=6)
     result = receiver.apply(data)
     assert _equal(receiver.state, new)
@@ -86,7 +94,8 @@ def test_large_gaps_use_escapes(indices, gap_width, zstd_level):
     new["w"].view(-1)[indices] = 1.0
     patch = make_patch(big, new, version=1, base_version=0, anchor_version=0)
     data = encode_patch(patch, CodecConfig(zstd_level=zstd_level))
-    assert read_header(data)[1]["tensors"][0]["gap_width"] == gap_width
+    entry = read_header(data)[1]["tensors"][0]
+    assert entry["cuts"] == [] and entry["runs"][0][1] == gap_width  # all-zero base: one class
     np.testing.assert_array_equal(decode_patch(data).tensors[0].indices, indices)
 
 
@@ -147,6 +156,29 @@ def test_config_validation_names_the_field():
         CodecConfig(encoding="delta")
     with pytest.raises(ValueError, match="zstd_level=0"):
         CodecConfig(zstd_level=0)
+    with pytest.raises(ValueError, match="position_model='exponent' is unknown; choose from base, plain"):
+        CodecConfig(position_model="exponent")
+
+
+def test_base_model_codes_flipping_classes_in_few_bytes():
+    """Small weights flip, large ones do not: with the base model the positions cost ~nothing,
+    the decoded indices are the changed ones, and the plain model pays ~a byte per change."""
+    gen = torch.Generator().manual_seed(3)
+    old = {"w": (torch.randn(400, 500, generator=gen) * 0.02).bfloat16()}
+    new = {"w": (old["w"].float() + 1e-6).bfloat16()}  # flips iff half an ulp of |w| < 1e-6
+    changed = np.flatnonzero((_bits(old["w"]) != _bits(new["w"])).numpy())
+    assert 0.005 < changed.size / old["w"].numel() < 0.05
+    patch = make_patch(old, new, version=1, base_version=0, anchor_version=0)
+    sizes = {m: len(encode_patch(patch, CodecConfig(position_model=m))) for m in POSITION_MODELS}
+    assert sizes["base"] < 0.75 * sizes["plain"]
+    data = encode_patch(patch, CodecConfig())
+    decoded = decode_patch(data).tensors[0]
+    assert decoded.indices is None and decoded.classes is not None  # needs the base to resolve
+    resolved = resolve_positions(decode_patch(data), lambda name: _bits(old[name]).numpy().view(np.uint16))
+    np.testing.assert_array_equal(resolved.tensors[0].indices, changed)
+    receiver = HFReceiver({"w": old["w"].clone()}, version=0)
+    receiver.apply(data)
+    assert _equal(receiver.state, new)
 
 
 def test_fragments_apply_together_only(weights):
@@ -167,3 +199,29 @@ def test_fragments_apply_together_only(weights):
         receiver.apply(good)
         assert _equal(receiver.state, new)
     assert inspect_patch(b"".join(parts))["fragments"] == 2
+
+
+def test_class_ranks_read_only_unchanged_positions_of_base_bits():
+    """The learner passes its already-updated mirror as base_bits: changed elements that crossed a
+    cut (both ways) must still be classed by their old values, so the result equals the old tensor's."""
+    gen = torch.Generator().manual_seed(4)
+    old = _bits((torch.randn(5000, generator=gen) * 0.02).bfloat16()).numpy().view(np.uint16).copy()
+    cuts = (0x3900, 0x3A00)  # |w| < 2^-13, < 2^-11 (bf16 exponent boundaries)
+    new = old.copy()
+    changed = np.sort(np.random.default_rng(0).choice(old.size, 400, replace=False))
+    new[changed[::2]] = (old[changed[::2]] & 0x8000) | 0x3880  # now below both cuts
+    new[changed[1::2]] = (old[changed[1::2]] & 0x8000) | 0x3C00  # now above both
+    changed = changed[new[changed] != old[changed]]
+    mags = old[changed] & 0x7FFF
+    assert ((mags < 0x3A00) & ((new[changed] & 0x7FFF) >= 0x3A00)).any()  # crossings both ways
+    assert ((mags >= 0x3A00) & ((new[changed] & 0x7FFF) < 0x3A00)).any()
+    from_old = positions.class_ranks(changed, old[changed], old, cuts)
+    from_new = positions.class_ranks(changed, old[changed], new, cuts)
+    assert from_old[2] == from_new[2]
+    np.testing.assert_array_equal(from_old[1], from_new[1])
+    for a, b in zip(from_old[0], from_new[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    # and the receiver, holding the old tensor, maps them back to the changed positions
+    flat = positions.class_positions(old, cuts, from_old[2], from_old[0])
+    np.testing.assert_array_equal(np.sort(flat), changed)
+    np.testing.assert_array_equal(flat, changed[from_old[1]])

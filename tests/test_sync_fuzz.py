@@ -16,7 +16,7 @@ import xxhash
 import zstandard
 
 from sparserl_mcore.sync.apply import HFReceiver
-from sparserl_mcore.sync.codec import CodecConfig, PatchError, encode_patch
+from sparserl_mcore.sync.codec import STREAMS, CodecConfig, PatchError, encode_patch
 from sparserl_mcore.sync.diff import full_patch, make_patch
 
 PREFIX = struct.Struct("<8sHBBIIQQ")
@@ -25,8 +25,8 @@ PREFIX = struct.Struct("<8sHBBIIQQ")
 def _state(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {
-        "a.weight": (torch.randn(96, 40, generator=gen) * 0.02).bfloat16(),
-        "b.weight": (torch.randn(2000, generator=gen) * 0.02).bfloat16(),
+        "a.weight": (torch.randn(96, 400, generator=gen) * 0.02).bfloat16(),
+        "b.weight": (torch.randn(20000, generator=gen) * 0.02).bfloat16(),
         "c.bias": torch.zeros(40, dtype=torch.bfloat16),
     }
 
@@ -34,25 +34,35 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 def _stepped(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {
-        k: (v.float() + 3e-4 * torch.randn(v.shape, generator=gen).sign()).bfloat16()
+        # half a BF16 ulp of |w| < ~0.001 is < 3e-6: only small weights flip (positions use magnitude classes)
+        k: (v.float() + 3e-6 * torch.randn(v.shape, generator=gen).sign()).bfloat16()
         for k, v in state.items()
     }
 
 
 def _split(data: bytes) -> tuple[tuple, dict, bytes]:
+    """(prefix fields, header, stored body: one zstd frame per stream)."""
     fields = PREFIX.unpack_from(data)
     header_len = fields[4]
     header = json.loads(zstandard.ZstdDecompressor().decompress(data[PREFIX.size : PREFIX.size + header_len]))
     return fields, header, data[PREFIX.size + header_len : -16]
 
 
-def _seal(fields: tuple, header: dict, raw: bytes, compress: bool = True) -> bytes:
-    """Re-frame with a valid checksum, as a buggy (not a noisy) sender would."""
-    raw_head = json.dumps(header).encode()
+def _seal(fields: tuple, header: dict, streams: list[bytes], compress: bool = True) -> bytes:
+    """Re-frame raw streams with a valid checksum and a consistent stream table, as a buggy (not a
+    noisy) sender would: only the content is wrong."""
     zstd = zstandard.ZstdCompressor(level=1)
-    body, head = (zstd.compress(raw), zstd.compress(raw_head)) if compress else (raw, raw_head)
+    stored = [zstd.compress(x) if compress and x else x for x in streams]
+    header = {
+        **header,
+        "streams": {k: [len(r), len(st)] for k, r, st in zip(STREAMS, streams, stored, strict=True)},
+    }
+    raw_head = json.dumps(header).encode()
+    head = zstd.compress(raw_head) if compress else raw_head
+    body = b"".join(stored)
+    raw_len = sum(len(x) for x in streams)
     prefix = PREFIX.pack(
-        fields[0], fields[1], 1 if compress else 0, 0, len(head), len(raw_head), len(body), len(raw)
+        fields[0], fields[1], 1 if compress else 0, 0, len(head), len(raw_head), len(body), raw_len
     )
     return prefix + head + body + xxhash.xxh3_128_digest(prefix + head + body)
 
@@ -62,6 +72,7 @@ def setup():
     base = _state(0)
     new = _stepped(base, 1)
     data = encode_patch(make_patch(base, new, version=4, base_version=3, anchor_version=0), CodecConfig())
+    assert all(t["cuts"] for t in _split(data)[1]["tensors"] if t["name"] != "c.bias")  # base model in use
     return base, new, data
 
 
@@ -121,52 +132,83 @@ def test_wrong_base_and_wrong_model_are_rejected(setup):
     assert _rejected(other, data)
 
 
-def _raw(data: bytes) -> bytes:
-    _, _, body = _split(data)
-    return zstandard.ZstdDecompressor().decompress(body)
+def _raw_streams(data: bytes) -> list[bytes]:
+    _, header, body = _split(data)
+    out, offset = [], 0
+    for key in STREAMS:
+        raw_len, stored = header["streams"][key]
+        out.append(zstandard.ZstdDecompressor().decompress(body[offset : offset + stored]) if stored else b"")
+        offset += stored
+    return out
 
 
 def test_resealed_semantic_damage_is_rejected(setup):
     base, _, data = setup
     fields, header, _ = _split(data)
-    raw = _raw(data)
-    streams = header["streams"]
-    n_gaps = streams["gaps"]
+    gaps, escapes, lo, hi = streams = _raw_streams(data)
     variants = []
 
     def with_header(edit) -> None:
         h = json.loads(json.dumps(header))
         edit(h)
-        variants.append(_seal(fields, h, raw))
+        variants.append(_seal(fields, h, streams))
 
+    first = header["tensors"][0]
     with_header(lambda h: h["tensors"].append(dict(h["tensors"][0])))  # duplicated tensor entry
     with_header(lambda h: h["tensors"][0].update(name="zzz.weight"))  # unknown tensor
-    with_header(lambda h: h["tensors"][0].update(shape=[40, 96]))  # wrong shape
+    with_header(lambda h: h["tensors"][0].update(shape=[400, 96]))  # wrong shape
     with_header(lambda h: h["tensors"][0].update(dtype="float32"))
-    with_header(lambda h: h["tensors"][0].update(nnz=h["tensors"][0]["nnz"] + 1))
+    with_header(lambda h: h["tensors"][0].update(nnz=first["nnz"] + 1))
     with_header(lambda h: h["tensors"][0].update(digest="00" * 16))  # wrong reconstructed digest
     with_header(lambda h: h.update(model_digest="11" * 16))
     with_header(lambda h: h.update(base_version=2))
     with_header(lambda h: h.update(base_version=None))  # sparse content claimed full
     with_header(lambda h: h.update(encoding="lz77"))
     with_header(lambda h: h["tensors"].reverse())  # tensor sections reordered
-    with_header(lambda h: h["streams"].update(gaps=n_gaps - 1, escapes=streams["escapes"] + 1))
     with_header(lambda h: h.pop("tensors"))
-    with_header(lambda h: h["tensors"][0].update(gap_width=2))  # gap planes misread
-    with_header(lambda h: h["tensors"][0].update(gap_width=0))
-    # gap stream bytes driven out of range: last gap pushed past the tensor end
-    out_of_range = bytearray(raw)
-    out_of_range[header["tensors"][0]["nnz"] - 1] = 254
-    for k in range(header["tensors"][0]["nnz"]):
-        out_of_range[k] = 254
-    variants.append(_seal(fields, header, bytes(out_of_range)))
-    # value planes swapped
-    lo, hi = n_gaps + streams["escapes"], n_gaps + streams["escapes"] + streams["values_lo"]
-    variants.append(_seal(fields, header, raw[:lo] + raw[hi:] + raw[lo:hi]))
-    variants.append(_seal(fields, header, raw[:-1]))  # body shorter than its streams
-    variants.append(_seal(fields, header, raw, compress=False)[:-17] + b"\0" * 17)
+    with_header(lambda h: h["tensors"][0]["runs"][0].__setitem__(1, 2))  # gap planes misread
+    with_header(lambda h: h["tensors"][0]["runs"][0].__setitem__(1, 0))
+    with_header(lambda h: h["tensors"][0]["runs"].reverse())  # class runs swapped
+    with_header(lambda h: h["tensors"][0].update(runs=h["tensors"][0]["runs"][:1]))
+    # class layout: a cut moved (sizes no longer those of the base), sizes shifted between classes,
+    # a cut dropped, cuts not ascending, a cut past the finite magnitudes
+    cuts, sizes = first["cuts"], first["class_sizes"]
+    assert len(cuts) >= 2
+    with_header(lambda h: h["tensors"][0].update(cuts=[*cuts[:-1], cuts[-1] + 128]))
+    with_header(lambda h: h["tensors"][0].update(class_sizes=[sizes[0] + 1, sizes[1] - 1, *sizes[2:]]))
+    with_header(lambda h: h["tensors"][0].update(cuts=cuts[:-1], class_sizes=sizes[:-1]))
+    with_header(lambda h: h["tensors"][0].update(cuts=cuts[::-1]))
+    with_header(lambda h: h["tensors"][0].update(cuts=[0x7F81]))
+    # gap stream bytes driven out of range: the first class's ranks pushed past its size
+    nnz0 = first["runs"][0][0]
+    variants.append(_seal(fields, header, [b"\xfe" * nnz0 + gaps[nnz0:], escapes, lo, hi]))
+    variants.append(_seal(fields, header, [gaps, escapes, hi, lo]))  # value planes swapped
+    variants.append(_seal(fields, header, [gaps, escapes, lo, hi[:-1]]))  # a value plane short
+    variants.append(_seal(fields, header, [gaps[1:], escapes, lo, hi]))  # gap stream short
+    variants.append(_seal(fields, header, streams, compress=False)[:-17] + b"\0" * 17)
     failures = [k for k, v in enumerate(variants) if not _rejected(base, v)]
     assert failures == []
+
+
+def test_a_wrong_or_corrupt_base_is_rejected(setup):
+    """Positions decode against the receiver's base: a base whose magnitude classes differ is
+    rejected before any write; one that differs inside a class is caught by the digests."""
+    base, _, data = setup
+    header = _split(data)[1]
+    cut = header["tensors"][0]["cuts"][0]
+    flat = base["a.weight"].view(-1).view(torch.int16)
+    mags = flat.int() & 0x7FFF
+    small, large = int(torch.nonzero(mags < cut)[0]), int(torch.nonzero(mags >= cut)[0])
+    crossed = {k: v.clone() for k, v in base.items()}
+    crossed["a.weight"].view(-1).view(torch.int16)[small] = flat[large]  # a small weight became large
+    same_class = {k: v.clone() for k, v in base.items()}
+    same_class["a.weight"].view(-1).view(torch.int16)[large] ^= 1  # one ulp, same class
+    other_seed = _state(5)  # same names and shapes, different values
+    for wrong in (crossed, same_class, other_seed):
+        assert _rejected(wrong, data)
+    receiver = HFReceiver({k: v.clone() for k, v in crossed.items()}, version=3)
+    with pytest.raises(PatchError, match="do not match the patch's position classes"):
+        receiver.apply(data)
 
 
 def test_full_patch_for_a_different_model_is_rejected():

@@ -21,9 +21,11 @@ from sparserl_mcore.sync.codec import (
     DecodedPatch,
     PatchError,
     decode_fragments,
+    resolve_positions,
 )
 from sparserl_mcore.sync.hashing import (
     DTYPES,
+    bits_view,
     model_digest,
     state_dict_digests,
     state_dict_meta,
@@ -107,6 +109,7 @@ def apply_decoded(
 ) -> ApplyResult:
     """Apply a decoded patch in place; see the module docstring for the all-or-nothing contract."""
     check_target(patch, {name: (tuple(t.shape), t.dtype) for name, t in state.items()}, version)
+    patch = resolve_positions(patch, lambda name: bits_view(state[name]))
     digests = dict(digests) if digests is not None else state_dict_digests(state)
     planned = []
     for t in patch.tensors:

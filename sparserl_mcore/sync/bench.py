@@ -6,6 +6,9 @@ random token sequences, and is cast back to bf16 after each step (megatron-style
 Per step and value encoding: BF16 sparsity, patch bytes, ratio vs dense BF16, bytes per changed
 element, encode time (diff + hashes + encode), decode+apply+verify time, next to a dense
 safetensors save and load of the same weights, and bit-identity of the patched receiver.
+`--position-models base plain` measures both position models side by side; `--mid-training` starts
+the fp32 master inside each weight's rounding interval (a fresh master makes the first steps flip
+by exponent alone, the best case for the base position model).
 """
 
 from __future__ import annotations
@@ -62,12 +65,38 @@ def _hf_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if v.is_floating_point()}
 
 
+def _inside_rounding_interval(weight: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """fp32 values anywhere in each bf16 value's rounding interval, as a master copy is mid-training;
+    a fresh master sits exactly on its bf16 value, which makes the first steps flip by exponent alone
+    (every weight with half an ulp < lr, none above)."""
+    bits = weight.view(torch.int16).int()
+    mag = bits & 0x7FFF
+
+    def magnitude(m: torch.Tensor) -> torch.Tensor:
+        return m.to(torch.int16).view(torch.bfloat16).float()
+
+    here, down, up = magnitude(mag), magnitude((mag - 1).clamp_min(0)), magnitude(mag + 1)
+    # 0.999: stay strictly inside, so the master still rounds to the same bf16 value (ties excluded)
+    low, high = here + 0.4995 * (down - here), here + 0.4995 * (up - here)
+    master = low + torch.rand(weight.shape, generator=gen) * (high - low)
+    master = torch.where(bits < 0, -master, master)
+    if not torch.equal(master.bfloat16().view(torch.int16), weight.view(torch.int16)):
+        raise RuntimeError("mid-training master does not round to its bf16 weight")
+    return master
+
+
 class MixedPrecisionAdam:
     """bf16 model params, fp32 master params in torch Adam, cast back after every step."""
 
-    def __init__(self, model: torch.nn.Module, lr: float) -> None:
+    def __init__(self, model: torch.nn.Module, lr: float, mid_training: bool = False) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.master = [p.detach().float().requires_grad_(True) for p in self.params]
+        gen = torch.Generator().manual_seed(2)
+        self.master = [
+            (
+                _inside_rounding_interval(p.detach(), gen) if mid_training else p.detach().float()
+            ).requires_grad_(True)
+            for p in self.params
+        ]
         # per-tensor (not foreach) Adam: no model-sized temporaries on a shared 24 GB box
         self.optimizer = torch.optim.Adam(self.master, lr=lr, betas=(0.9, 0.999), eps=1e-8, foreach=False)
 
@@ -101,12 +130,12 @@ def _dense_round_trip(state: dict[str, torch.Tensor], tmp: Path, repeat: int) ->
     return save_s, load_s
 
 
-def _measure(prev, cur, step: int, encoding: str, digests, repeat: int) -> dict:
+def _measure(prev, cur, step: int, config: CodecConfig, digests, repeat: int) -> dict:
     def encode(_) -> bytes:
         patch = make_patch(
             prev, cur, version=step, base_version=step - 1, anchor_version=0, old_digests=digests
         )
-        return encode_patch(patch, CodecConfig(encoding=encoding))
+        return encode_patch(patch, config)
 
     def receiver_at_prev() -> HFReceiver:  # a receiver holding `prev`, digests cached
         return HFReceiver({k: v.clone() for k, v in prev.items()}, version=step - 1, digests=digests)
@@ -120,7 +149,8 @@ def _measure(prev, cur, step: int, encoding: str, digests, repeat: int) -> dict:
     changed = sum(int((prev[k].view(torch.int16) != cur[k].view(torch.int16)).sum()) for k in cur)
     return {
         "step": step,
-        "encoding": encoding,
+        "encoding": config.encoding,
+        "positions": config.position_model,
         "sparsity": 1 - changed / numel,
         "changed": changed,
         "patch_bytes": len(data),
@@ -136,7 +166,7 @@ def _measure(prev, cur, step: int, encoding: str, digests, repeat: int) -> dict:
 def _run_lr(args: argparse.Namespace, lr: float, steps: int, tmp: Path) -> list[dict]:
     model = _model(args)
     model.train()
-    opt = MixedPrecisionAdam(model, lr)
+    opt = MixedPrecisionAdam(model, lr, mid_training=args.mid_training)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
     prev = {k: v.clone() for k, v in _hf_state(model).items()}
@@ -150,23 +180,25 @@ def _run_lr(args: argparse.Namespace, lr: float, steps: int, tmp: Path) -> list[
         save_s, load_s = _dense_round_trip(cur, tmp, args.repeat)
         digests = state_dict_digests(prev)
         for encoding in args.encodings:
-            row = _measure(prev, cur, step, encoding, digests, args.repeat)
-            row.update(lr=lr, loss=loss.item(), dense_save_s=save_s, dense_load_s=load_s)
-            rows.append(row)
-            print(_format(row), flush=True)
+            for model_name in args.position_models:  # side by side in one run: timings comparable
+                config = CodecConfig(encoding=encoding, position_model=model_name)
+                row = _measure(prev, cur, step, config, digests, args.repeat)
+                row.update(lr=lr, loss=loss.item(), dense_save_s=save_s, dense_load_s=load_s)
+                rows.append(row)
+                print(_format(row), flush=True)
         prev = {k: v.clone() for k, v in cur.items()}
     return rows
 
 
 HEADER = (
-    f"{'lr':>7} {'step':>4} {'enc':>9} {'sparsity':>9} {'patch MB':>9} {'ratio':>7} {'B/chg':>6} "
+    f"{'lr':>7} {'step':>4} {'enc':>9} {'pos':>5} {'sparsity':>9} {'patch MB':>9} {'ratio':>7} {'B/chg':>6} "
     f"{'enc s':>6} {'apply s':>7} {'save s':>6} {'load s':>6} {'exact':>5}"
 )
 
 
 def _format(r: dict) -> str:
     return (
-        f"{r['lr']:>7.0e} {r['step']:>4} {r['encoding']:>9} {100 * r['sparsity']:>8.3f}% "
+        f"{r['lr']:>7.2g} {r['step']:>4} {r['encoding']:>9} {r['positions']:>5} {100 * r['sparsity']:>8.3f}% "
         f"{r['patch_bytes'] / 2**20:>9.3f} {r['ratio']:>6.1f}x {r['bytes_per_changed']:>6.3f} "
         f"{r['encode_s']:>6.2f} {r['apply_s']:>7.2f} {r['dense_save_s']:>6.2f} {r['dense_load_s']:>6.2f} "
         f"{'yes' if r['bit_identical'] else 'NO':>5}"
@@ -175,7 +207,8 @@ def _format(r: dict) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     for encoding in args.encodings:
-        CodecConfig(encoding=encoding)  # unknown names fail before any training
+        for model_name in args.position_models:
+            CodecConfig(encoding=encoding, position_model=model_name)  # unknown names fail before training
     if args.repeat < 1 or args.seq_len < 1 or args.batch < 1 or (args.steps is not None and args.steps < 1):
         raise ValueError("--repeat, --seq-len, --batch and --steps must be >= 1")
     torch.set_grad_enabled(True)
@@ -183,7 +216,11 @@ def run_bench(args: argparse.Namespace) -> int:
     shape = (
         "from " + str(args.hf_dir) if args.hf_dir else ("Qwen2.5-0.5B shape" if args.full else "quick shape")
     )
-    print(f"sparse sync bench: {shape}, {steps} Adam steps per lr, batch {args.batch} x seq {args.seq_len}")
+    master = "mid-training master (inside each rounding interval)" if args.mid_training else "fresh master"
+    print(
+        f"sparse sync bench: {shape}, {steps} Adam steps per lr, batch {args.batch} x seq {args.seq_len}, "
+        f"{master}"
+    )
     print(HEADER)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -197,11 +234,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _summary(rows: list[dict]) -> None:
     """Per encoding: the worst bytes per changed element and how often encode beat the dense save."""
-    for encoding in dict.fromkeys(r["encoding"] for r in rows):
-        mine = [r for r in rows if r["encoding"] == encoding]
+    for encoding, positions in dict.fromkeys((r["encoding"], r["positions"]) for r in rows):
+        mine = [r for r in rows if (r["encoding"], r["positions"]) == (encoding, positions)]
         faster = sum(r["encode_s"] <= r["dense_save_s"] for r in mine)
         print(
-            f"{encoding:>9}: bytes/changed {min(r['bytes_per_changed'] for r in mine):.3f}.."
+            f"{encoding:>9} {positions:>5}: bytes/changed {min(r['bytes_per_changed'] for r in mine):.3f}.."
             f"{max(r['bytes_per_changed'] for r in mine):.3f}, ratio {min(r['ratio'] for r in mine):.1f}.."
             f"{max(r['ratio'] for r in mine):.1f}x, encode <= dense save in {faster}/{len(mine)} steps"
         )

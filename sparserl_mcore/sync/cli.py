@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--seq-len", type=int, default=64, help="tokens per sequence of the LM loss")
     bench.add_argument("--batch", type=int, default=2, help="sequences per step")
     bench.add_argument("--encodings", nargs="+", default=["sub", "xor", "overwrite"], help="value encodings")
+    bench.add_argument(
+        "--position-models", nargs="+", default=["base"], help="position models (base, plain), side by side"
+    )
+    bench.add_argument(
+        "--mid-training", action="store_true", help="fp32 master anywhere in its bf16 rounding interval"
+    )
     bench.add_argument("--repeat", type=int, default=3, help="timed runs per measurement, fastest kept")
     bench.add_argument("--json", type=Path, default=None, help="also write the per-step rows here")
 

@@ -1,17 +1,21 @@
-"""Byte format of a sparse BF16 weight patch (format version 2; layout in docs/sync.md).
+"""Byte format of a sparse BF16 weight patch (format version 3; layout in docs/sync.md).
 
 A patch lists, per HF tensor, the flat positions whose 16-bit pattern changed and the new values
-in one of `VALUE_ENCODINGS`. Positions travel as gaps (gap = distance to the previous changed
-position minus one) of a per-tensor width, one byte or two byte planes (two when >= 1/8 of the
-tensor's gaps would not fit a byte, as at >= 99 % sparsity); the largest value of that width
-escapes into a per-tensor stream of the narrowest unsigned width that fits. Values travel as two
-byte planes (low, high): this keeps each stream's statistics uniform so zstd level 1 gets near
-~1.2 bytes per changed element at 99 % sparsity. The JSON header is zstd-compressed along with
-the body (it was ~10 % of a 0.1 MB patch). A *full* patch
-(`base_version=None`) carries every element densely and is the fallback / anchor.
+in one of `VALUE_ENCODINGS`. Positions are split into magnitude classes of the *base* values
+(`positions.py`: small weights flip far more often, and the receiver holds the base exactly), and
+each class's changed positions travel as gaps among that class's elements (gap = distance to the
+previous changed rank minus one), at a per-run width of one byte or two byte planes (two when
+>= 1/8 of the gaps would not fit a byte); the largest value of that width escapes into a stream
+of the narrowest unsigned width that fits. A tensor without cuts (one class) is the plain model,
+which needs no base. Values travel in the same class-major order as two byte planes (low, high):
+uniform statistics per stream are what zstd's entropy stage needs. Each stream (and the JSON
+header) is its own zstd frame. A *full* patch (`base_version=None`) carries every element densely
+and is the fallback / anchor.
 
-`decode_patch` validates everything (length, magic, trailer xxh3-128 over all bytes, header
-schema, stream lengths, index ranges) before anything is returned; applying is in `apply.py`.
+`decode_patch` validates everything that does not need the receiver (length, magic, trailer
+xxh3-128 over all bytes, header schema, stream lengths, rank ranges) before anything is returned;
+`resolve_positions` turns class ranks into flat indices against the receiver's base values (a base
+whose class sizes differ is rejected); applying is in `apply.py`.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ import numpy as np
 import xxhash
 import zstandard
 
+from sparserl_mcore.sync import positions
 from sparserl_mcore.sync.hashing import DIGEST_BYTES, DTYPES
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAGIC = b"SRLPATCH"
 # magic, format version, compression id, reserved, stored header bytes, raw header bytes,
 # stored body bytes, raw body bytes
@@ -40,6 +45,9 @@ GAP_WIDTHS = (1, 2)
 # two-byte gaps once this share of one-byte gaps would escape. Quick bench shape at 99.5 % sparsity:
 # shares 1/32..1/4 all within 0.1 % of two-byte gaps everywhere; one-byte gaps everywhere +2.3 %.
 _WIDE_GAP_SHARE = 1 / 8
+# "base": magnitude classes of the base values where the encoder estimates a saving (receivers must
+# hold each touched tensor whole); "plain": one class, decodable without the base
+POSITION_MODELS = ("base", "plain")
 
 
 class PatchError(ValueError):
@@ -85,10 +93,13 @@ VALUE_ENCODINGS: dict[str, ValueEncoding] = {
 
 @dataclass(frozen=True, kw_only=True)
 class CodecConfig:
-    """encoding: a `VALUE_ENCODINGS` key; zstd_level: 1..22, or None to store the body raw."""
+    """encoding: a `VALUE_ENCODINGS` key; zstd_level: 1..22, or None to store the body raw;
+    position_model: a `POSITION_MODELS` name ("plain" for receivers holding only part of a tensor,
+    e.g. one TP rank of a multi-process engine)."""
 
     encoding: str = "sub"
     zstd_level: int | None = 1
+    position_model: str = "base"
 
     def __post_init__(self) -> None:
         if self.encoding not in VALUE_ENCODINGS:
@@ -97,6 +108,10 @@ class CodecConfig:
             )
         if self.zstd_level is not None and not 1 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level={self.zstd_level} is out of range; use 1..22, or None for no zstd")
+        if self.position_model not in POSITION_MODELS:
+            raise ValueError(
+                f"position_model={self.position_model!r} is unknown; choose from {', '.join(POSITION_MODELS)}"
+            )
 
 
 # --- in-memory patch ------------------------------------------------------------------------------
@@ -106,7 +121,9 @@ class CodecConfig:
 class TensorChange:
     """One tensor's change. indices=None: dense (every element, values are the new bits).
 
-    old_bits is required for sparse changes under a delta encoding (xor, sub).
+    old_bits is required for sparse changes under a delta encoding (xor, sub). base_bits: the whole
+    tensor's flat bits, before or after the change (only unchanged positions are read), which lets
+    the `base` position model code positions against the receiver's base; None: plain positions.
     """
 
     name: str
@@ -116,6 +133,7 @@ class TensorChange:
     new_bits: np.ndarray
     old_bits: np.ndarray | None
     digest: bytes
+    base_bits: np.ndarray | None = None
 
     @property
     def numel(self) -> int:
@@ -142,13 +160,31 @@ class Patch:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BaseClasses:
+    """Positions still coded against the base: per-class ascending ranks (stored values follow the
+    same class-major order) and the class sizes the encoder's base had."""
+
+    cuts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    ranks: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class DecodedTensor:
+    """indices: ascending flat positions; None for a dense tensor, or (with `classes`) until
+    `resolve_positions` has the receiver's base."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
     indices: np.ndarray | None
     stored: np.ndarray
     digest: bytes
+    classes: BaseClasses | None = None
+
+    @property
+    def dense(self) -> bool:
+        return self.indices is None and self.classes is None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,6 +234,31 @@ def _encode_indices(indices: np.ndarray) -> tuple[bytes, int, bytes, int, int]:
     return planes, gap_width, escapes.astype(f"<u{width or 1}").tobytes(), width, int(escapes.size)
 
 
+def _encode_positions(
+    change: TensorChange, config: CodecConfig
+) -> tuple[dict, list[bytes], list[bytes], np.ndarray | None]:
+    """(header fields, gap planes and escape bytes per class run, class-major order of the changes
+    or None when that is the flat order)."""
+    indices, cuts = change.indices, ()
+    base_coded = config.position_model == "base" and VALUE_ENCODINGS[config.encoding].needs_base
+    if base_coded and change.base_bits is not None and change.old_bits is not None:
+        old = change.old_bits.astype(np.uint16, copy=False)
+        base = change.base_bits.reshape(-1).view(np.uint16)
+        cuts = positions.choose_cuts(base, old)
+    if cuts:
+        ranks, order, sizes = positions.class_ranks(indices, old, base, cuts)
+    else:
+        ranks, order, sizes = [indices], None, [change.numel]
+    fields: dict = {"cuts": list(cuts), "class_sizes": sizes, "runs": []}
+    planes, escapes = [], []
+    for r in ranks:
+        gap_planes, gap_width, esc, width, n_escape = _encode_indices(r)
+        planes.append(gap_planes)
+        escapes.append(esc if n_escape else b"")
+        fields["runs"].append([int(r.size), gap_width, width, n_escape])
+    return fields, planes, escapes, order
+
+
 def _stored_values(change: TensorChange, encoding: str) -> np.ndarray:
     if change.indices is None or not VALUE_ENCODINGS[encoding].needs_base:
         return change.new_bits
@@ -212,24 +273,22 @@ def encode_patch(patch: Patch, config: CodecConfig = CodecConfig()) -> bytes:
     gaps, escapes, values, entries = [], [], [], []
     for change in patch.tensors:
         entry = {"name": change.name, "dtype": change.dtype, "shape": list(change.shape), "nnz": change.nnz}
+        stored = _stored_values(change, config.encoding).astype(np.uint16, copy=False)
         if change.indices is None:
-            entry.update(dense=True, gap_width=0, escape_width=0, n_escape=0)
+            entry.update(dense=True, cuts=[], class_sizes=[change.numel], runs=[])
         else:
-            planes, gap_width, esc, width, n_escape = _encode_indices(change.indices)
-            gaps.append(planes)
-            escapes.append(esc if n_escape else b"")
-            entry.update(dense=False, gap_width=gap_width, escape_width=width, n_escape=n_escape)
+            fields, planes, esc, order = _encode_positions(change, config)
+            gaps.extend(planes)
+            escapes.extend(esc)
+            entry.update(dense=False, **fields)
+            stored = stored if order is None else stored[order]
         entry["digest"] = change.digest.hex()
-        values.append(_stored_values(change, config.encoding).astype(np.uint16, copy=False))
+        values.append(stored)
         entries.append(entry)
     all_values = np.concatenate(values) if values else np.zeros(0, np.uint16)
-    streams = [
-        b"".join(gaps),
-        b"".join(escapes),
-        all_values.astype("<u2", copy=False).view(np.uint8)[0::2].tobytes(),
-        all_values.astype("<u2", copy=False).view(np.uint8)[1::2].tobytes(),
-    ]
-    header = {
+    as_bytes = all_values.astype("<u2", copy=False).view(np.uint8)
+    streams = [b"".join(gaps), b"".join(escapes), as_bytes[0::2].tobytes(), as_bytes[1::2].tobytes()]
+    raw_header_fields = {
         "version": patch.version,
         "base_version": patch.base_version,
         "anchor_version": patch.anchor_version,
@@ -239,18 +298,23 @@ def encode_patch(patch: Patch, config: CodecConfig = CodecConfig()) -> bytes:
         "model_numel": patch.model_numel,
         "fragment": list(patch.fragment),
         "tensors": entries,
-        "streams": dict(zip(STREAMS, (len(s) for s in streams), strict=True)),
     }
-    raw = b"".join(streams)
-    raw_header = json.dumps(header, separators=(",", ":")).encode()
     if config.zstd_level is None:
-        compression, header_bytes, body = 0, raw_header, raw
+        compression, stored_streams = 0, streams
     else:
-        # single-threaded zstd: threads=-1 gave no speedup at level 1 on 2 cores (0.09 vs 0.10 s for 41 MB)
+        # single-threaded zstd: threads=-1 gave no speedup at level 1 on 2 cores (0.09 vs 0.10 s for 41 MB).
+        # One frame per stream: each gets its own entropy tables (0.2-2 % smaller at >= 98.5 % sparsity).
         zstd = zstandard.ZstdCompressor(level=config.zstd_level)
-        compression, header_bytes, body = 1, zstd.compress(raw_header), zstd.compress(raw)
+        compression, stored_streams = 1, [zstd.compress(x) if x else b"" for x in streams]
+    raw_header_fields["streams"] = {
+        key: [len(raw), len(st)] for key, raw, st in zip(STREAMS, streams, stored_streams, strict=True)
+    }
+    raw_header = json.dumps(raw_header_fields, separators=(",", ":")).encode()
+    header_bytes = raw_header if compression == 0 else zstd.compress(raw_header)
+    body = b"".join(stored_streams)
+    raw_len = sum(len(x) for x in streams)
     prefix = _PREFIX.pack(
-        MAGIC, FORMAT_VERSION, compression, 0, len(header_bytes), len(raw_header), len(body), len(raw)
+        MAGIC, FORMAT_VERSION, compression, 0, len(header_bytes), len(raw_header), len(body), raw_len
     )
     h = xxhash.xxh3_128()
     for part in (prefix, header_bytes, body):
@@ -309,38 +373,69 @@ def _digest(text: str, where: str) -> bytes:
     return value
 
 
-def _check_entry(entry: dict, i: int) -> tuple[str, str, tuple[int, ...], int, bool, int, int, int, bytes]:
+def _int_list(entry: dict, key: str, where: str) -> list[int]:
+    value = _field(entry, key, list, where)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
+        raise PatchError(f"patch header: {where}.{key} {value} is not a list of non-negative integers")
+    return value
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor's validated header entry. runs: (nnz, gap width, escape width, escapes) per class."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nnz: int
+    dense: bool
+    cuts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    runs: tuple[tuple[int, int, int, int], ...]
+    digest: bytes
+
+
+def _check_entry(entry: dict, i: int) -> _Entry:
     where = f"tensors[{i}]"
     name = _field(entry, "name", str, where)
     dtype = _field(entry, "dtype", str, where)
     if dtype not in DTYPES:
         raise PatchError(f"patch header: {where} dtype {dtype!r} unsupported; known: {', '.join(DTYPES)}")
-    shape = tuple(_field(entry, "shape", list, where))
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise PatchError(f"patch header: {where}.shape {list(shape)} is not a list of sizes")
+    shape = tuple(_int_list(entry, "shape", where))
     numel = int(np.prod(shape, dtype=np.int64))
     nnz, dense = _field(entry, "nnz", int, where), _field(entry, "dense", bool, where)
-    width, n_escape = _field(entry, "escape_width", int, where), _field(entry, "n_escape", int, where)
-    gap_width = _field(entry, "gap_width", int, where)
-    if gap_width not in ((0,) if dense else GAP_WIDTHS):
-        raise PatchError(f"patch header: {where} ({name}) gap width {gap_width} invalid (dense: {dense})")
     if not 0 <= nnz <= numel or dense and nnz != numel:
         raise PatchError(f"patch header: {where} ({name}) nnz {nnz} does not fit numel {numel}")
-    if (width == 0) != (n_escape == 0) or width not in (0, *_WIDTHS) or not 0 <= n_escape <= nnz:
-        raise PatchError(f"patch header: {where} ({name}) escape width {width} / count {n_escape} invalid")
-    if dense and width:
-        raise PatchError(f"patch header: {where} ({name}) is dense but has index escapes")
-    return (
-        name,
-        dtype,
-        shape,
-        nnz,
-        dense,
-        gap_width,
-        width,
-        n_escape,
-        _digest(_field(entry, "digest", str, where), where),
-    )
+    cuts, sizes = tuple(_int_list(entry, "cuts", where)), tuple(_int_list(entry, "class_sizes", where))
+    ascending = all(a < b for a, b in zip((0, *cuts), cuts, strict=False))
+    if (
+        len(cuts) >= positions.MAX_CLASSES
+        or not ascending
+        or any(c > positions.MAX_CUT for c in cuts)
+        or (dense and cuts)
+        or len(sizes) != len(cuts) + 1
+        or sum(sizes) != numel
+    ):
+        raise PatchError(
+            f"patch header: {where} ({name}) cuts {list(cuts)} / class sizes {list(sizes)} invalid"
+        )
+    runs = []
+    for k, run in enumerate(_field(entry, "runs", list, where)):
+        ints = isinstance(run, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in run)
+        if not ints or len(run) != 4:
+            raise PatchError(f"patch header: {where} ({name}) run {k} {run} is not 4 integers")
+        run_nnz, gap_width, width, n_escape = run
+        if not 0 <= run_nnz <= sizes[min(k, len(sizes) - 1)] or gap_width not in GAP_WIDTHS:
+            raise PatchError(f"patch header: {where} ({name}) run {k} {run} invalid")
+        if (width == 0) != (n_escape == 0) or width not in (0, *_WIDTHS) or not 0 <= n_escape <= run_nnz:
+            raise PatchError(
+                f"patch header: {where} ({name}) escape width {width} / count {n_escape} invalid"
+            )
+        runs.append((run_nnz, gap_width, width, n_escape))
+    if len(runs) != (0 if dense else len(sizes)) or sum(r[0] for r in runs) != (0 if dense else nnz):
+        raise PatchError(f"patch header: {where} ({name}) runs do not match its classes / nnz {nnz}")
+    digest = _digest(_field(entry, "digest", str, where), where)
+    return _Entry(name, dtype, shape, nnz, dense, cuts, sizes, tuple(runs), digest)
 
 
 def _decode_indices(
@@ -384,7 +479,10 @@ def read_header(data: bytes) -> tuple[int, dict]:
 
 
 def decode_patch(data: bytes) -> DecodedPatch:
-    """Parse and fully validate a patch. Raises PatchError naming the first problem found."""
+    """Parse and fully validate a patch. Raises PatchError naming the first problem found.
+
+    Tensors coded against the base keep `classes` (indices None) until `resolve_positions`.
+    """
     compression, header, body, raw_len = _split_container(data)
     encoding = _field(header, "encoding", str, "header")
     if encoding not in VALUE_ENCODINGS:
@@ -393,54 +491,56 @@ def decode_patch(data: bytes) -> DecodedPatch:
     base = header.get("base_version")
     if base is not None and not isinstance(base, int) or isinstance(base, bool):
         raise PatchError("patch header: base_version must be an integer or null")
-    streams = _field(header, "streams", dict, "header")
-    sizes = [_field(streams, key, int, "streams") for key in STREAMS]
-    if sum(sizes) != raw_len or min(sizes) < 0:
-        raise PatchError(f"patch streams {sizes} do not add up to the body size {raw_len}")
-    raw = memoryview(_unpack(compression, body, raw_len, "body"))
-    offsets = np.cumsum([0, *sizes])
-    gaps_all = np.frombuffer(raw[offsets[0] : offsets[1]], np.uint8)
-    escapes_all = raw[offsets[1] : offsets[2]]
-    lo = np.frombuffer(raw[offsets[2] : offsets[3]], np.uint8)
-    hi = np.frombuffer(raw[offsets[3] : offsets[4]], np.uint8)
+    raw_streams = _streams(compression, _field(header, "streams", dict, "header"), body, raw_len)
+    gaps_all = np.frombuffer(raw_streams[0], np.uint8)
+    escapes_all = raw_streams[1]
+    lo, hi = (np.frombuffer(x, np.uint8) for x in raw_streams[2:])
     if lo.size != hi.size:
         raise PatchError("patch value planes differ in length")
     values_all = lo.astype(np.uint16) | (hi.astype(np.uint16) << 8)
     tensors, seen = [], set()
     g = e = v = 0
-    for i, entry in enumerate(_field(header, "tensors", list, "header")):
-        name, dtype, shape, nnz, dense, gap_width, width, n_escape, digest = _check_entry(entry, i)
-        if name in seen:
-            raise PatchError(f"patch lists tensor {name!r} twice")
-        seen.add(name)
-        if base is None and not dense:
-            raise PatchError(f"full patch (no base version) has a sparse tensor {name!r}")
-        indices = None
-        if not dense:
+    for i, raw_entry in enumerate(_field(header, "tensors", list, "header")):
+        entry = _check_entry(raw_entry, i)
+        if entry.name in seen:
+            raise PatchError(f"patch lists tensor {entry.name!r} twice")
+        seen.add(entry.name)
+        if base is None and not entry.dense:
+            raise PatchError(f"full patch (no base version) has a sparse tensor {entry.name!r}")
+        ranks = []
+        for k, (nnz, gap_width, width, n_escape) in enumerate(entry.runs):
+            # lower classes: ranks among the class's elements; the bulk (last run): flat indices
+            span = entry.sizes[k] if k < len(entry.cuts) else int(np.prod(entry.shape, dtype=np.int64))
             if g + nnz * gap_width > gaps_all.size or e + n_escape * width > len(escapes_all):
-                raise PatchError(f"tensor {name!r}: index streams end early")
-            indices = _decode_indices(
-                gaps_all[g : g + nnz * gap_width],
-                gap_width,
-                bytes(escapes_all[e : e + n_escape * width]),
-                width,
-                int(np.prod(shape)),
-                name,
+                raise PatchError(f"tensor {entry.name!r}: index streams end early")
+            ranks.append(
+                _decode_indices(
+                    gaps_all[g : g + nnz * gap_width],
+                    gap_width,
+                    bytes(escapes_all[e : e + n_escape * width]),
+                    width,
+                    span,
+                    entry.name,
+                )
             )
             g, e = g + nnz * gap_width, e + n_escape * width
-        if v + nnz > values_all.size:
-            raise PatchError(f"tensor {name!r}: value stream ends early")
+        if v + entry.nnz > values_all.size:
+            raise PatchError(f"tensor {entry.name!r}: value stream ends early")
+        classes = None
+        if entry.cuts:
+            classes = BaseClasses(cuts=entry.cuts, sizes=entry.sizes, ranks=tuple(ranks))
         tensors.append(
             DecodedTensor(
-                name=name,
-                dtype=dtype,
-                shape=shape,
-                indices=indices,
-                stored=values_all[v : v + nnz],
-                digest=digest,
+                name=entry.name,
+                dtype=entry.dtype,
+                shape=entry.shape,
+                indices=ranks[0] if ranks and not entry.cuts else None,
+                stored=values_all[v : v + entry.nnz],
+                digest=entry.digest,
+                classes=classes,
             )
         )
-        v += nnz
+        v += entry.nnz
     if (g, e, v) != (gaps_all.size, len(escapes_all), values_all.size):
         raise PatchError("patch streams hold bytes that no tensor claims")
     return DecodedPatch(
@@ -454,6 +554,58 @@ def decode_patch(data: bytes) -> DecodedPatch:
         tensors=tuple(tensors),
         fragment=_fragment(header),
     )
+
+
+def _streams(compression: int, table: dict, body: bytes, raw_len: int) -> list[bytes]:
+    """The raw bytes of each body stream: `table[key] = [raw length, stored length]`, frames in order."""
+    sizes = []
+    for key in STREAMS:
+        pair = table.get(key)
+        if not (
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pair)
+        ):
+            raise PatchError(f"patch header: streams.{key} is not [raw length, stored length]")
+        sizes.append(pair)
+    if sum(r for r, _ in sizes) != raw_len or sum(s for _, s in sizes) != len(body):
+        raise PatchError(
+            f"patch streams {sizes} do not add up to the body ({len(body)} stored, {raw_len} raw)"
+        )
+    out, offset = [], 0
+    for key, (raw, stored) in zip(STREAMS, sizes, strict=True):
+        frame = bytes(body[offset : offset + stored])
+        out.append(frame if raw == 0 and stored == 0 else _unpack(compression, frame, raw, f"stream {key}"))
+        offset += stored
+    return out
+
+
+def resolve_positions(patch: DecodedPatch, base_bits: Callable[[str], np.ndarray]) -> DecodedPatch:
+    """Flat indices for every tensor coded against the base; `base_bits(name)`: the receiver's uint16
+    bits of that tensor (its base version, already checked by name/shape/dtype). A base
+    whose class sizes differ from the encoder's raises PatchError; one that differs only inside a
+    class decodes to wrong positions, which the digests after the writes catch."""
+    if not any(t.classes is not None for t in patch.tensors):
+        return patch
+    tensors = []
+    for t in patch.tensors:
+        if t.classes is None:
+            tensors.append(t)
+            continue
+        base = np.asarray(base_bits(t.name), dtype=np.uint16).reshape(-1)
+        if base.size != sum(t.classes.sizes):
+            raise PatchError(
+                f"tensor {t.name!r}: the base holds {base.size} elements, the patch {sum(t.classes.sizes)}"
+            )
+        flat = positions.class_positions(base, t.classes.cuts, list(t.classes.sizes), list(t.classes.ranks))
+        if flat is None:
+            raise PatchError(
+                f"tensor {t.name!r}: the receiver's base values do not match the patch's position classes "
+                "(wrong or corrupt base)"
+            )
+        order = np.argsort(flat, kind="stable")  # class-major runs of ascending indices: a merge
+        tensors.append(dataclasses.replace(t, indices=flat[order], stored=t.stored[order], classes=None))
+    return dataclasses.replace(patch, tensors=tuple(tensors))
 
 
 def _fragment(header: dict) -> tuple[int, int]:
@@ -553,7 +705,7 @@ def inspect_patch(data: bytes) -> dict:
                 "dtype": t.dtype,
                 "shape": list(t.shape),
                 "nnz": int(t.stored.size),
-                "dense": t.indices is None,
+                "dense": t.dense,
                 "sparsity": 1.0 - t.stored.size / max(1, int(np.prod(t.shape))),
             }
             for t in patch.tensors

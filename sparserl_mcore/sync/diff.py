@@ -47,6 +47,7 @@ def diff_tensor(name: str, old: torch.Tensor, new: torch.Tensor) -> TensorChange
         new_bits=new_bits[at].numpy().view(np.uint16),
         old_bits=old_bits[at].numpy().view(np.uint16),
         digest=tensor_digest(new),
+        base_bits=old_bits.numpy().view(np.uint16),
     )
 
 

@@ -271,6 +271,7 @@ class ShardSyncer:
                     new_bits=bits,
                     old_bits=old,
                     digest=self.mirror_digests[name],
+                    base_bits=flat,  # the updated mirror: unchanged positions are the base's
                 )
             )
         return changes

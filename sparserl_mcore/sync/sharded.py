@@ -5,7 +5,10 @@ a shard holds: QKV interleave, gate/up halves, partition dims, replicas, tied co
 all-or-nothing contract as `apply.apply_decoded`: check, write, verify, roll back. The xxh3-128
 digests name whole HF tensors, so they are checked for the tensors whose every shard this receiver
 holds (rebuilt through `layout.hf_pieces`); a receiver holding only part of a tensor reports it as
-unverified and leaves the check to whoever holds the rest.
+unverified and leaves the check to whoever holds the rest. For the same reason such a receiver
+cannot decode positions coded against the base (format 3's `base` position model): its sender must
+encode with `CodecConfig(position_model="plain")`, else the patch is rejected (PatchError, nothing
+written) and the transport falls back to a dense sync.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from sparserl_mcore.sync.codec import (
     DecodedTensor,
     PatchError,
     decode_fragments,
+    resolve_positions,
 )
-from sparserl_mcore.sync.hashing import dtype_name, model_digest, tensor_digest
+from sparserl_mcore.sync.hashing import bits_view, dtype_name, model_digest, tensor_digest
 
 Shard = tuple[int, int]  # (tp_rank, pp_rank)
 
@@ -75,6 +79,15 @@ class ShardedReceiver:
                             (out[rows] if cols is None else out[rows, cols]).copy_(view)
         return out
 
+    def _base_bits(self, name: str) -> np.ndarray:
+        """Whole-tensor base bits for positions coded against the base: only covered tensors have them."""
+        if name not in self.covered:
+            raise PatchError(
+                f"tensor {name!r}: positions are coded against its base values, but this receiver holds "
+                "only part of it; encode for partial receivers with CodecConfig(position_model='plain')"
+            )
+        return bits_view(self.hf_tensor(name))
+
     def _plan(self, t: DecodedTensor) -> list[_Write]:
         idx = torch.from_numpy(t.indices) if t.indices is not None else torch.arange(int(np.prod(t.shape)))
         writes = []
@@ -97,6 +110,7 @@ class ShardedReceiver:
         patch = decode_fragments(parts)
         hf_tensors = {name: (shape, self.dtype) for name, shape in self.layout.hf_shapes.items()}
         check_target(patch, hf_tensors, self.version)
+        patch = resolve_positions(patch, self._base_bits)
         planned = []
         for t in patch.tensors:
             writes = self._plan(t)
