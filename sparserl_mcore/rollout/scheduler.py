@@ -30,6 +30,7 @@ import torch
 from sparserl_mcore.rollout.hf_model import CausalLM
 from sparserl_mcore.rollout.kv_pool import KVPool, PoolExhaustedError
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
+from sparserl_mcore.rollout.mass_lanes import AttentionMassLanes
 from sparserl_mcore.rollout.paged_attention import decode_attention, prefill_attention
 from sparserl_mcore.rollout.protocol import FinishReason, GenerateRequest, KVStats, Sample
 from sparserl_mcore.rollout.radix_cache import RadixCache
@@ -59,7 +60,7 @@ class RequestState:
     logprobs: list[float] = field(default_factory=list)
     qwin: torch.Tensor | None = None  # [L, Hq, window, d] ring of recent queries
     q_seen: int = 0
-    acc: torch.Tensor | None = None  # [L, Hk, capacity] accumulated attention (h2o)
+    lane: int | None = None  # its lane of Scheduler.mass (h2o's accumulated attention)
     kept_positions: torch.Tensor | None = None  # [L, Hk, k] positions of slots [0, k) after compressing
     tail_start: int = 0  # position of slot k (later slots hold consecutive positions)
     peak_retained: int = 0
@@ -106,6 +107,11 @@ class Scheduler:
         self.listeners: list[CompressionListener] = []
         self.aborted: set[str] = set()
         self.stats = SchedulerStats()
+        self.mass = (
+            AttentionMassLanes(model.cfg.num_layers, model.cfg.num_kv_heads, max_running, pool.k.device)
+            if compressor is not None and compressor.needs_accumulated_attention
+            else None
+        )
         self.weight_version = 0
         self._order = 0
 
@@ -202,15 +208,15 @@ class Scheduler:
         self.running.append(r)
         if r.req.sampling.seed is not None:
             r.generator.manual_seed(r.req.sampling.seed)
-        if self.compressor is not None:
+        if self.compressor is not None and self.compressor.needs_window_queries:
             cfg = self.model.cfg
             dev, dt = self.pool.k.device, self.pool.k.dtype
             r.qwin = torch.zeros(
                 cfg.num_layers, cfg.num_heads, self.kv_cfg.window, cfg.head_dim, dtype=dt, device=dev
             )
-            if self.compressor.needs_accumulated_attention:
-                cap = max(self.kv_cfg.budget, len(r.req.input_ids)) + 1
-                r.acc = torch.zeros(cfg.num_layers, cfg.num_kv_heads, cap, device=dev)
+        if self.mass is not None:  # decode never exceeds the budget (hard cap); prefill the prompt
+            ps = self.pool.page_size
+            r.lane = self.mass.acquire(-(-max(self.kv_cfg.budget, len(r.req.input_ids)) // ps) * ps)
 
     def _alloc(
         self, n: int, *, requester: RequestState | None, may_retract_requester: bool = False
@@ -237,6 +243,7 @@ class Scheduler:
     def _retract(self, r: RequestState) -> None:
         self.running.remove(r)
         self.pool.decref(r.pages)
+        self._release_lane(r)
         r.reset()
         self.waiting.appendleft(r)
         self.stats.retractions += 1
@@ -274,7 +281,8 @@ class Scheduler:
         ends = list(itertools.accumulate(prefill_tokens))
         starts = [0, *ends[:-1]] if ends else []
         want_mass = self.compressor is not None and self.compressor.needs_accumulated_attention
-        window_rows = self._window_rows(n_dec, prefill_tokens) if self.compressor is not None else None
+        want_queries = self.compressor is not None and self.compressor.needs_window_queries
+        window_rows = self._window_rows(n_dec, prefill_tokens) if want_queries else None
         q_rows, masses = [], []
         h = model.embed(ids_t)
         for layer in range(model.cfg.num_layers):
@@ -336,7 +344,9 @@ class Scheduler:
         """Advance counters; record window queries and (h2o) attention mass per request."""
         qs = torch.stack(q_rows) if q_rows else None  # [L, rows, Hq, d]
         # per layer, masses hold [decode mass [B, Hk, N]] (when decoding) + one [Hk, n] per prefill
-        dec_mass = torch.stack([m[0] for m in masses]) if masses and decodes else None  # [L, B, Hk, N]
+        if masses and decodes:  # [L, B, Hk, N], slot order: the whole batch in one add
+            lanes = torch.tensor([r.lane for r in decodes], dtype=torch.long, device=self.pool.k.device)
+            self.mass.add(lanes, torch.stack([m[0] for m in masses]))
         row = 0
         for i, r in enumerate(decodes + prefills):
             t = 1 if i < len(decodes) else len(r.req.input_ids) - r.n_cached
@@ -344,12 +354,9 @@ class Scheduler:
             if qs is not None:
                 self._push_queries(r, qs[:, row : row + n_rows])
             row += n_rows
-            if masses is not None:
-                n = r.n_cached + t
-                if i < len(decodes):
-                    r.acc[:, :, :n] += dec_mass[:, i, :, :n]
-                else:
-                    r.acc[:, :, :n] += torch.stack([m[i - len(decodes) + bool(decodes)] for m in masses])
+            if masses is not None and i >= len(decodes):
+                prefill_mass = torch.stack([m[i - len(decodes) + bool(decodes)] for m in masses])
+                self.mass.buf[:, r.lane, :, : r.n_cached + t] += prefill_mass
             r.n_cached += t
             r.next_pos += t
             r.peak_retained = max(r.peak_retained, r.n_cached)
@@ -381,6 +388,7 @@ class Scheduler:
         if r in self.running:
             self.running.remove(r)
             self.pool.decref(r.pages)
+        self._release_lane(r)
         r.pages = []
         r.result = Sample(
             rid=r.rid,
@@ -426,13 +434,15 @@ class Scheduler:
         pool_k, pool_v = self.pool.k.view(L, -1, Hk, d), self.pool.v.view(L, -1, Hk, d)
         keys = pool_k.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4)
         vals = pool_v.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4)
-        queries = torch.stack([self._window_queries(r) for r in rs])  # [B, L, Hq, w, d]
-        acc = torch.stack([r.acc[:, :, :n] for r in rs]) if rs[0].acc is not None else None
+        queries = (
+            torch.stack([self._window_queries(r) for r in rs]).flatten(0, 2)  # [B * L * Hq, w, d]
+            if self.compressor.needs_window_queries
+            else None
+        )
+        lanes = None if self.mass is None else torch.tensor([r.lane for r in rs], device=flat.device)
+        acc = None if lanes is None else self.mass.read(lanes, n)  # [B, L, Hk, n]
         idx = self.compressor.select(
-            keys.reshape(-1, n, d),
-            queries.reshape(-1, queries.shape[-2], d),
-            keep,
-            acc.reshape(-1, n) if acc is not None else None,
+            keys.reshape(-1, n, d), queries, keep, acc.reshape(-1, n) if acc is not None else None
         ).view(B, L, -1, keep)
         take = idx[..., None].expand(-1, -1, -1, -1, d)
         kept_k, kept_v = keys.gather(3, take), vals.gather(3, take)  # [B, L, Hk, keep, d]
@@ -450,17 +460,21 @@ class Scheduler:
         # [live, L, Hk, keep, d] -> slot-major [L, live * keep, Hk, d], all layers in one write
         pool_k.index_copy_(1, new_slots, kept_k[live].permute(1, 0, 3, 2, 4).reshape(L, -1, Hk, d))
         pool_v.index_copy_(1, new_slots, kept_v[live].permute(1, 0, 3, 2, 4).reshape(L, -1, Hk, d))
+        if acc is not None:
+            self.mass.replace(lanes[live], acc[live].gather(3, idx[live]))
         for b in live:
             r = rs[b]
-            if acc is not None:
-                r.acc.zero_()
-                r.acc[:, :, :keep] = acc[b].gather(2, idx[b])
             r.kept_positions, r.tail_start = kept_pos[b], r.next_pos
             r.evictions += n - keep
             r.compressions += 1
             r.n_cached = keep
             for listener in self.listeners:
                 listener(r.rid, r.kept_positions, r.next_pos)
+
+    def _release_lane(self, r: RequestState) -> None:
+        if r.lane is not None:
+            self.mass.release(r.lane)
+            r.lane = None
 
     def _window_queries(self, r: RequestState) -> torch.Tensor:
         """The request's last min(seen, window) queries, oldest first: [L, Hq, w, d]."""
