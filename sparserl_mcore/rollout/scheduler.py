@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparserl_mcore.rollout.compression_lanes import CompressionLanes
 from sparserl_mcore.rollout.hf_model import CausalLM
 from sparserl_mcore.rollout.kv_pool import KVPool, PoolExhaustedError
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
-from sparserl_mcore.rollout.mass_lanes import AttentionMassLanes
 from sparserl_mcore.rollout.paged_attention import decode_attention, prefill_attention
 from sparserl_mcore.rollout.protocol import FinishReason, GenerateRequest, KVStats, Sample
 from sparserl_mcore.rollout.radix_cache import RadixCache
@@ -58,9 +58,8 @@ class RequestState:
     cached_prompt_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    qwin: torch.Tensor | None = None  # [L, Hq, window, d] ring of recent queries
-    q_seen: int = 0
-    lane: int | None = None  # its lane of Scheduler.mass (h2o's accumulated attention)
+    q_seen: int = 0  # queries pushed to its window ring
+    lane: int | None = None  # its lane of Scheduler.lanes (window queries, h2o's attention mass)
     kept_positions: torch.Tensor | None = None  # [L, Hk, k] positions of slots [0, k) after compressing
     tail_start: int = 0  # position of slot k (later slots hold consecutive positions)
     peak_retained: int = 0
@@ -107,9 +106,20 @@ class Scheduler:
         self.listeners: list[CompressionListener] = []
         self.aborted: set[str] = set()
         self.stats = SchedulerStats()
-        self.mass = (
-            AttentionMassLanes(model.cfg.num_layers, model.cfg.num_kv_heads, max_running, pool.k.device)
-            if compressor is not None and compressor.needs_accumulated_attention
+        self.lanes = (
+            CompressionLanes(
+                layers=model.cfg.num_layers,
+                q_heads=model.cfg.num_heads,
+                kv_heads=model.cfg.num_kv_heads,
+                head_dim=model.cfg.head_dim,
+                window=kv_cfg.window,
+                lanes=max_running,
+                queries=compressor.needs_window_queries,
+                mass=compressor.needs_accumulated_attention,
+                dtype=pool.k.dtype,
+                device=pool.k.device,
+            )
+            if compressor is not None
             else None
         )
         self.weight_version = 0
@@ -208,15 +218,9 @@ class Scheduler:
         self.running.append(r)
         if r.req.sampling.seed is not None:
             r.generator.manual_seed(r.req.sampling.seed)
-        if self.compressor is not None and self.compressor.needs_window_queries:
-            cfg = self.model.cfg
-            dev, dt = self.pool.k.device, self.pool.k.dtype
-            r.qwin = torch.zeros(
-                cfg.num_layers, cfg.num_heads, self.kv_cfg.window, cfg.head_dim, dtype=dt, device=dev
-            )
-        if self.mass is not None:  # decode never exceeds the budget (hard cap); prefill the prompt
+        if self.lanes is not None:  # mass: decode never exceeds the budget (hard cap), prefill the prompt
             ps = self.pool.page_size
-            r.lane = self.mass.acquire(-(-max(self.kv_cfg.budget, len(r.req.input_ids)) // ps) * ps)
+            r.lane = self.lanes.acquire(-(-max(self.kv_cfg.budget, len(r.req.input_ids)) // ps) * ps)
 
     def _alloc(
         self, n: int, *, requester: RequestState | None, may_retract_requester: bool = False
@@ -341,34 +345,29 @@ class Scheduler:
         q_rows: list[torch.Tensor],
         masses: list[list[torch.Tensor]] | None,
     ) -> None:
-        """Advance counters; record window queries and (h2o) attention mass per request."""
-        qs = torch.stack(q_rows) if q_rows else None  # [L, rows, Hq, d]
+        """Advance counters; record window queries and (h2o) attention mass, all requests at once."""
+        dev, w = self.pool.k.device, self.kv_cfg.window
         # per layer, masses hold [decode mass [B, Hk, N]] (when decoding) + one [Hk, n] per prefill
-        if masses and decodes:  # [L, B, Hk, N], slot order: the whole batch in one add
-            lanes = torch.tensor([r.lane for r in decodes], dtype=torch.long, device=self.pool.k.device)
-            self.mass.add(lanes, torch.stack([m[0] for m in masses]))
-        row = 0
+        if masses and decodes:  # [L, B, Hk, N], slot order
+            lanes = torch.tensor([r.lane for r in decodes], dtype=torch.long, device=dev)
+            self.lanes.add_mass(lanes, torch.stack([m[0] for m in masses]))
+        row_lanes, ring = [], []
         for i, r in enumerate(decodes + prefills):
             t = 1 if i < len(decodes) else len(r.req.input_ids) - r.n_cached
-            n_rows = 1 if i < len(decodes) else min(t, self.kv_cfg.window)
-            if qs is not None:
-                self._push_queries(r, qs[:, row : row + n_rows])
-            row += n_rows
+            if q_rows:  # the rows of _window_rows: 1 per decode, the last <= window of a prompt
+                n_rows = 1 if i < len(decodes) else min(t, w)
+                row_lanes.extend([r.lane] * n_rows)
+                ring.extend((r.q_seen + j) % w for j in range(n_rows))
+                r.q_seen += n_rows
             if masses is not None and i >= len(decodes):
                 prefill_mass = torch.stack([m[i - len(decodes) + bool(decodes)] for m in masses])
-                self.mass.buf[:, r.lane, :, : r.n_cached + t] += prefill_mass
+                self.lanes.mass[:, r.lane, :, : r.n_cached + t] += prefill_mass
             r.n_cached += t
             r.next_pos += t
             r.peak_retained = max(r.peak_retained, r.n_cached)
-
-    def _push_queries(self, r: RequestState, q: torch.Tensor) -> None:
-        """Append queries [L, t <= window, Hq, d] to the request's ring of the last `window` queries."""
-        w, t = self.kv_cfg.window, q.shape[1]
-        if t == 1:  # a decode row: one basic-indexed copy
-            r.qwin[:, :, r.q_seen % w] = q[:, 0]
-        else:
-            r.qwin[:, :, [(r.q_seen + j) % w for j in range(t)]] = q.transpose(1, 2)
-        r.q_seen += t
+        if q_rows:
+            lanes, ring = (torch.tensor(x, dtype=torch.long, device=dev) for x in (row_lanes, ring))
+            self.lanes.push_queries(lanes, ring, torch.stack(q_rows))  # [L, rows, Hq, d]
 
     # ---- per-token bookkeeping -----------------------------------------------------------------
     def _append(self, r: RequestState, token: int, logprob: float) -> FinishReason | None:
@@ -434,13 +433,15 @@ class Scheduler:
         pool_k, pool_v = self.pool.k.view(L, -1, Hk, d), self.pool.v.view(L, -1, Hk, d)
         keys = pool_k.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4)
         vals = pool_v.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4)
-        queries = (
-            torch.stack([self._window_queries(r) for r in rs]).flatten(0, 2)  # [B * L * Hq, w, d]
-            if self.compressor.needs_window_queries
-            else None
-        )
-        lanes = None if self.mass is None else torch.tensor([r.lane for r in rs], device=flat.device)
-        acc = None if lanes is None else self.mass.read(lanes, n)  # [B, L, Hk, n]
+        lanes = torch.tensor([r.lane for r in rs], device=flat.device)
+        queries = None
+        if self.compressor.needs_window_queries:  # the group shares min(q_seen, window) (its key)
+            w = self.kv_cfg.window
+            seen = min(rs[0].q_seen, w)
+            ring = [[(r.q_seen - seen + j) % w for j in range(seen)] for r in rs]  # oldest first
+            queries = self.lanes.window_queries(lanes, torch.tensor(ring, device=flat.device))
+            queries = queries.reshape(-1, seen, d)  # [B, L, Hq, w, d] -> [B * L * Hq, w, d]
+        acc = self.lanes.read_mass(lanes, n) if self.lanes.mass is not None else None  # [B, L, Hk, n]
         idx = self.compressor.select(
             keys.reshape(-1, n, d), queries, keep, acc.reshape(-1, n) if acc is not None else None
         ).view(B, L, -1, keep)
@@ -461,7 +462,7 @@ class Scheduler:
         pool_k.index_copy_(1, new_slots, kept_k[live].permute(1, 0, 3, 2, 4).reshape(L, -1, Hk, d))
         pool_v.index_copy_(1, new_slots, kept_v[live].permute(1, 0, 3, 2, 4).reshape(L, -1, Hk, d))
         if acc is not None:
-            self.mass.replace(lanes[live], acc[live].gather(3, idx[live]))
+            self.lanes.replace_mass(lanes[live], acc[live].gather(3, idx[live]))
         for b in live:
             r = rs[b]
             r.kept_positions, r.tail_start = kept_pos[b], r.next_pos
@@ -473,14 +474,8 @@ class Scheduler:
 
     def _release_lane(self, r: RequestState) -> None:
         if r.lane is not None:
-            self.mass.release(r.lane)
+            self.lanes.release(r.lane)
             r.lane = None
-
-    def _window_queries(self, r: RequestState) -> torch.Tensor:
-        """The request's last min(seen, window) queries, oldest first: [L, Hq, w, d]."""
-        w = self.kv_cfg.window
-        seen = min(r.q_seen, w)
-        return r.qwin[:, :, [(r.q_seen - seen + j) % w for j in range(seen)]]
 
     def _slot_positions(self, r: RequestState, n: int) -> torch.Tensor:
         """Original token position of each of the first n slots, per layer and KV head: [L, Hk, n]."""
