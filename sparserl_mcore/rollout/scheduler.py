@@ -428,26 +428,29 @@ class Scheduler:
         assert self.compressor is not None
         cfg, L = self.model.cfg, self.model.cfg.num_layers
         B, n, keep, d, Hk = len(rs), rs[0].n_cached, self.kv_cfg.keep_tokens, cfg.head_dim, cfg.num_kv_heads
-        flat = torch.stack([r.slots[:n] for r in rs]).reshape(-1)
-        # [B, L, Hk, n, d] copies out of the pool, all layers in one gather (the pages are released below)
+        slots = torch.stack([r.slots[:n] for r in rs])  # [B, n]
+        flat, dev = slots.view(-1), slots.device
+        # keys [B * L * Hk, n, d] for scoring, copied out of the pool with all layers in one gather
         pool_k, pool_v = self.pool.k.view(L, -1, Hk, d), self.pool.v.view(L, -1, Hk, d)
-        keys = pool_k.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4)
-        vals = pool_v.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4)
-        lanes = torch.tensor([r.lane for r in rs], device=flat.device)
+        keys = pool_k.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4).reshape(-1, n, d)
+        lanes = torch.tensor([r.lane for r in rs], device=dev)
         queries = None
         if self.compressor.needs_window_queries:  # the group shares min(q_seen, window) (its key)
             w = self.kv_cfg.window
             seen = min(rs[0].q_seen, w)
             ring = [[(r.q_seen - seen + j) % w for j in range(seen)] for r in rs]  # oldest first
-            queries = self.lanes.window_queries(lanes, torch.tensor(ring, device=flat.device))
+            queries = self.lanes.window_queries(lanes, torch.tensor(ring, device=dev))
             queries = queries.reshape(-1, seen, d)  # [B, L, Hq, w, d] -> [B * L * Hq, w, d]
         acc = self.lanes.read_mass(lanes, n) if self.lanes.mass is not None else None  # [B, L, Hk, n]
         idx = self.compressor.select(
-            keys.reshape(-1, n, d), queries, keep, acc.reshape(-1, n) if acc is not None else None
+            keys, queries, keep, acc.reshape(-1, n) if acc is not None else None
         ).view(B, L, -1, keep)
-        take = idx[..., None].expand(-1, -1, -1, -1, d)
-        kept_k, kept_v = keys.gather(3, take), vals.gather(3, take)  # [B, L, Hk, keep, d]
-        kept_pos = torch.stack([self._slot_positions(r, n) for r in rs]).gather(3, idx)
+        # kept K/V straight from the pool in the destination layout [L, B, keep, Hk, d], read before
+        # the pages are released below: entry (l, b, j, h) is slot src[l, b, j, h] of layer l, head h
+        src = slots.view(B, 1, 1, n).expand(B, L, Hk, n).gather(3, idx).permute(1, 0, 3, 2)
+        at = (torch.arange(L, device=dev).view(L, 1, 1, 1), src, torch.arange(Hk, device=dev))
+        kept_k, kept_v = pool_k[at], pool_v[at]
+        kept_pos = self._group_positions(rs, n).gather(3, idx)
         for r in rs:
             self.pool.decref(r.pages)
             r.pages = []
@@ -458,9 +461,11 @@ class Scheduler:
         if not live:
             return
         new_slots = torch.cat([rs[b].slots[:keep] for b in live])
-        # [live, L, Hk, keep, d] -> slot-major [L, live * keep, Hk, d], all layers in one write
-        pool_k.index_copy_(1, new_slots, kept_k[live].permute(1, 0, 3, 2, 4).reshape(L, -1, Hk, d))
-        pool_v.index_copy_(1, new_slots, kept_v[live].permute(1, 0, 3, 2, 4).reshape(L, -1, Hk, d))
+        if len(live) < B:
+            kept_k, kept_v = kept_k[:, live], kept_v[:, live]
+        # slot-major [L, live * keep, Hk, d], all layers in one write
+        pool_k.index_copy_(1, new_slots, kept_k.reshape(L, -1, Hk, d))
+        pool_v.index_copy_(1, new_slots, kept_v.reshape(L, -1, Hk, d))
         if acc is not None:
             self.lanes.replace_mass(lanes[live], acc[live].gather(3, idx[live]))
         for b in live:
@@ -477,14 +482,21 @@ class Scheduler:
             self.lanes.release(r.lane)
             r.lane = None
 
-    def _slot_positions(self, r: RequestState, n: int) -> torch.Tensor:
-        """Original token position of each of the first n slots, per layer and KV head: [L, Hk, n]."""
+    def _group_positions(self, rs: list[RequestState], n: int) -> torch.Tensor:
+        """Original token position of each of the first n slots of each request, per layer and KV
+        head: [B, L, Hk, n]. Slots [0, k) hold the positions the last compression kept (none before
+        the first), later slots consecutive positions from `tail_start`."""
         cfg, dev = self.model.cfg, self.pool.k.device
-        base = r.kept_positions
-        k = 0 if base is None else base.shape[-1]
-        tail = torch.arange(r.tail_start, r.tail_start + n - k, device=dev)
-        tail = tail.expand(cfg.num_layers, cfg.num_kv_heads, -1)
-        return tail if base is None else torch.cat([base, tail], dim=-1)
+        widths = [0 if r.kept_positions is None else r.kept_positions.shape[-1] for r in rs]
+        starts = torch.tensor([r.tail_start - k for r, k in zip(rs, widths, strict=True)], device=dev)
+        pos = (starts[:, None] + torch.arange(n, device=dev)).view(len(rs), 1, 1, n)
+        pos = pos.expand(-1, cfg.num_layers, cfg.num_kv_heads, -1)
+        based = [b for b, k in enumerate(widths) if k]
+        if not based:
+            return pos
+        pos = pos.clone()
+        pos[based, :, :, : widths[based[0]]] = torch.stack([rs[b].kept_positions for b in based])
+        return pos
 
 
 def _common_pages(a: tuple[int, ...], b: tuple[int, ...], limit: int, page_size: int) -> int:
