@@ -41,6 +41,10 @@ class CompressionLanes:
         self.mass = torch.zeros(layers, lanes, kv_heads, 0, device=device) if mass else None
         self._free = list(range(lanes - 1, -1, -1))
 
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
     def acquire(self, mass_capacity: int) -> int:
         """A lane with zero mass for at least `mass_capacity` entries (the mass buffer grows for all)."""
         if not self._free:
