@@ -446,10 +446,15 @@ class Scheduler:
             keys, queries, keep, acc.reshape(-1, n) if acc is not None else None
         ).view(B, L, -1, keep)
         # kept K/V straight from the pool in the destination layout [L, B, keep, Hk, d], read before
-        # the pages are released below: entry (l, b, j, h) is slot src[l, b, j, h] of layer l, head h
-        src = slots.view(B, 1, 1, n).expand(B, L, Hk, n).gather(3, idx).permute(1, 0, 3, 2)
-        at = (torch.arange(L, device=dev).view(L, 1, 1, 1), src, torch.arange(Hk, device=dev))
-        kept_k, kept_v = pool_k[at], pool_v[at]
+        # the pages are released below: entry (l, b, j, h) is row (l * S + slot) * Hk + h of the
+        # pool viewed as [L * S * Hk, d] (one index_select: cheaper than 3-index advanced indexing)
+        src = slots.view(B, 1, 1, n).expand(B, L, Hk, n).gather(3, idx)  # [B, L, Hk, keep]
+        S = pool_k.shape[1]
+        rows = (src + torch.arange(0, L * S, S, device=dev).view(L, 1, 1)) * Hk
+        rows = (rows + torch.arange(Hk, device=dev).view(Hk, 1)).permute(1, 0, 3, 2).reshape(-1)
+        kept_k, kept_v = (
+            x.view(-1, d).index_select(0, rows).view(L, B, keep, Hk, d) for x in (pool_k, pool_v)
+        )
         kept_pos = self._group_positions(rs, n).gather(3, idx)
         for r in rs:
             self.pool.decref(r.pages)

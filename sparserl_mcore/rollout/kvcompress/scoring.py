@@ -13,6 +13,7 @@ also applies the scale and the causal mask, and redundancy zeroes the diagonal i
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -69,8 +70,16 @@ def _grouped_window_attention(keys: torch.Tensor, queries: torch.Tensor) -> torc
     q_heads, w, _ = queries.shape
     group = q_heads // kv_heads
     q = queries.float().reshape(kv_heads, group * w, d)  # query heads of a group are contiguous
-    # additive causal mask [G * w, n]: query i (position n - w + i) must not see keys after it
-    future = torch.zeros(w, n, device=keys.device)
-    future[:, n - w :].masked_fill_(torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(1), -math.inf)
-    logits = torch.baddbmm(future.repeat(group, 1), q, keys.float().transpose(1, 2), alpha=1.0 / math.sqrt(d))
+    bias = _causal_bias(w, n, group, keys.device)
+    logits = torch.baddbmm(bias, q, keys.float().transpose(1, 2), alpha=1.0 / math.sqrt(d))
     return logits.view(kv_heads, group, w, n).softmax(dim=-1)
+
+
+@functools.lru_cache(maxsize=32)
+def _causal_bias(w: int, n: int, group: int, device: torch.device) -> torch.Tensor:
+    """Additive mask [G * w, n]: query i (position n - w + i) must not see the keys after it.
+    Cached: an engine compresses at the same few (window, length) shapes over and over, and
+    building it costs more ops than the scoring matmul on small inputs. Never modified in place."""
+    bias = torch.zeros(w, n, device=device)
+    bias[:, n - w :].masked_fill_(torch.ones(w, w, dtype=torch.bool, device=device).triu(1), -math.inf)
+    return bias.repeat(group, 1)
