@@ -126,6 +126,18 @@ def test_h2o_heavy_hitters_from_accumulated_attention():
     assert mass.shape == (2, 40) and torch.allclose(mass.sum(-1), torch.full((2,), float(WINDOW)))
 
 
+def test_window_queries_optional_only_where_unused():
+    keys, queries = _random()
+    acc = torch.rand(2, 40)
+    for method in ("streamingllm", "h2o"):
+        comp = build_compressor(_cfg(method))
+        assert not comp.needs_window_queries
+        assert torch.equal(comp.select(keys, None, 12, acc), comp.select(keys, queries, 12, acc))
+    for method in ("snapkv", "rkv"):
+        with pytest.raises(ValueError, match="window queries"):
+            build_compressor(_cfg(method)).select(keys, None, 12)
+
+
 def test_bfloat16_inputs_and_bad_shapes():
     keys, queries = _random()
     idx = build_compressor(_cfg("snapkv")).select(keys.bfloat16(), queries.bfloat16(), 12)

@@ -141,6 +141,43 @@ def test_compressed_logprobs_equal_retained_positions_recompute(hf_model, method
     assert engine.pool.num_free == engine.pool.num_pages
 
 
+@pytest.mark.parametrize("method", ["rkv", "h2o"])
+def test_compression_under_retraction(hf_model, method):
+    """A pool too small for the batch: requests are retracted mid-compression-cycle and restart;
+    every sample still equals the recompute over its retained positions, and the per-request lanes
+    (window queries, h2o mass) and pages all come back."""
+    _, path = hf_model
+    kv = KVCompressionConfig(method=method, budget=16, interval=4, window=4, sink_tokens=2)
+    engine = _engine(path, kv_compression=kv, capacity_pages=26, max_running_requests=8)
+    events: dict[str, list] = {}
+
+    def record(rid, kept, pos):
+        runs = events.setdefault(rid, [])
+        if runs and pos <= runs[-1][1]:  # a retracted request restarted: only its last run counts
+            runs.clear()
+        runs.append((kept.clone(), pos))
+
+    engine.add_compression_listener(record)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=28, ignore_eos=True, seed=i) for i in range(8)]
+    samples = engine.generate(
+        [
+            GenerateRequest(input_ids=q, sampling=p, rid=f"r{i}")
+            for i, (q, p) in enumerate(zip(_prompts(8), params, strict=True))
+        ]
+    )
+    assert engine.stats()["retractions"] > 0
+    for s in samples:
+        assert s.kv_stats.compressions >= 2
+        ref = _recomputed_logprobs(engine, s, 1.0, _masks_from_events(engine, s, events[s.rid]))
+        torch.testing.assert_close(torch.tensor(s.output_logprobs), ref, atol=1e-4, rtol=0)
+    lanes = engine.scheduler.lanes
+    assert lanes.num_free == lanes.num_lanes
+    if lanes.mass is not None:
+        assert not lanes.mass.any(), "released lanes hold no stale attention mass"
+    engine.flush_cache()
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
 def test_concurrent_callers_share_prefix_and_survive_retraction(hf_model):
     """Threads submit overlapping groups into a pool too small for all: radix hits, retractions,
     and every greedy result still equals HF transformers."""

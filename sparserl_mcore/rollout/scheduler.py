@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparserl_mcore.rollout.compression_lanes import CompressionLanes
 from sparserl_mcore.rollout.hf_model import CausalLM
 from sparserl_mcore.rollout.kv_pool import KVPool, PoolExhaustedError
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
@@ -57,9 +58,8 @@ class RequestState:
     cached_prompt_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    qwin: torch.Tensor | None = None  # [L, Hq, window, d] ring of recent queries
-    q_seen: int = 0
-    acc: torch.Tensor | None = None  # [L, Hk, capacity] accumulated attention (h2o)
+    q_seen: int = 0  # queries pushed to its window ring
+    lane: int | None = None  # its lane of Scheduler.lanes (window queries, h2o's attention mass)
     kept_positions: torch.Tensor | None = None  # [L, Hk, k] positions of slots [0, k) after compressing
     tail_start: int = 0  # position of slot k (later slots hold consecutive positions)
     peak_retained: int = 0
@@ -106,6 +106,22 @@ class Scheduler:
         self.listeners: list[CompressionListener] = []
         self.aborted: set[str] = set()
         self.stats = SchedulerStats()
+        self.lanes = (
+            CompressionLanes(
+                layers=model.cfg.num_layers,
+                q_heads=model.cfg.num_heads,
+                kv_heads=model.cfg.num_kv_heads,
+                head_dim=model.cfg.head_dim,
+                window=kv_cfg.window,
+                lanes=max_running,
+                queries=compressor.needs_window_queries,
+                mass=compressor.needs_accumulated_attention,
+                dtype=pool.k.dtype,
+                device=pool.k.device,
+            )
+            if compressor is not None
+            else None
+        )
         self.weight_version = 0
         self._order = 0
 
@@ -201,15 +217,9 @@ class Scheduler:
         self.running.append(r)
         if r.req.sampling.seed is not None:
             r.generator.manual_seed(r.req.sampling.seed)
-        if self.compressor is not None:
-            cfg = self.model.cfg
-            dev, dt = self.pool.k.device, self.pool.k.dtype
-            r.qwin = torch.zeros(
-                cfg.num_layers, cfg.num_heads, self.kv_cfg.window, cfg.head_dim, dtype=dt, device=dev
-            )
-            if self.compressor.needs_accumulated_attention:
-                cap = max(self.kv_cfg.budget, len(r.req.input_ids)) + 1
-                r.acc = torch.zeros(cfg.num_layers, cfg.num_kv_heads, cap, device=dev)
+        if self.lanes is not None:  # mass: decode never exceeds the budget (hard cap), prefill the prompt
+            ps = self.pool.page_size
+            r.lane = self.lanes.acquire(-(-max(self.kv_cfg.budget, len(r.req.input_ids)) // ps) * ps)
 
     def _alloc(
         self, n: int, *, requester: RequestState | None, may_retract_requester: bool = False
@@ -236,6 +246,7 @@ class Scheduler:
     def _retract(self, r: RequestState) -> None:
         self.running.remove(r)
         self.pool.decref(r.pages)
+        self._release_lane(r)
         r.reset()
         self.waiting.appendleft(r)
         self.stats.retractions += 1
@@ -273,7 +284,8 @@ class Scheduler:
         ends = list(itertools.accumulate(prefill_tokens))
         starts = [0, *ends[:-1]] if ends else []
         want_mass = self.compressor is not None and self.compressor.needs_accumulated_attention
-        window_rows = self._window_rows(n_dec, prefill_tokens) if self.compressor is not None else None
+        want_queries = self.compressor is not None and self.compressor.needs_window_queries
+        window_rows = self._window_rows(n_dec, prefill_tokens) if want_queries else None
         q_rows, masses = [], []
         h = model.embed(ids_t)
         for layer in range(model.cfg.num_layers):
@@ -327,35 +339,29 @@ class Scheduler:
         q_rows: list[torch.Tensor],
         masses: list[list[torch.Tensor]] | None,
     ) -> None:
-        """Advance counters; record window queries and (h2o) attention mass per request."""
-        qs = torch.stack(q_rows) if q_rows else None  # [L, rows, Hq, d]
+        """Advance counters; record window queries and (h2o) attention mass, all requests at once."""
+        dev, w = self.pool.k.device, self.kv_cfg.window
         # per layer, masses hold [decode mass [B, Hk, N]] (when decoding) + one [Hk, n] per prefill
-        dec_mass = torch.stack([m[0] for m in masses]) if masses and decodes else None  # [L, B, Hk, N]
-        row = 0
+        if masses and decodes:  # [L, B, Hk, N], slot order
+            lanes = torch.tensor([r.lane for r in decodes], dtype=torch.long, device=dev)
+            self.lanes.add_mass(lanes, torch.stack([m[0] for m in masses]))
+        row_lanes, ring = [], []
         for i, r in enumerate(decodes + prefills):
             t = 1 if i < len(decodes) else len(r.req.input_ids) - r.n_cached
-            n_rows = 1 if i < len(decodes) else min(t, self.kv_cfg.window)
-            if qs is not None:
-                self._push_queries(r, qs[:, row : row + n_rows])
-            row += n_rows
-            if masses is not None:
-                n = r.n_cached + t
-                if i < len(decodes):
-                    r.acc[:, :, :n] += dec_mass[:, i, :, :n]
-                else:
-                    r.acc[:, :, :n] += torch.stack([m[i - len(decodes) + bool(decodes)] for m in masses])
+            if q_rows:  # the rows of _window_rows: 1 per decode, the last <= window of a prompt
+                n_rows = 1 if i < len(decodes) else min(t, w)
+                row_lanes.extend([r.lane] * n_rows)
+                ring.extend((r.q_seen + j) % w for j in range(n_rows))
+                r.q_seen += n_rows
+            if masses is not None and i >= len(decodes):
+                prefill_mass = torch.stack([m[i - len(decodes) + bool(decodes)] for m in masses])
+                self.lanes.mass[:, r.lane, :, : r.n_cached + t] += prefill_mass
             r.n_cached += t
             r.next_pos += t
             r.peak_retained = max(r.peak_retained, r.n_cached)
-
-    def _push_queries(self, r: RequestState, q: torch.Tensor) -> None:
-        """Append queries [L, t <= window, Hq, d] to the request's ring of the last `window` queries."""
-        w, t = self.kv_cfg.window, q.shape[1]
-        if t == 1:  # a decode row: one basic-indexed copy
-            r.qwin[:, :, r.q_seen % w] = q[:, 0]
-        else:
-            r.qwin[:, :, [(r.q_seen + j) % w for j in range(t)]] = q.transpose(1, 2)
-        r.q_seen += t
+        if q_rows:
+            lanes, ring = (torch.tensor(x, dtype=torch.long, device=dev) for x in (row_lanes, ring))
+            self.lanes.push_queries(lanes, ring, torch.stack(q_rows))  # [L, rows, Hq, d]
 
     # ---- per-token bookkeeping -----------------------------------------------------------------
     def _append(self, r: RequestState, token: int, logprob: float) -> FinishReason | None:
@@ -375,6 +381,7 @@ class Scheduler:
         if r in self.running:
             self.running.remove(r)
             self.pool.decref(r.pages)
+        self._release_lane(r)
         r.pages = []
         r.result = Sample(
             rid=r.rid,
@@ -415,22 +422,34 @@ class Scheduler:
         assert self.compressor is not None
         cfg, L = self.model.cfg, self.model.cfg.num_layers
         B, n, keep, d, Hk = len(rs), rs[0].n_cached, self.kv_cfg.keep_tokens, cfg.head_dim, cfg.num_kv_heads
-        flat = torch.stack([r.slots[:n] for r in rs]).reshape(-1)
-        # [B, L, Hk, n, d] copies out of the pool, all layers in one gather (the pages are released below)
+        slots = torch.stack([r.slots[:n] for r in rs])  # [B, n]
+        flat, dev = slots.view(-1), slots.device
+        # keys [B * L * Hk, n, d] for scoring, copied out of the pool with all layers in one gather
         pool_k, pool_v = self.pool.k.view(L, -1, Hk, d), self.pool.v.view(L, -1, Hk, d)
-        keys = pool_k.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4)
-        vals = pool_v.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4)
-        queries = torch.stack([self._window_queries(r) for r in rs])  # [B, L, Hq, w, d]
-        acc = torch.stack([r.acc[:, :, :n] for r in rs]) if rs[0].acc is not None else None
+        keys = pool_k.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4).reshape(-1, n, d)
+        lanes = torch.tensor([r.lane for r in rs], device=dev)
+        queries = None
+        if self.compressor.needs_window_queries:  # the group shares min(q_seen, window) (its key)
+            w = self.kv_cfg.window
+            seen = min(rs[0].q_seen, w)
+            ring = [[(r.q_seen - seen + j) % w for j in range(seen)] for r in rs]  # oldest first
+            queries = self.lanes.window_queries(lanes, torch.tensor(ring, device=dev))
+            queries = queries.reshape(-1, seen, d)  # [B, L, Hq, w, d] -> [B * L * Hq, w, d]
+        acc = self.lanes.read_mass(lanes, n) if self.lanes.mass is not None else None  # [B, L, Hk, n]
         idx = self.compressor.select(
-            keys.reshape(-1, n, d),
-            queries.reshape(-1, queries.shape[-2], d),
-            keep,
-            acc.reshape(-1, n) if acc is not None else None,
+            keys, queries, keep, acc.reshape(-1, n) if acc is not None else None
         ).view(B, L, -1, keep)
-        take = idx[..., None].expand(-1, -1, -1, -1, d)
-        kept_k, kept_v = keys.gather(3, take), vals.gather(3, take)  # [B, L, Hk, keep, d]
-        kept_pos = torch.stack([self._slot_positions(r, n) for r in rs]).gather(3, idx)
+        # kept K/V straight from the pool in the destination layout [L, B, keep, Hk, d], read before
+        # the pages are released below: entry (l, b, j, h) is row (l * S + slot) * Hk + h of the
+        # pool viewed as [L * S * Hk, d] (one index_select: cheaper than 3-index advanced indexing)
+        src = slots.view(B, 1, 1, n).expand(B, L, Hk, n).gather(3, idx)  # [B, L, Hk, keep]
+        S = pool_k.shape[1]
+        rows = (src + torch.arange(0, L * S, S, device=dev).view(L, 1, 1)) * Hk
+        rows = (rows + torch.arange(Hk, device=dev).view(Hk, 1)).permute(1, 0, 3, 2).reshape(-1)
+        kept_k, kept_v = (
+            x.view(-1, d).index_select(0, rows).view(L, B, keep, Hk, d) for x in (pool_k, pool_v)
+        )
+        kept_pos = self._group_positions(rs, n).gather(3, idx)
         for r in rs:
             self.pool.decref(r.pages)
             r.pages = []
@@ -441,14 +460,15 @@ class Scheduler:
         if not live:
             return
         new_slots = torch.cat([rs[b].slots[:keep] for b in live])
-        # [live, L, Hk, keep, d] -> slot-major [L, live * keep, Hk, d], all layers in one write
-        pool_k.index_copy_(1, new_slots, kept_k[live].permute(1, 0, 3, 2, 4).reshape(L, -1, Hk, d))
-        pool_v.index_copy_(1, new_slots, kept_v[live].permute(1, 0, 3, 2, 4).reshape(L, -1, Hk, d))
+        if len(live) < B:
+            kept_k, kept_v = kept_k[:, live], kept_v[:, live]
+        # slot-major [L, live * keep, Hk, d], all layers in one write
+        pool_k.index_copy_(1, new_slots, kept_k.reshape(L, -1, Hk, d))
+        pool_v.index_copy_(1, new_slots, kept_v.reshape(L, -1, Hk, d))
+        if acc is not None:
+            self.lanes.replace_mass(lanes[live], acc[live].gather(3, idx[live]))
         for b in live:
             r = rs[b]
-            if acc is not None:
-                r.acc.zero_()
-                r.acc[:, :, :keep] = acc[b].gather(2, idx[b])
             r.kept_positions, r.tail_start = kept_pos[b], r.next_pos
             r.evictions += n - keep
             r.compressions += 1
@@ -456,20 +476,26 @@ class Scheduler:
             for listener in self.listeners:
                 listener(r.rid, r.kept_positions, r.next_pos)
 
-    def _window_queries(self, r: RequestState) -> torch.Tensor:
-        """The request's last min(seen, window) queries, oldest first: [L, Hq, w, d]."""
-        w = self.kv_cfg.window
-        seen = min(r.q_seen, w)
-        return r.qwin[:, :, [(r.q_seen - seen + j) % w for j in range(seen)]]
+    def _release_lane(self, r: RequestState) -> None:
+        if r.lane is not None:
+            self.lanes.release(r.lane)
+            r.lane = None
 
-    def _slot_positions(self, r: RequestState, n: int) -> torch.Tensor:
-        """Original token position of each of the first n slots, per layer and KV head: [L, Hk, n]."""
+    def _group_positions(self, rs: list[RequestState], n: int) -> torch.Tensor:
+        """Original token position of each of the first n slots of each request, per layer and KV
+        head: [B, L, Hk, n]. Slots [0, k) hold the positions the last compression kept (none before
+        the first), later slots consecutive positions from `tail_start`."""
         cfg, dev = self.model.cfg, self.pool.k.device
-        base = r.kept_positions
-        k = 0 if base is None else base.shape[-1]
-        tail = torch.arange(r.tail_start, r.tail_start + n - k, device=dev)
-        tail = tail.expand(cfg.num_layers, cfg.num_kv_heads, -1)
-        return tail if base is None else torch.cat([base, tail], dim=-1)
+        widths = [0 if r.kept_positions is None else r.kept_positions.shape[-1] for r in rs]
+        starts = torch.tensor([r.tail_start - k for r, k in zip(rs, widths, strict=True)], device=dev)
+        pos = (starts[:, None] + torch.arange(n, device=dev)).view(len(rs), 1, 1, n)
+        pos = pos.expand(-1, cfg.num_layers, cfg.num_kv_heads, -1)
+        based = [b for b, k in enumerate(widths) if k]
+        if not based:
+            return pos
+        pos = pos.clone()
+        pos[based, :, :, : widths[based[0]]] = torch.stack([rs[b].kept_positions for b in based])
+        return pos
 
 
 def _common_pages(a: tuple[int, ...], b: tuple[int, ...], limit: int, page_size: int) -> int:

@@ -1,10 +1,12 @@
 """The compression policies behind one interface, and their registry.
 
 A compressor answers one question per layer: which cached positions does each KV head keep?
-`select(keys [Hk, n, d], queries [Hq, w, d], n_keep, accumulated=None)` returns int64
+`select(keys [Hk, n, d], queries [Hq, w, d] | None, n_keep, accumulated=None)` returns int64
 [Hk, min(n, n_keep)] position indices, ascending per head, always containing the last `window`
 positions. Heads choose independently (per-head selection, as SnapKV and R-KV define it); the
 engine gathers K and V of each head with the same indices. Keys are post-RoPE, as cached.
+Policies that never read the window queries (`needs_window_queries = False`) accept None, so an
+engine need not keep a ring of recent queries for them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class KVCompressor:
     """Base: argument checks, the no-op case and "top scores + recent window" selection."""
 
     needs_accumulated_attention = False
+    needs_window_queries = True
 
     def __init__(self, cfg: KVCompressionConfig) -> None:
         self.cfg = cfg
@@ -26,10 +29,12 @@ class KVCompressor:
     def select(
         self,
         keys: torch.Tensor,
-        queries: torch.Tensor,
+        queries: torch.Tensor | None,
         n_keep: int,
         accumulated: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if queries is None and self.needs_window_queries:
+            raise ValueError(f"{self.cfg.method} scores with the window queries: pass [q_heads, w, d]")
         _check_inputs(keys, queries, n_keep, accumulated, self.cfg.window)
         kv_heads, n, _ = keys.shape
         if n <= n_keep:
@@ -37,7 +42,7 @@ class KVCompressor:
         return self._select(keys, queries, n_keep, accumulated)
 
     def _select(
-        self, keys: torch.Tensor, queries: torch.Tensor, n_keep: int, accumulated: torch.Tensor | None
+        self, keys: torch.Tensor, queries: torch.Tensor | None, n_keep: int, accumulated: torch.Tensor | None
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -47,7 +52,7 @@ class KVCompressor:
         prefix_scores [Hk, n - window] score the positions before the window.
         """
         kv_heads, recent_start = prefix_scores.shape
-        top = prefix_scores.topk(n_keep - self.cfg.window, dim=-1).indices
+        top = prefix_scores.topk(n_keep - self.cfg.window, dim=-1, sorted=False).indices  # ~4x cheaper
         recent = torch.arange(recent_start, recent_start + self.cfg.window, device=prefix_scores.device)
         return torch.cat([top, recent.expand(kv_heads, -1)], dim=-1).sort(dim=-1).values
 
@@ -59,7 +64,7 @@ class SnapKV(KVCompressor):
     """Keep the positions the recent queries attend to most (pooled window attention)."""
 
     def _select(
-        self, keys: torch.Tensor, queries: torch.Tensor, n_keep: int, accumulated: torch.Tensor | None
+        self, keys: torch.Tensor, queries: torch.Tensor | None, n_keep: int, accumulated: torch.Tensor | None
     ) -> torch.Tensor:
         imp = scoring.importance(keys, queries, self.cfg.kernel_size)
         return self._top_plus_window(imp[:, : self._prefix(keys)], n_keep)
@@ -69,7 +74,7 @@ class RKV(KVCompressor):
     """Importance minus redundancy: drops near-duplicate keys before rarely attended ones."""
 
     def _select(
-        self, keys: torch.Tensor, queries: torch.Tensor, n_keep: int, accumulated: torch.Tensor | None
+        self, keys: torch.Tensor, queries: torch.Tensor | None, n_keep: int, accumulated: torch.Tensor | None
     ) -> torch.Tensor:
         lam, prefix = self.cfg.rkv_lambda, self._prefix(keys)
         imp = scoring.importance(keys, queries, self.cfg.kernel_size)[:, :prefix]
@@ -80,8 +85,10 @@ class RKV(KVCompressor):
 class StreamingLLM(KVCompressor):
     """Attention sinks (the first `sink_tokens`) plus the most recent positions; same for every head."""
 
+    needs_window_queries = False
+
     def _select(
-        self, keys: torch.Tensor, queries: torch.Tensor, n_keep: int, accumulated: torch.Tensor | None
+        self, keys: torch.Tensor, queries: torch.Tensor | None, n_keep: int, accumulated: torch.Tensor | None
     ) -> torch.Tensor:
         kv_heads, n, _ = keys.shape
         if n_keep < self.cfg.sink_tokens + self.cfg.window:
@@ -97,9 +104,10 @@ class H2O(KVCompressor):
     """Heavy hitters by accumulated attention (see `scoring.attention_mass`) plus the recent window."""
 
     needs_accumulated_attention = True
+    needs_window_queries = False
 
     def _select(
-        self, keys: torch.Tensor, queries: torch.Tensor, n_keep: int, accumulated: torch.Tensor | None
+        self, keys: torch.Tensor, queries: torch.Tensor | None, n_keep: int, accumulated: torch.Tensor | None
     ) -> torch.Tensor:
         if accumulated is None:
             raise ValueError(
@@ -129,14 +137,26 @@ def build_compressor(cfg: KVCompressionConfig) -> KVCompressor | None:
 
 
 def _check_inputs(
-    keys: torch.Tensor, queries: torch.Tensor, n_keep: int, accumulated: torch.Tensor | None, window: int
+    keys: torch.Tensor,
+    queries: torch.Tensor | None,
+    n_keep: int,
+    accumulated: torch.Tensor | None,
+    window: int,
 ) -> None:
-    if keys.dim() != 3 or queries.dim() != 3:
+    if keys.dim() != 3:
+        raise ValueError(f"keys {tuple(keys.shape)}: expected [kv_heads, n, d]")
+    if n_keep < window:
+        raise ValueError(f"n_keep={n_keep} < window={window}: the recent window is always kept")
+    kv_heads, n, d = keys.shape
+    if accumulated is not None and tuple(accumulated.shape) != (kv_heads, n):
+        raise ValueError(f"accumulated {tuple(accumulated.shape)}: expected [kv_heads, n] = {(kv_heads, n)}")
+    if queries is None:
+        return
+    if queries.dim() != 3:
         raise ValueError(
             f"keys {tuple(keys.shape)} / queries {tuple(queries.shape)}: "
             "expected [kv_heads, n, d] / [q_heads, w, d]"
         )
-    kv_heads, n, d = keys.shape
     q_heads, w, qd = queries.shape
     if qd != d or q_heads % kv_heads != 0:
         raise ValueError(
@@ -145,7 +165,3 @@ def _check_inputs(
         )
     if not 1 <= w <= n:
         raise ValueError(f"{w} window queries for {n} cached positions: need 1 <= w <= n")
-    if n_keep < window:
-        raise ValueError(f"n_keep={n_keep} < window={window}: the recent window is always kept")
-    if accumulated is not None and tuple(accumulated.shape) != (kv_heads, n):
-        raise ValueError(f"accumulated {tuple(accumulated.shape)}: expected [kv_heads, n] = {(kv_heads, n)}")

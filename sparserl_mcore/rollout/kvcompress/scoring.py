@@ -4,10 +4,16 @@ Shape legend: Hk = KV heads, Hq = query heads (Hq = Hk * G for grouped-query att
 n = cached positions, w = observation-window queries, d = head dim.
 The window queries are the last w positions of the sequence: query i sits at position n - w + i
 and, causally, sees keys 0 .. n - w + i.
+
+Cost: the engine calls these with layers and requests stacked along the head axis, on small
+tensors, once per compression; op count matters as much as flops. So every head's G * w queries
+go through one batched matmul against its own keys (no repeat of the keys per query head) that
+also applies the scale and the causal mask, and redundancy zeroes the diagonal in place.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,14 +25,7 @@ def window_attention(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
 
     keys [Hk, n, d] are shared by the G query heads of their group (head h uses KV head h // G).
     """
-    kv_heads, n, d = keys.shape
-    q_heads, w, _ = queries.shape
-    group = q_heads // kv_heads
-    keys_q = keys.float().repeat_interleave(group, dim=0)  # [Hq, n, d]
-    logits = queries.float() @ keys_q.transpose(1, 2) / math.sqrt(d)  # [Hq, w, n]
-    query_pos = torch.arange(n - w, n, device=keys.device).unsqueeze(1)  # [w, 1]
-    future = torch.arange(n, device=keys.device).unsqueeze(0) > query_pos  # [w, n]
-    return logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return _grouped_window_attention(keys, queries).flatten(0, 1)
 
 
 def attention_mass(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
@@ -35,15 +34,14 @@ def attention_mass(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     The unit H2O accumulates: an engine adds it per decode step (w = 1, exact H2O) or per
     compression over the window (cheaper), and gathers it with the kept indices after compressing.
     """
-    probs = window_attention(keys, queries).sum(dim=1)  # [Hq, n]
-    return _max_over_group(probs, keys.shape[0])
+    return _grouped_window_attention(keys, queries).sum(dim=2).amax(dim=1)
 
 
 def importance(keys: torch.Tensor, queries: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """SnapKV importance: window attention, mean over the window, max over the GQA group,
     then a 1-D max-pool so neighbours of a salient position survive with it: [Hk, n]."""
-    probs = window_attention(keys, queries).mean(dim=1)  # [Hq, n]
-    return max_pool(_max_over_group(probs, keys.shape[0]), kernel_size)
+    probs = _grouped_window_attention(keys, queries).mean(dim=2).amax(dim=1)
+    return max_pool(probs, kernel_size)
 
 
 def redundancy(keys: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -55,10 +53,8 @@ def redundancy(keys: torch.Tensor, threshold: float) -> torch.Tensor:
     """
     unit = F.normalize(keys.float(), dim=-1)
     sim = unit @ unit.transpose(1, 2)  # [Hk, n, n]
-    n = keys.shape[1]
-    sim = sim.masked_fill(torch.eye(n, dtype=torch.bool, device=keys.device), 0.0)
-    sim = torch.where(sim > threshold, sim, torch.zeros_like(sim))
-    return sim.mean(dim=1).softmax(dim=-1)
+    sim.diagonal(dim1=1, dim2=2).zero_()
+    return F.threshold(sim, threshold, 0.0).mean(dim=1).softmax(dim=-1)
 
 
 def max_pool(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
@@ -68,6 +64,22 @@ def max_pool(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     return F.max_pool1d(scores.unsqueeze(1), kernel_size, stride=1, padding=kernel_size // 2).squeeze(1)
 
 
-def _max_over_group(per_q_head: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    q_heads, n = per_q_head.shape
-    return per_q_head.view(kv_heads, q_heads // kv_heads, n).amax(dim=1)
+def _grouped_window_attention(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """`window_attention` as [Hk, G, w, n]: the G * w queries of a group in one batched matmul."""
+    kv_heads, n, d = keys.shape
+    q_heads, w, _ = queries.shape
+    group = q_heads // kv_heads
+    q = queries.float().reshape(kv_heads, group * w, d)  # query heads of a group are contiguous
+    bias = _causal_bias(w, n, group, keys.device)
+    logits = torch.baddbmm(bias, q, keys.float().transpose(1, 2), alpha=1.0 / math.sqrt(d))
+    return logits.view(kv_heads, group, w, n).softmax(dim=-1)
+
+
+@functools.lru_cache(maxsize=32)
+def _causal_bias(w: int, n: int, group: int, device: torch.device) -> torch.Tensor:
+    """Additive mask [G * w, n]: query i (position n - w + i) must not see the keys after it.
+    Cached: an engine compresses at the same few (window, length) shapes over and over, and
+    building it costs more ops than the scoring matmul on small inputs. Never modified in place."""
+    bias = torch.zeros(w, n, device=device)
+    bias[:, n - w :].masked_fill_(torch.ones(w, w, dtype=torch.bool, device=device).triu(1), -math.inf)
+    return bias.repeat(group, 1)
