@@ -31,7 +31,12 @@ from sparserl_mcore.rollout.compression_lanes import CompressionLanes
 from sparserl_mcore.rollout.hf_model import CausalLM
 from sparserl_mcore.rollout.kv_pool import KVPool, PoolExhaustedError
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
-from sparserl_mcore.rollout.paged_attention import DecodeLayout, decode_attention, prefill_attention
+from sparserl_mcore.rollout.paged_attention import (
+    CROSS_HEAD_MAX_KV_HEADS,
+    DecodeLayout,
+    decode_attention,
+    prefill_attention,
+)
 from sparserl_mcore.rollout.protocol import FinishReason, GenerateRequest, KVStats, Sample
 from sparserl_mcore.rollout.radix_cache import RadixCache
 from sparserl_mcore.rollout.sampler import sample
@@ -321,8 +326,17 @@ class Scheduler:
         ps = self.pool.page_size
         lengths = [r.n_cached + 1 for r in decodes]
         tables = [r.pages[: -(-n // ps)] for r, n in zip(decodes, lengths, strict=True)]
-        dtype, device = self.pool.k.dtype, self.pool.k.device
-        return DecodeLayout.build(tables, lengths, page_size=ps, dtype=dtype, device=device)
+        dtype, device, cfg = self.pool.k.dtype, self.pool.k.device, self.model.cfg
+        cross = (
+            (cfg.num_heads, cfg.num_kv_heads)
+            if self.compressor is not None
+            and self.compressor.needs_accumulated_attention
+            and cfg.num_kv_heads <= CROSS_HEAD_MAX_KV_HEADS
+            else None
+        )
+        return DecodeLayout.build(
+            tables, lengths, page_size=ps, dtype=dtype, device=device, cross_heads=cross
+        )
 
     def _window_rows(self, n_dec: int, prefill_tokens: list[int]) -> torch.Tensor:
         """Rows whose queries enter the observation window: every decode row, each prompt's last w."""
