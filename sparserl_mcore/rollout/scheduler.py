@@ -127,6 +127,10 @@ class Scheduler:
             if compressor is not None
             else None
         )
+        # pool row (l * S + slot) * Hk + h of entry (layer l, slot, KV head h) = slot * Hk + this[l, h]
+        dev, L, Hk = pool.k.device, model.cfg.num_layers, model.cfg.num_kv_heads
+        layer_rows = torch.arange(L, device=dev).view(L, 1, 1) * (pool.num_pages * pool.page_size * Hk)
+        self._pool_row_offsets = layer_rows + torch.arange(Hk, device=dev).view(Hk, 1)  # [L, Hk, 1]
         self.weight_version = 0
         self._order = 0
 
@@ -290,7 +294,8 @@ class Scheduler:
         starts = [0, *ends[:-1]] if ends else []
         want_mass = self.compressor is not None and self.compressor.needs_accumulated_attention
         want_queries = self.compressor is not None and self.compressor.needs_window_queries
-        window_rows = self._window_rows(n_dec, prefill_tokens) if want_queries else None
+        # decode-only steps (most steps): the window rows are all rows, a slice of q, no gather
+        window_rows = self._window_rows(n_dec, prefill_tokens) if want_queries and prefills else None
         q_rows, masses = [], []
         h = model.embed(ids_t)
         for layer in range(model.cfg.num_layers):
@@ -310,8 +315,8 @@ class Scheduler:
                 out, mass = prefill_attention(q[n_dec + start : n_dec + end], kf, vf, sl, want_mass=want_mass)
                 outs.append(out)
                 layer_mass.append(mass)
-            if window_rows is not None:
-                q_rows.append(q.index_select(0, window_rows))
+            if want_queries:
+                q_rows.append(q[:n_dec] if window_rows is None else q.index_select(0, window_rows))
             masses.append(layer_mass)
             h = model.finish_layer(layer, h, outs[0] if len(outs) == 1 else torch.cat(outs))
         self._after_forward(decodes, prefills, q_rows, masses if want_mass else None)
@@ -457,9 +462,7 @@ class Scheduler:
         # the pages are released below: entry (l, b, j, h) is row (l * S + slot) * Hk + h of the
         # pool viewed as [L * S * Hk, d] (one index_select: cheaper than 3-index advanced indexing)
         src = slots.view(B, 1, 1, n).expand(B, L, Hk, n).gather(3, idx)  # [B, L, Hk, keep]
-        S = pool_k.shape[1]
-        rows = (src + torch.arange(0, L * S, S, device=dev).view(L, 1, 1)) * Hk
-        rows = (rows + torch.arange(Hk, device=dev).view(Hk, 1)).permute(1, 0, 3, 2).reshape(-1)
+        rows = (src * Hk + self._pool_row_offsets).permute(1, 0, 3, 2).reshape(-1)
         kept_k, kept_v = (
             x.view(-1, d).index_select(0, rows).view(L, B, keep, Hk, d) for x in (pool_k, pool_v)
         )
