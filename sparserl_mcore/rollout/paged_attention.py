@@ -82,15 +82,15 @@ def decode_attention(
     """
     B, Hq, d = q.shape
     N = layout.valid.shape[1]
-    # [B, Hk, N, d]
-    k = k_rows.index_select(0, layout.pages).view(B, N, -1, d).transpose(1, 2)
-    v = v_rows.index_select(0, layout.pages).view(B, N, -1, d).transpose(1, 2)
+    k = k_rows.index_select(0, layout.pages).view(B, -1, d)  # [B, N * Hk, d], entry-major
+    v = v_rows.index_select(0, layout.pages).view(B, -1, d)
+    if want_mass and layout.cross_bias is not None:
+        return _cross_head_attention(q, k, v, layout)
+    k, v = (x.view(B, N, -1, d).transpose(1, 2) for x in (k, v))  # [B, Hk, N, d]
     Hk = k.shape[1]
     qg = q.view(B, Hk, Hq // Hk, d)  # the g query heads of a KV head act as g query rows
     if not want_mass:  # fused kernel, fp32 accumulation
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=layout.bias).reshape(B, Hq, d), None
-    if layout.cross_bias is not None:
-        return _cross_head_attention(q, k_rows, v_rows, layout)
     # One KV head at a time: head h's keys k[:, h] are a strided [B, N, d] view that bmm reads in
     # place, while the batched [B, Hk] matmul first copies K and V head-major (a third of this
     # path's time on CPU; the per-head loop was ~25% faster for the usual 2-8 KV heads).
@@ -105,20 +105,20 @@ def decode_attention(
 
 
 def _cross_head_attention(
-    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, layout: DecodeLayout
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DecodeLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_attention` with the mass, in five ops: every query scores the keys of ALL KV heads
     in the gathered [B, N * Hk, d] order (one bmm, no head-major copy), `cross_bias` drops the other
     heads' keys to exactly 0 probability, so one softmax is each head's own softmax and one bmm with
     the values gives the output. Hk times the flops of the per-head loop, which on CPU at decode
-    sizes is cheaper than the loop's extra ops (~25% less time at Hk = 2, B = 16, N = 80)."""
+    sizes is cheaper than the loop's extra ops (~25% less time at Hk = 2, B = 16, N = 80).
+    k, v: the gathered pages [B, N * Hk, d] (entry-major, the pool's order)."""
     B, Hq, d = q.shape
     N = layout.valid.shape[1]
     Hk = layout.cross_bias.shape[2] // N
-    k = k_rows.index_select(0, layout.pages).view(B, N * Hk, d).float()
-    v = v_rows.index_select(0, layout.pages).view(B, N * Hk, d).float()
-    probs = torch.baddbmm(layout.cross_bias, q.float(), k.transpose(1, 2), alpha=1 / math.sqrt(d)).softmax(-1)
-    out = torch.bmm(probs, v).to(q.dtype)
+    scores = torch.baddbmm(layout.cross_bias, q.float(), k.float().transpose(1, 2), alpha=1 / math.sqrt(d))
+    probs = scores.softmax(-1)
+    out = torch.bmm(probs, v.float()).to(q.dtype)
     # [B, Hk (query group), g, N, Hk (key head)] -> max over the group, own head's keys: [B, Hk, N]
     mass = probs.view(B, Hk, Hq // Hk, N, Hk).amax(2).diagonal(dim1=1, dim2=3).transpose(1, 2)
     return out, mass
