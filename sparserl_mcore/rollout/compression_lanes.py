@@ -79,6 +79,5 @@ class CompressionLanes:
 
     def replace_mass(self, lanes: torch.Tensor, kept: torch.Tensor) -> None:
         """After a compression: lanes hold kept [len(lanes), L, Hk, k] in slots [0, k), zeros after."""
-        rows = self.mass.new_zeros(self.mass.shape[0], len(lanes), *self.mass.shape[2:])
-        rows[..., : kept.shape[-1]] = kept.transpose(0, 1)
-        self.mass.index_copy_(1, lanes, rows)
+        self.mass.index_fill_(1, lanes, 0.0)
+        self.mass[..., : kept.shape[-1]].index_copy_(1, lanes, kept.transpose(0, 1))

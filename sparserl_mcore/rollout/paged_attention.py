@@ -11,6 +11,7 @@ d head dim, S pool slots.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -58,11 +59,18 @@ class DecodeLayout:
         bias = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, -math.inf)
         cross = None
         if cross_heads is not None:
-            hq, hk = cross_heads
-            other = torch.arange(hq, device=device)[:, None] // (hq // hk) != torch.arange(hk, device=device)
-            head = torch.zeros(hq, 1, hk, device=device).masked_fill_(other[:, None], -math.inf)
-            cross = (bias.float()[:, None, :, None] + head).view(len(lengths), hq, -1)  # [B, Hq, N * Hk]
+            head = _other_head_bias(*cross_heads, torch.device(device))  # [Hq, 1, Hk]
+            cross = (bias.float()[:, None, :, None] + head).view(len(lengths), cross_heads[0], -1)
         return cls(pages=pages, valid=valid, bias=bias[:, None, None, :], cross_bias=cross)
+
+
+@functools.lru_cache(maxsize=8)
+def _other_head_bias(q_heads: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """[Hq, 1, Hk]: -inf where KV head h is not query head i's (h != i // g), else 0. Cached: the
+    same for every step, and building it costs more ops than using it. Never modified in place."""
+    own = torch.arange(q_heads, device=device)[:, None] // (q_heads // kv_heads)
+    other = own != torch.arange(kv_heads, device=device)
+    return torch.zeros(q_heads, 1, kv_heads, device=device).masked_fill_(other[:, None], -math.inf)
 
 
 def decode_attention(

@@ -477,13 +477,14 @@ class Scheduler:
         if not live:
             return
         new_slots = torch.cat([rs[b].slots[:keep] for b in live])
-        if len(live) < B:
-            kept_k, kept_v = kept_k[:, live], kept_v[:, live]
+        if len(live) < B:  # indexing by a list is a gather: only after a retraction
+            kept_k, kept_v, idx, lanes = kept_k[:, live], kept_v[:, live], idx[live], lanes[live]
+            acc = acc[live] if acc is not None else None
         # slot-major [L, live * keep, Hk, d], all layers in one write
         pool_k.index_copy_(1, new_slots, kept_k.reshape(L, -1, Hk, d))
         pool_v.index_copy_(1, new_slots, kept_v.reshape(L, -1, Hk, d))
         if acc is not None:
-            self.lanes.replace_mass(lanes[live], acc[live].gather(3, idx[live]))
+            self.lanes.replace_mass(lanes, acc.gather(3, idx))
         for b in live:
             r = rs[b]
             r.kept_positions, r.tail_start = kept_pos[b], r.next_pos
