@@ -60,9 +60,14 @@ class CompressionLanes:
             self.mass[:, lane].zero_()
         self._free.append(lane)
 
-    def push_queries(self, lanes: torch.Tensor, ring: torch.Tensor, q: torch.Tensor) -> None:
-        """Store q [L, R, Hq, d]: row i goes to ring position ring[i] of lane lanes[i] (pairs distinct)."""
-        self.queries.index_copy_(1, lanes * self.window + ring, q)
+    def ring_row(self, lane: int, seen: int) -> int:
+        """Row of the query ring that the next query of a lane goes to after `seen` queries (plain
+        ints: the scheduler computes one per stored query, in Python, cheaper than tensor ops)."""
+        return lane * self.window + seen % self.window
+
+    def push_queries(self, rows: torch.Tensor, q: torch.Tensor) -> None:
+        """Store q [L, R, Hq, d]: query i goes to ring row rows[i] (`ring_row`; rows distinct)."""
+        self.queries.index_copy_(1, rows, q)
 
     def window_queries(self, lanes: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
         """Queries at ring positions ring [B, w] (oldest first) of the B lanes: [B, L, Hq, w, d]."""

@@ -364,23 +364,23 @@ class Scheduler:
         if masses and decodes:  # [L, B, Hk, N], slot order
             lanes = torch.tensor([r.lane for r in decodes], dtype=torch.long, device=dev)
             self.lanes.add_mass(lanes, torch.stack([m[0] for m in masses]))
-        row_lanes, ring = [], []
+        if q_rows:  # ring rows of the rows of _window_rows: 1 per decode, the last <= w of a prompt
+            rows = [self.lanes.ring_row(r.lane, r.q_seen) for r in decodes]
+            for r in prefills:
+                seen, n_rows = r.q_seen, min(len(r.req.input_ids) - r.n_cached, w)
+                rows.extend(self.lanes.ring_row(r.lane, seen + j) for j in range(n_rows))
+            rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+            self.lanes.push_queries(rows_t, torch.stack(q_rows))  # [L, rows, Hq, d]
         for i, r in enumerate(decodes + prefills):
             t = 1 if i < len(decodes) else len(r.req.input_ids) - r.n_cached
-            if q_rows:  # the rows of _window_rows: 1 per decode, the last <= window of a prompt
-                n_rows = 1 if i < len(decodes) else min(t, w)
-                row_lanes.extend([r.lane] * n_rows)
-                ring.extend((r.q_seen + j) % w for j in range(n_rows))
-                r.q_seen += n_rows
+            if q_rows:
+                r.q_seen += 1 if i < len(decodes) else min(t, w)
             if masses is not None and i >= len(decodes):
                 prefill_mass = torch.stack([m[i - len(decodes) + bool(decodes)] for m in masses])
                 self.lanes.mass[:, r.lane, :, : r.n_cached + t] += prefill_mass
             r.n_cached += t
             r.next_pos += t
             r.peak_retained = max(r.peak_retained, r.n_cached)
-        if q_rows:
-            lanes, ring = (torch.tensor(x, dtype=torch.long, device=dev) for x in (row_lanes, ring))
-            self.lanes.push_queries(lanes, ring, torch.stack(q_rows))  # [L, rows, Hq, d]
 
     # ---- per-token bookkeeping -----------------------------------------------------------------
     def _append(self, r: RequestState, token: int, logprob: float) -> FinishReason | None:
