@@ -60,9 +60,14 @@ class CompressionLanes:
             self.mass[:, lane].zero_()
         self._free.append(lane)
 
-    def push_queries(self, lanes: torch.Tensor, ring: torch.Tensor, q: torch.Tensor) -> None:
-        """Store q [L, R, Hq, d]: row i goes to ring position ring[i] of lane lanes[i] (pairs distinct)."""
-        self.queries.index_copy_(1, lanes * self.window + ring, q)
+    def ring_row(self, lane: int, seen: int) -> int:
+        """Row of the query ring that the next query of a lane goes to after `seen` queries (plain
+        ints: the scheduler computes one per stored query, in Python, cheaper than tensor ops)."""
+        return lane * self.window + seen % self.window
+
+    def push_queries(self, rows: torch.Tensor, q: torch.Tensor) -> None:
+        """Store q [L, R, Hq, d]: query i goes to ring row rows[i] (`ring_row`; rows distinct)."""
+        self.queries.index_copy_(1, rows, q)
 
     def window_queries(self, lanes: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
         """Queries at ring positions ring [B, w] (oldest first) of the B lanes: [B, L, Hq, w, d]."""
@@ -79,6 +84,5 @@ class CompressionLanes:
 
     def replace_mass(self, lanes: torch.Tensor, kept: torch.Tensor) -> None:
         """After a compression: lanes hold kept [len(lanes), L, Hk, k] in slots [0, k), zeros after."""
-        rows = self.mass.new_zeros(self.mass.shape[0], len(lanes), *self.mass.shape[2:])
-        rows[..., : kept.shape[-1]] = kept.transpose(0, 1)
-        self.mass.index_copy_(1, lanes, rows)
+        self.mass.index_fill_(1, lanes, 0.0)
+        self.mass[..., : kept.shape[-1]].index_copy_(1, lanes, kept.transpose(0, 1))

@@ -31,7 +31,12 @@ from sparserl_mcore.rollout.compression_lanes import CompressionLanes
 from sparserl_mcore.rollout.hf_model import CausalLM
 from sparserl_mcore.rollout.kv_pool import KVPool, PoolExhaustedError
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
-from sparserl_mcore.rollout.paged_attention import DecodeLayout, decode_attention, prefill_attention
+from sparserl_mcore.rollout.paged_attention import (
+    CROSS_HEAD_MAX_KV_HEADS,
+    DecodeLayout,
+    decode_attention,
+    prefill_attention,
+)
 from sparserl_mcore.rollout.protocol import FinishReason, GenerateRequest, KVStats, Sample
 from sparserl_mcore.rollout.radix_cache import RadixCache
 from sparserl_mcore.rollout.sampler import sample
@@ -122,6 +127,10 @@ class Scheduler:
             if compressor is not None
             else None
         )
+        # pool row (l * S + slot) * Hk + h of entry (layer l, slot, KV head h) = slot * Hk + this[l, h]
+        dev, L, Hk = pool.k.device, model.cfg.num_layers, model.cfg.num_kv_heads
+        layer_rows = torch.arange(L, device=dev).view(L, 1, 1) * (pool.num_pages * pool.page_size * Hk)
+        self._pool_row_offsets = layer_rows + torch.arange(Hk, device=dev).view(Hk, 1)  # [L, Hk, 1]
         self.weight_version = 0
         self._order = 0
 
@@ -285,7 +294,8 @@ class Scheduler:
         starts = [0, *ends[:-1]] if ends else []
         want_mass = self.compressor is not None and self.compressor.needs_accumulated_attention
         want_queries = self.compressor is not None and self.compressor.needs_window_queries
-        window_rows = self._window_rows(n_dec, prefill_tokens) if want_queries else None
+        # decode-only steps (most steps): the window rows are all rows, a slice of q, no gather
+        window_rows = self._window_rows(n_dec, prefill_tokens) if want_queries and prefills else None
         q_rows, masses = [], []
         h = model.embed(ids_t)
         for layer in range(model.cfg.num_layers):
@@ -305,8 +315,8 @@ class Scheduler:
                 out, mass = prefill_attention(q[n_dec + start : n_dec + end], kf, vf, sl, want_mass=want_mass)
                 outs.append(out)
                 layer_mass.append(mass)
-            if window_rows is not None:
-                q_rows.append(q.index_select(0, window_rows))
+            if want_queries:
+                q_rows.append(q[:n_dec] if window_rows is None else q.index_select(0, window_rows))
             masses.append(layer_mass)
             h = model.finish_layer(layer, h, outs[0] if len(outs) == 1 else torch.cat(outs))
         self._after_forward(decodes, prefills, q_rows, masses if want_mass else None)
@@ -321,8 +331,17 @@ class Scheduler:
         ps = self.pool.page_size
         lengths = [r.n_cached + 1 for r in decodes]
         tables = [r.pages[: -(-n // ps)] for r, n in zip(decodes, lengths, strict=True)]
-        dtype, device = self.pool.k.dtype, self.pool.k.device
-        return DecodeLayout.build(tables, lengths, page_size=ps, dtype=dtype, device=device)
+        dtype, device, cfg = self.pool.k.dtype, self.pool.k.device, self.model.cfg
+        cross = (
+            (cfg.num_heads, cfg.num_kv_heads)
+            if self.compressor is not None
+            and self.compressor.needs_accumulated_attention
+            and cfg.num_kv_heads <= CROSS_HEAD_MAX_KV_HEADS
+            else None
+        )
+        return DecodeLayout.build(
+            tables, lengths, page_size=ps, dtype=dtype, device=device, cross_heads=cross
+        )
 
     def _window_rows(self, n_dec: int, prefill_tokens: list[int]) -> torch.Tensor:
         """Rows whose queries enter the observation window: every decode row, each prompt's last w."""
@@ -345,23 +364,23 @@ class Scheduler:
         if masses and decodes:  # [L, B, Hk, N], slot order
             lanes = torch.tensor([r.lane for r in decodes], dtype=torch.long, device=dev)
             self.lanes.add_mass(lanes, torch.stack([m[0] for m in masses]))
-        row_lanes, ring = [], []
+        if q_rows:  # ring rows of the rows of _window_rows: 1 per decode, the last <= w of a prompt
+            rows = [self.lanes.ring_row(r.lane, r.q_seen) for r in decodes]
+            for r in prefills:
+                seen, n_rows = r.q_seen, min(len(r.req.input_ids) - r.n_cached, w)
+                rows.extend(self.lanes.ring_row(r.lane, seen + j) for j in range(n_rows))
+            rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+            self.lanes.push_queries(rows_t, torch.stack(q_rows))  # [L, rows, Hq, d]
         for i, r in enumerate(decodes + prefills):
             t = 1 if i < len(decodes) else len(r.req.input_ids) - r.n_cached
-            if q_rows:  # the rows of _window_rows: 1 per decode, the last <= window of a prompt
-                n_rows = 1 if i < len(decodes) else min(t, w)
-                row_lanes.extend([r.lane] * n_rows)
-                ring.extend((r.q_seen + j) % w for j in range(n_rows))
-                r.q_seen += n_rows
+            if q_rows:
+                r.q_seen += 1 if i < len(decodes) else min(t, w)
             if masses is not None and i >= len(decodes):
                 prefill_mass = torch.stack([m[i - len(decodes) + bool(decodes)] for m in masses])
                 self.lanes.mass[:, r.lane, :, : r.n_cached + t] += prefill_mass
             r.n_cached += t
             r.next_pos += t
             r.peak_retained = max(r.peak_retained, r.n_cached)
-        if q_rows:
-            lanes, ring = (torch.tensor(x, dtype=torch.long, device=dev) for x in (row_lanes, ring))
-            self.lanes.push_queries(lanes, ring, torch.stack(q_rows))  # [L, rows, Hq, d]
 
     # ---- per-token bookkeeping -----------------------------------------------------------------
     def _append(self, r: RequestState, token: int, logprob: float) -> FinishReason | None:
@@ -443,9 +462,7 @@ class Scheduler:
         # the pages are released below: entry (l, b, j, h) is row (l * S + slot) * Hk + h of the
         # pool viewed as [L * S * Hk, d] (one index_select: cheaper than 3-index advanced indexing)
         src = slots.view(B, 1, 1, n).expand(B, L, Hk, n).gather(3, idx)  # [B, L, Hk, keep]
-        S = pool_k.shape[1]
-        rows = (src + torch.arange(0, L * S, S, device=dev).view(L, 1, 1)) * Hk
-        rows = (rows + torch.arange(Hk, device=dev).view(Hk, 1)).permute(1, 0, 3, 2).reshape(-1)
+        rows = (src * Hk + self._pool_row_offsets).permute(1, 0, 3, 2).reshape(-1)
         kept_k, kept_v = (
             x.view(-1, d).index_select(0, rows).view(L, B, keep, Hk, d) for x in (pool_k, pool_v)
         )
@@ -460,13 +477,14 @@ class Scheduler:
         if not live:
             return
         new_slots = torch.cat([rs[b].slots[:keep] for b in live])
-        if len(live) < B:
-            kept_k, kept_v = kept_k[:, live], kept_v[:, live]
+        if len(live) < B:  # indexing by a list is a gather: only after a retraction
+            kept_k, kept_v, idx, lanes = kept_k[:, live], kept_v[:, live], idx[live], lanes[live]
+            acc = acc[live] if acc is not None else None
         # slot-major [L, live * keep, Hk, d], all layers in one write
         pool_k.index_copy_(1, new_slots, kept_k.reshape(L, -1, Hk, d))
         pool_v.index_copy_(1, new_slots, kept_v.reshape(L, -1, Hk, d))
         if acc is not None:
-            self.lanes.replace_mass(lanes[live], acc[live].gather(3, idx[live]))
+            self.lanes.replace_mass(lanes, acc.gather(3, idx))
         for b in live:
             r = rs[b]
             r.kept_positions, r.tail_start = kept_pos[b], r.next_pos
