@@ -92,27 +92,36 @@ def choose_cuts(base_bits: np.ndarray, old_changed: np.ndarray) -> tuple[int, ..
     return tuple(int(bounds[s]) << 7 for s in sorted(starts) if s > 0)
 
 
-def _below(bits: np.ndarray, top: int) -> np.ndarray:
-    """Ascending flat indices with magnitude bits < top, in chunks (no numel-sized temporaries)."""
-    buf, mask, found = np.empty(_CHUNK, np.uint16), np.empty(_CHUNK, bool), []
-    limit = np.uint16(top)
-    for start in range(0, bits.size, _CHUNK):
-        chunk = bits[start : start + _CHUNK]
-        n = chunk.size
-        np.bitwise_and(chunk, 0x7FFF, out=buf[:n])
-        np.less(buf[:n], limit, out=mask[:n])
-        hits = np.flatnonzero(mask[:n])
-        if hits.size:
-            found.append(hits + start)
-    return np.concatenate(found) if found else np.zeros(0, np.int64)
-
-
 def _classes(mags: np.ndarray, cuts: tuple[int, ...]) -> np.ndarray:
     """Class of each magnitude: the number of cuts at or below it (a few compares beat a search)."""
     out = np.zeros(mags.size, np.uint8)
     for cut in cuts:
         out += mags >= cut
     return out
+
+
+def _class_lists(bits: np.ndarray, cuts: tuple[int, ...]) -> list[np.ndarray]:
+    """Per lower class, its ascending flat indices: one chunked pass, each chunk's hits split by class
+    while the chunk is in cache (no numel-sized temporaries, no gathers from the whole tensor)."""
+    buf, mask = np.empty(_CHUNK, np.uint16), np.empty(_CHUNK, bool)
+    found: list[list[np.ndarray]] = [[] for _ in cuts]
+    top = np.uint16(cuts[-1])
+    for start in range(0, bits.size, _CHUNK):
+        chunk = bits[start : start + _CHUNK]
+        n = chunk.size
+        np.bitwise_and(chunk, 0x7FFF, out=buf[:n])
+        np.less(buf[:n], top, out=mask[:n])
+        hits = np.flatnonzero(mask[:n])
+        if not hits.size:
+            continue
+        hits += start
+        if len(cuts) == 1:
+            found[0].append(hits)
+            continue
+        hit_class = _classes(buf[hits - start], cuts)
+        for c, out in enumerate(found):
+            out.append(hits[hit_class == c])
+    return [np.concatenate(f) if f else np.zeros(0, np.int64) for f in found]
 
 
 def class_ranks(
@@ -122,31 +131,32 @@ def class_ranks(
     classes, flat indices for the bulk; class-major order of the changes; class sizes).
     `base_bits` may be the tensor before or after the change: only unchanged positions are read
     from it, the changed ones' base values are `old_bits`."""
-    old_mag = old_bits & 0x7FFF
-    low = _below(base_bits, cuts[-1])
-    # changed elements whose lower/bulk membership differs in base_bits (the new values) move over
-    now_low, was_low = (base_bits[indices] & 0x7FFF) < cuts[-1], old_mag < cuts[-1]
-    if (now_low != was_low).any():
-        low = np.delete(low, np.searchsorted(low, indices[now_low & ~was_low]))
-        came = indices[was_low & ~now_low]
-        low = np.insert(low, np.searchsorted(low, came), came)
-    flags = np.zeros(base_bits.size, bool)  # change flags: gathers instead of binary searches
-    flags[indices] = True
-    mags = base_bits[low] & 0x7FFF
-    low_changed = flags[low]
-    mags[low_changed] = old_mag[was_low]  # both in ascending index order
-    low_class = _classes(mags, cuts)
-    ranks, sizes = [], []
-    for c in range(len(cuts)):
-        in_class = low_class == c
-        ranks.append(np.flatnonzero(low_changed[in_class]))
-        sizes.append(int(np.count_nonzero(in_class)))
+    lists = _class_lists(base_bits, cuts)
+    changed_class = _classes(old_bits & 0x7FFF, cuts)
+    # changed elements whose class differs in base_bits (the new values) sit in the wrong list:
+    # correct ranks and sizes by the (few) that left or joined each class instead of editing lists
+    listed_class = _classes(base_bits[indices] & 0x7FFF, cuts)
+    moved = np.flatnonzero(listed_class != changed_class)
+    ranks, order, sizes = [], [], []
+    for c, listed in enumerate(lists):
+        picked = np.flatnonzero(changed_class == c)
+        mine = indices[picked]
+        rank, size = np.searchsorted(listed, mine), listed.size
+        if moved.size:
+            gone = indices[moved[listed_class[moved] == c]]
+            came = indices[moved[changed_class[moved] == c]]
+            rank += np.searchsorted(came, mine) - np.searchsorted(gone, mine)
+            size += came.size - gone.size
+        ranks.append(rank)
+        order.append(picked)
+        sizes.append(int(size))
     # the bulk keeps flat indices: ranks among its elements would save ~log2(1 / (1 - 1/16)) bits
     # per gap at most and cost a binary search per change; the decoder checks their class instead
-    changed_class = _classes(old_mag, cuts)
-    ranks.append(indices[changed_class == len(cuts)])
-    sizes.append(int(base_bits.size - low.size))
-    return ranks, np.argsort(changed_class, kind="stable"), sizes
+    picked = np.flatnonzero(changed_class == len(cuts))
+    ranks.append(indices[picked])
+    order.append(picked)
+    sizes.append(int(base_bits.size - sum(sizes)))
+    return ranks, np.concatenate(order), sizes
 
 
 def class_positions(
@@ -154,14 +164,13 @@ def class_positions(
 ) -> np.ndarray | None:
     """Flat indices, class-major, of per-class positions (`class_ranks`) against the receiver's
     base bits; None when the base's classes differ from the encoder's (a wrong or corrupt base)."""
-    low = _below(base_bits, cuts[-1])
-    low_class = _classes(base_bits[low] & 0x7FFF, cuts)
-    counts = np.bincount(low_class, minlength=len(cuts)).tolist()
+    lists = _class_lists(base_bits, cuts)
     bulk = ranks[-1]
-    if [*counts, base_bits.size - low.size] != list(sizes) or bulk.size and bulk.max() >= base_bits.size:
+    counts = [int(listed.size) for listed in lists]
+    if [*counts, base_bits.size - sum(counts)] != list(sizes) or bulk.size and bulk.max() >= base_bits.size:
         return None
     if ((base_bits[bulk] & 0x7FFF) < cuts[-1]).any():
         return None
-    out = [(low[low_class == c] if len(cuts) > 1 else low)[ranks[c]] for c in range(len(cuts))]
+    out = [listed[r] for listed, r in zip(lists, ranks, strict=False)]
     out.append(bulk)
     return np.concatenate(out)
