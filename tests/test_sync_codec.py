@@ -215,8 +215,8 @@ def test_class_ranks_read_only_unchanged_positions_of_base_bits():
     mags = old[changed] & 0x7FFF
     assert ((mags < 0x3A00) & ((new[changed] & 0x7FFF) >= 0x3A00)).any()  # crossings both ways
     assert ((mags >= 0x3A00) & ((new[changed] & 0x7FFF) < 0x3A00)).any()
-    from_old = positions.class_ranks(changed, old[changed], old, cuts)
-    from_new = positions.class_ranks(changed, old[changed], new, cuts)
+    from_old = positions.class_ranks(changed, old[changed], new[changed], old, cuts)
+    from_new = positions.class_ranks(changed, old[changed], new[changed], new, cuts)
     assert from_old[2] == from_new[2]
     np.testing.assert_array_equal(from_old[1], from_new[1])
     for a, b in zip(from_old[0], from_new[0], strict=True):
