@@ -11,7 +11,8 @@ bits instead of nnz x H(p) / p: near nothing for classes that (almost) all flip 
 Class c of an element is the number of cuts <= its magnitude bits (`bits & 0x7fff`). The lower
 classes are listed (ascending flat indices) on both sides and their changes coded as ranks in
 them; the last class (at or above every cut) is the bulk, never listed, whose changes keep flat
-indices. Cost per tensor: one chunked O(numel) compare plus work per listed element.
+indices. Cost per tensor and side: one chunked O(numel) pass (~0.2-0.45 ns per element) plus
+~20-30 ns per listed element (docs/sync.md, "What the position model costs").
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import numpy as np
 import torch
 
 MAX_CLASSES = 4
-# the lower classes may hold at most this share of a tensor: bounds the int64 index list (half the
-# tensor's own bytes) and the work on it. Mid-training bench at 99.3-99.5 %: 1/4 and 1/16 within
-# 0.6 % in size, 1/64 +1.2-2.5 %.
+# the lower classes may hold at most this share of a tensor: bounds the listed arrays (int64 index
+# and an int32 count per lower class: <= 20 bytes per listed element) and the work on them.
+# Mid-training bench at 99.3-99.5 %: 1/4 and 1/16 within 0.6 % in size, 1/64 +1.2-2.5 %.
 _MAX_LOW_SHARE = 1 / 16
 # keep the plain model unless the estimated saving beats the header fields the classes cost
 _MIN_SAVING_BITS = 8 * 32
@@ -77,8 +78,8 @@ def choose_cuts(base_bits: np.ndarray, old_changed: np.ndarray) -> tuple[int, ..
     groups = edges.size
     invalid = np.tril(np.ones((groups + 1, groups + 1), bool))
     cost = np.where(invalid, np.inf, cost)
-    # every element of a lower class is listed by the encoder and the decoder (~25-50 ns each:
-    # numpy's nonzero and gathers), so charge it as bits: bytes traded against time
+    # every element of a lower class is listed by the encoder and the decoder (~20-30 ns each,
+    # mostly numpy's nonzero), so charge it as bits: bytes traded against time
     cost[:, :groups] += _LISTED_BITS * (n_all[None, :groups] - n_all[:, None])
     best = np.full((MAX_CLASSES + 1, groups + 1), np.inf)
     best[0, 0] = 0.0
