@@ -34,7 +34,9 @@ _MIN_SAVING_BITS = 8 * 32
 MAX_CUT = 0x7F80
 # Quick bench shape (12M elements), mid-training master at 99.4 %, encode / resolve on a shared box:
 # plain 1.554 B/changed, 2 / 3 ms; 0 -> 1.208, 39-63 / 29-46 ms; 0.5 -> 1.274, 27-39 / 15-23 ms;
-# 1 -> 1.283, 26-33 / 14-18 ms (fresh-master steps: 0.344 for all three)
+# 1 -> 1.283, 26-33 / 14-18 ms (fresh-master steps: 0.344 for all three). Rechecked after the
+# listing got cheaper (bench_sync_positions, 151M elements, 99.5 %, extra ns/element encode / resolve):
+# 0.5 -> 1.180 B/changed, 0.67 / 0.72; 0.25 -> 1.178, 1.04 / 0.83; 0 -> 1.045, 1.53 / 1.51
 _LISTED_BITS = 0.5
 # chunk of the O(numel) compare: cache-sized buffers instead of numel-sized temporaries
 _CHUNK = 1 << 18
