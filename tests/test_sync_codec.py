@@ -230,9 +230,9 @@ def test_class_ranks_read_only_unchanged_positions_of_base_bits():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_class_ranks_match_a_direct_count_over_threaded_chunks(threads):
     """Ranks, class sizes and decoded positions equal a direct count over the whole tensor, with the
-    pass split over chunks and threads (3M elements: several chunks per thread, a ragged tail)."""
+    pass split over chunks and threads (9M elements: >= 16 chunks per thread, a ragged tail)."""
     gen = torch.Generator().manual_seed(5)
-    old = _bits((torch.randn(3_000_001, generator=gen) * 0.02).bfloat16()).numpy().view(np.uint16).copy()
+    old = _bits((torch.randn(9_000_001, generator=gen) * 0.02).bfloat16()).numpy().view(np.uint16).copy()
     cuts = (0x3700, 0x3800, 0x3880)
     rng = np.random.default_rng(1)
     small = np.flatnonzero((old & 0x7FFF) < cuts[-1])  # small weights flip more often

@@ -134,8 +134,10 @@ class _Listed:
     class) where selecting each class's elements costs ~20 ns per element."""
 
     def __init__(self, bits: np.ndarray, cuts: tuple[int, ...]) -> None:
-        # contiguous spans of whole chunks, one per thread (numpy releases the GIL in these loops)
-        threads = max(1, min(torch.get_num_threads(), bits.size // (2 * _CHUNK)))
+        # contiguous spans of whole chunks, one per thread (numpy releases the GIL in these loops);
+        # >= 16 chunks each: measured 0.45 ns per element on one thread vs 0.50 on two at 4.4M
+        # elements (pool start-up), 0.44 vs 0.27 at 136M
+        threads = max(1, min(torch.get_num_threads(), bits.size // (16 * _CHUNK)))
         edges = [bits.size * t // threads // _CHUNK * _CHUNK for t in range(threads)] + [bits.size]
         spans = [(bits, cuts[-1], len(cuts) > 1, lo, hi) for lo, hi in itertools.pairwise(edges)]
         if threads == 1:
