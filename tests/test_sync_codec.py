@@ -215,8 +215,8 @@ def test_class_ranks_read_only_unchanged_positions_of_base_bits():
     mags = old[changed] & 0x7FFF
     assert ((mags < 0x3A00) & ((new[changed] & 0x7FFF) >= 0x3A00)).any()  # crossings both ways
     assert ((mags >= 0x3A00) & ((new[changed] & 0x7FFF) < 0x3A00)).any()
-    from_old = positions.class_ranks(changed, old[changed], old, cuts)
-    from_new = positions.class_ranks(changed, old[changed], new, cuts)
+    from_old = positions.class_ranks(changed, old[changed], new[changed], old, cuts)
+    from_new = positions.class_ranks(changed, old[changed], new[changed], new, cuts)
     assert from_old[2] == from_new[2]
     np.testing.assert_array_equal(from_old[1], from_new[1])
     for a, b in zip(from_old[0], from_new[0], strict=True):
@@ -225,3 +225,33 @@ def test_class_ranks_read_only_unchanged_positions_of_base_bits():
     flat = positions.class_positions(old, cuts, from_old[2], from_old[0])
     np.testing.assert_array_equal(np.sort(flat), changed)
     np.testing.assert_array_equal(flat, changed[from_old[1]])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_class_ranks_match_a_direct_count_over_threaded_chunks(threads):
+    """Ranks, class sizes and decoded positions equal a direct count over the whole tensor, with the
+    pass split over chunks and threads (9M elements: >= 16 chunks per thread, a ragged tail)."""
+    gen = torch.Generator().manual_seed(5)
+    old = _bits((torch.randn(9_000_001, generator=gen) * 0.02).bfloat16()).numpy().view(np.uint16).copy()
+    cuts = (0x3700, 0x3800, 0x3880)
+    rng = np.random.default_rng(1)
+    small = np.flatnonzero((old & 0x7FFF) < cuts[-1])  # small weights flip more often
+    changed = np.union1d(rng.choice(old.size, 30_000, replace=False), rng.choice(small, 3_000, replace=False))
+    new = old.copy()
+    new[changed] = old[changed] ^ 1  # lowest mantissa bit: never crosses a cut
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ranks, order, sizes = positions.class_ranks(changed, old[changed], new[changed], new, cuts)
+        flat = positions.class_positions(old, cuts, sizes, ranks)
+    finally:
+        torch.set_num_threads(before)
+    every_class = np.searchsorted(np.array(cuts), old & 0x7FFF, side="right")
+    assert sizes == np.bincount(every_class, minlength=4).tolist()
+    for c in range(3):
+        members = np.flatnonzero(every_class == c)
+        mine = changed[every_class[changed] == c]
+        np.testing.assert_array_equal(ranks[c], np.searchsorted(members, mine))
+        assert ranks[c].size > 100  # every lower class has changes to rank
+    np.testing.assert_array_equal(ranks[3], changed[every_class[changed] == 3])
+    np.testing.assert_array_equal(flat, changed[order])

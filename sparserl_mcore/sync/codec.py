@@ -246,7 +246,8 @@ def _encode_positions(
         base = change.base_bits.reshape(-1).view(np.uint16)
         cuts = positions.choose_cuts(base, old)
     if cuts:
-        ranks, order, sizes = positions.class_ranks(indices, old, base, cuts)
+        new = change.new_bits.astype(np.uint16, copy=False)
+        ranks, order, sizes = positions.class_ranks(indices, old, new, base, cuts)
     else:
         ranks, order, sizes = [indices], None, [change.numel]
     fields: dict = {"cuts": list(cuts), "class_sizes": sizes, "runs": []}
