@@ -38,15 +38,32 @@ _PIECE = 1 << 24  # elements per thread-pool job: big tensors are split so every
 _Parts = tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]
 
 
+def _positions(mask: np.ndarray, size: int) -> np.ndarray:
+    """Flat positions of the True entries of mask[:size]; mask[size:] is scratch space.
+
+    numpy's nonzero on booleans runs a memchr call per hit when at most 10 % are True, and a
+    branch-free loop otherwise; between ~4 % and 10 % (90-96 % sparsity) memchr is up to 2.3x
+    slower (0.75 vs 1.75 ns per element measured at 9.5 %). There, True padding lifts the share
+    above 10 % so the branch-free loop runs, and the padding's positions are cut off.
+    """
+    count = np.count_nonzero(mask[:size])
+    if count * 25 <= size:
+        return np.flatnonzero(mask[:size])
+    pad = max(0, (size - 10 * count) // 9 + 1)  # (count + pad) / (size + pad) > 1/10
+    mask[size : size + pad] = True
+    return np.flatnonzero(mask[: size + pad])[:count]
+
+
 def _diff_range(old: np.ndarray, new: np.ndarray, start: int, stop: int) -> _Parts:
     """Changed elements of old[start:stop] vs new[start:stop] (flat uint16 bit patterns)."""
-    mask = np.empty(min(_CHUNK, stop - start), np.bool_)
+    chunk = min(_CHUNK, stop - start)
+    mask = np.empty(chunk + chunk // 9 + 1, np.bool_)  # room for `_positions`' padding
     parts: _Parts = ([], [], [])
     for lo in range(start, stop, _CHUNK):
         hi = min(lo + _CHUNK, stop)
-        o, n, m = old[lo:hi], new[lo:hi], mask[: hi - lo]
-        np.not_equal(o, n, out=m)
-        at = np.flatnonzero(m)
+        o, n = old[lo:hi], new[lo:hi]
+        np.not_equal(o, n, out=mask[: hi - lo])
+        at = _positions(mask, hi - lo)
         if at.size:
             parts[1].append(o[at])
             parts[2].append(n[at])
