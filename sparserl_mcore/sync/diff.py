@@ -72,18 +72,30 @@ def _diff_range(old: np.ndarray, new: np.ndarray, start: int, stop: int) -> _Par
     return parts
 
 
+def _join(pieces: list[_Parts]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(indices, old bits, new bits) from per-chunk results, one copy each."""
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.uint16), np.zeros(0, np.uint16))
+    joined = ([a for p in pieces for a in p[k]] for k in range(3))
+    return tuple(np.concatenate(arrays) if arrays else e for arrays, e in zip(joined, empty, strict=True))
+
+
+def changed_bits(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(flat positions, old bits, new bits) where two flat uint16 arrays differ (one thread)."""
+    return _join([_diff_range(old, new, 0, old.size)])
+
+
 def _change(name: str, new: torch.Tensor, pieces: list[_Parts]) -> TensorChange | None:
-    """Join a tensor's per-chunk results (one copy each) and hash the new tensor."""
-    indices, old_bits, new_bits = ([a for p in pieces for a in p[k]] for k in range(3))
-    if not indices:
+    """A tensor's change from its per-chunk results, with the new tensor's digest."""
+    indices, old_bits, new_bits = _join(pieces)
+    if not indices.size:
         return None
     return TensorChange(
         name=name,
         dtype=dtype_name(new.dtype),
         shape=tuple(new.shape),
-        indices=np.concatenate(indices),
-        new_bits=np.concatenate(new_bits),
-        old_bits=np.concatenate(old_bits),
+        indices=indices,
+        new_bits=new_bits,
+        old_bits=old_bits,
         digest=tensor_digest(new),
     )
 
