@@ -17,6 +17,7 @@ schema, stream lengths, index ranges) before anything is returned; applying is i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import struct
 from collections.abc import Callable
@@ -252,7 +253,7 @@ def _body(pool: ThreadPoolExecutor, encoded: list[_TensorStreams]) -> tuple[np.n
     n_values = sum(parts[2].size for parts in encoded)
     sizes += [n_values, n_values]
     body = np.empty(sum(sizes), np.uint8)
-    at = list(np.cumsum([0, *sizes[:3]]))
+    at = list(itertools.accumulate(sizes[:3], initial=0))  # where each stream starts
     jobs = []
     for parts in encoded:
         jobs.append(pool.submit(_place, body, (at[0], at[1], at[2], at[3]), parts))

@@ -159,7 +159,7 @@ def make_patch(
         }
         changes, digests = [], {}
         for name, tensor in new.items():
-            change = found[name].result() if name in found else None
+            change = found[name].result()
             if change is not None:
                 changes.append(change)
                 digests[name] = change.digest
