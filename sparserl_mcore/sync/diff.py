@@ -1,7 +1,7 @@
 """Bit-wise diff of 16-bit weights against the last synced copy, producing a `Patch`.
 
 Memory: the caller keeps the last synced copy (2 bytes per parameter; `learner.ShardSyncer` keeps
-only its own slice). A diff holds one 256 KiB mask per worker thread and the changed
+only its own slice). A diff holds one 128 KiB mask per worker thread and the changed
 (index, old value, new value) triples.
 
 Speed (the diff is most of a sparse encode; at 90 % sparsity the 0.5B model has ~50M changed
@@ -31,7 +31,8 @@ from sparserl_mcore.sync.hashing import (
     tensor_digest,
 )
 
-_CHUNK = 1 << 18  # elements per compare step: the 256 KiB mask and both 512 KiB slices fit in L2
+_CHUNK = 1 << 17  # elements per compare step: the mask and both slices (640 KiB) stay in L2; 64K-128K
+# were 4-7 % faster than 256K and 15-20 % faster than 1M on the 0.5B shape
 _PIECE = 1 << 24  # elements per thread-pool job: big tensors are split so every core stays busy
 
 # (indices, old bits, new bits) of the changed elements of one range, as per-chunk arrays
