@@ -26,6 +26,7 @@ Use (every learner rank, after the weights are loaded and the optimizer is built
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from sparserl_mcore.ckpt.layout import ModelLayout
-from sparserl_mcore.sync.codec import CodecConfig, Patch, TensorChange, encode_patch
+from sparserl_mcore.sync.codec import CodecConfig, Patch, TensorChange, encode_patch, worker_count
+from sparserl_mcore.sync.diff import changed_bits
 from sparserl_mcore.sync.hashing import bits_view, dtype_name, model_digest, tensor_digest
 
 Ranges = dict[str, tuple[int, int]]
@@ -204,8 +206,7 @@ class ShardSyncer:
             snap.index_copy_(0, changed, new)
             return changed.cpu().numpy(), new.cpu().numpy().view(np.uint16)
         cur_bits, snap_bits = cur.cpu().numpy().view(np.uint16), snap.numpy().view(np.uint16)
-        changed = np.flatnonzero(cur_bits != snap_bits)
-        new = cur_bits[changed]
+        changed, _, new = changed_bits(snap_bits, cur_bits)
         snap_bits[changed] = new
         return changed, new
 
@@ -235,8 +236,12 @@ class ShardSyncer:
     def _local_changes(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """(hf_name, hf flat indices, new bits) for every changed element this rank owns."""
         out = []
-        for name in self.params:
-            changed, new_bits = self._changed(name)
+        if self.config.snapshot == "host":  # numpy diffs release the GIL: params run in a pool
+            with ThreadPoolExecutor(worker_count()) as pool:
+                found = list(pool.map(self._changed, self.params))
+        else:  # device compares stay on this thread (its current CUDA device and stream)
+            found = [self._changed(name) for name in self.params]
+        for name, (changed, new_bits) in zip(self.params, found, strict=True):
             if not changed.size:
                 continue
             local = torch.from_numpy(changed + self.owned[name][0])
