@@ -59,8 +59,8 @@ class DecodeLayout:
         bias = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, -math.inf)
         cross = None
         if cross_heads is not None:
-            # [B, 1, N * Hk] + [Hq, N * Hk]: a broadcast over long contiguous rows (3x faster on CPU
-            # than broadcasting [B, 1, N, 1] + [Hq, 1, Hk], whose inner loop runs over Hk elements)
+            # [B, 1, N * Hk] + [Hq, N * Hk]: a broadcast over long contiguous rows, not
+            # [B, 1, N, 1] + [Hq, 1, Hk], whose inner loop would run over only Hk elements
             entries = bias.float().repeat_interleave(cross_heads[1], dim=1)[:, None, :]
             cross = entries + _other_head_bias(*cross_heads, valid.shape[1], torch.device(device))
         return cls(pages=pages, valid=valid, bias=bias[:, None, None, :], cross_bias=cross)
@@ -103,8 +103,8 @@ def decode_attention(
     if not want_mass:  # fused kernel, fp32 accumulation
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=layout.bias).reshape(B, Hq, d), None
     # One KV head at a time: head h's keys k[:, h] are a strided [B, N, d] view that bmm reads in
-    # place, while the batched [B, Hk] matmul first copies K and V head-major (a third of this
-    # path's time on CPU; the per-head loop was ~25% faster for the usual 2-8 KV heads).
+    # place, while the batched [B, Hk] matmul would first copy K and V head-major (docs/rollout.md,
+    # "Compression cost").
     qs = qg.float() / math.sqrt(d)
     bias = layout.bias[:, 0].float()  # [B, 1, N]
     outs, masses = [], []
@@ -122,7 +122,7 @@ def _cross_head_attention(
     in the gathered [B, N * Hk, d] order (one bmm, no head-major copy), `cross_bias` drops the other
     heads' keys to exactly 0 probability, so one softmax is each head's own softmax and one bmm with
     the values gives the output. Hk times the flops of the per-head loop, which on CPU at decode
-    sizes is cheaper than the loop's extra ops (~25% less time at Hk = 2, B = 16, N = 80).
+    sizes costs less than the loop's extra ops for Hk <= 2 (docs/rollout.md, "Compression cost").
     k, v: the gathered pages [B, N * Hk, d] (entry-major, the pool's order)."""
     B, Hq, d = q.shape
     N = layout.valid.shape[1]

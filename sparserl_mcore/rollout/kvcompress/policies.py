@@ -52,7 +52,7 @@ class KVCompressor:
         prefix_scores [Hk, n - window] score the positions before the window.
         """
         kv_heads, recent_start = prefix_scores.shape
-        top = prefix_scores.topk(n_keep - self.cfg.window, dim=-1, sorted=False).indices  # ~4x cheaper
+        top = prefix_scores.topk(n_keep - self.cfg.window, dim=-1, sorted=False).indices  # one sort below
         recent = torch.arange(recent_start, recent_start + self.cfg.window, device=prefix_scores.device)
         return torch.cat([top, recent.expand(kv_heads, -1)], dim=-1).sort(dim=-1).values
 
