@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sparserl_mcore.rollout.host_ints import long_tensor
+
 # The cross-head mass path (`_cross_head_attention`) costs Hk times the score flops: it pays off
 # while op count dominates, i.e. few KV heads (Qwen2.5-0.5B/1.5B and the bench model have 2).
 CROSS_HEAD_MAX_KV_HEADS = 2
@@ -53,17 +55,28 @@ class DecodeLayout:
         """tables: each request's pages (at least ceil(length / page_size)); lengths: entries in use;
         cross_heads: (Hq, Hk) to also build `cross_bias` (mass wanted and Hk <= CROSS_HEAD_MAX_KV_HEADS)."""
         width = max(len(t) for t in tables)
-        pages = torch.tensor([p for t in tables for p in (*t, *[0] * (width - len(t)))], device=device)
-        lengths_t = torch.tensor(lengths, device=device)
-        valid = torch.arange(width * page_size, device=device)[None, :] < lengths_t[:, None]
-        bias = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, -math.inf)
+        # page tables and lengths as ONE tensor from Python ints; the mask in two ops (a compare with
+        # a cached arange, a `where` straight to the additive form): built every step
+        flat, device = [p for t in tables for p in (*t, *[0] * (width - len(t)))], torch.device(device)
+        both = long_tensor(flat + lengths, device)
+        pages, lengths_t = both[: len(flat)], both[len(flat) :]
+        valid = _entry_index(width * page_size, device) < lengths_t[:, None]
+        bias = torch.where(valid, 0.0, -math.inf)
+        if bias.dtype != dtype:
+            bias = bias.to(dtype)
         cross = None
         if cross_heads is not None:
             # [B, 1, N * Hk] + [Hq, N * Hk]: a broadcast over long contiguous rows, not
             # [B, 1, N, 1] + [Hq, 1, Hk], whose inner loop would run over only Hk elements
             entries = bias.float().repeat_interleave(cross_heads[1], dim=1)[:, None, :]
-            cross = entries + _other_head_bias(*cross_heads, valid.shape[1], torch.device(device))
+            cross = entries + _other_head_bias(*cross_heads, valid.shape[1], device)
         return cls(pages=pages, valid=valid, bias=bias[:, None, None, :], cross_bias=cross)
+
+
+@functools.lru_cache(maxsize=64)
+def _entry_index(n: int, device: torch.device) -> torch.Tensor:
+    """[1, n] entry positions 0..n-1 (cached per padded width; never modified in place)."""
+    return torch.arange(n, device=device)[None, :]
 
 
 @functools.lru_cache(maxsize=64)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sparserl_mcore.rollout.host_ints import long_tensor
 from sparserl_mcore.rollout.protocol import SamplingParams
 
 
@@ -41,7 +42,7 @@ def sample(
             picks = torch.multinomial(probs[rows], 1, generator=generators[drawn[rows[0]]])[:, 0]
             for i, token in zip(rows, picks.tolist(), strict=True):
                 tokens[drawn[i]] = token
-        chosen = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+        chosen = long_tensor(tokens, logits.device)
     return chosen.tolist(), logp.gather(1, chosen[:, None])[:, 0].tolist()
 
 
