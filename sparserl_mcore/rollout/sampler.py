@@ -42,7 +42,7 @@ def sample(
             else:
                 shared.setdefault(id(generators[row]), []).append(i)
         for rows in shared.values():
-            rows_probs = probs if everyone and len(rows) == len(drawn) else probs[rows]
+            rows_probs = probs if len(rows) == len(drawn) else probs[rows]  # all rows: no copy
             picks = torch.multinomial(rows_probs, 1, generator=generators[drawn[rows[0]]])[:, 0]
             for i, token in zip(rows, picks.tolist(), strict=True):
                 tokens[drawn[i]] = token
