@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from sparserl_mcore.rollout.host_ints import long_tensor
+
 
 class PoolExhaustedError(RuntimeError):
     """Not enough free pages; the scheduler reacts by evicting cache entries or retracting requests."""
@@ -106,6 +108,6 @@ class KVPool:
 
     def slot_table(self, pages: list[int]) -> torch.Tensor:
         """Flat slot ids [len(pages) * page_size] for a page table (slice [:n] for n entries)."""
-        table = torch.tensor(pages, dtype=torch.long, device=self.k.device)
+        table = long_tensor(pages, self.k.device)
         offsets = torch.arange(self.page_size, dtype=torch.long, device=self.k.device)
         return (table[:, None] * self.page_size + offsets[None, :]).reshape(-1)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sparserl_mcore.rollout.host_ints import long_tensor
+
 # The cross-head mass path (`_cross_head_attention`) costs Hk times the score flops: it pays off
 # while op count dominates, i.e. few KV heads (Qwen2.5-0.5B/1.5B and the bench model have 2).
 CROSS_HEAD_MAX_KV_HEADS = 2
@@ -53,17 +55,28 @@ class DecodeLayout:
         """tables: each request's pages (at least ceil(length / page_size)); lengths: entries in use;
         cross_heads: (Hq, Hk) to also build `cross_bias` (mass wanted and Hk <= CROSS_HEAD_MAX_KV_HEADS)."""
         width = max(len(t) for t in tables)
-        pages = torch.tensor([p for t in tables for p in (*t, *[0] * (width - len(t)))], device=device)
-        lengths_t = torch.tensor(lengths, device=device)
-        valid = torch.arange(width * page_size, device=device)[None, :] < lengths_t[:, None]
-        bias = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, -math.inf)
+        # page tables and lengths as ONE tensor from Python ints; the mask in two ops (a compare with
+        # a cached arange, a `where` straight to the additive form): built every step
+        flat, device = [p for t in tables for p in (*t, *[0] * (width - len(t)))], torch.device(device)
+        both = long_tensor(flat + lengths, device)
+        pages, lengths_t = both[: len(flat)], both[len(flat) :]
+        valid = _entry_index(width * page_size, device) < lengths_t[:, None]
+        bias = torch.where(valid, 0.0, -math.inf)
+        if bias.dtype != dtype:
+            bias = bias.to(dtype)
         cross = None
         if cross_heads is not None:
             # [B, 1, N * Hk] + [Hq, N * Hk]: a broadcast over long contiguous rows, not
             # [B, 1, N, 1] + [Hq, 1, Hk], whose inner loop would run over only Hk elements
             entries = bias.float().repeat_interleave(cross_heads[1], dim=1)[:, None, :]
-            cross = entries + _other_head_bias(*cross_heads, valid.shape[1], torch.device(device))
+            cross = entries + _other_head_bias(*cross_heads, valid.shape[1], device)
         return cls(pages=pages, valid=valid, bias=bias[:, None, None, :], cross_bias=cross)
+
+
+@functools.lru_cache(maxsize=64)
+def _entry_index(n: int, device: torch.device) -> torch.Tensor:
+    """[1, n] entry positions 0..n-1 (cached per padded width; never modified in place)."""
+    return torch.arange(n, device=device)[None, :]
 
 
 @functools.lru_cache(maxsize=64)
@@ -147,9 +160,15 @@ def prefill_attention(
 
     q [t, Hq, d]; slots [n] (n >= t, K/V of the new tokens already written). Returns out [t, Hq, d]
     and optionally mass [Hk, n] (per query max over the group, summed over the t queries).
+    Without the mass it runs the fused SDPA, which never materialises the [Hq, t, n] scores: 2x
+    faster than the explicit path below at a 32-token prompt, 5x at 512 and 10x at 1024 tokens
+    (CPU, one thread, micro-benchmark 2026-11-21); the mass needs the probabilities, so H2O keeps
+    the explicit path.
     """
     t, Hq, d = q.shape
     n, Hk = slots.shape[0], k_flat.shape[1]
+    if not want_mass:
+        return _fused_prefill(q, k_flat.index_select(0, slots), v_flat.index_select(0, slots)), None
     k = k_flat.index_select(0, slots).float().permute(1, 2, 0)  # [Hk, d, n]
     v = v_flat.index_select(0, slots).float().permute(1, 0, 2)  # [Hk, n, d]
     qg = q.float().permute(1, 0, 2).reshape(Hk, Hq // Hk, t, d)
@@ -158,3 +177,22 @@ def prefill_attention(
     probs = scores.masked_fill(future, -math.inf).softmax(-1)
     out = (probs @ v[:, None]).reshape(Hq, t, d).permute(1, 0, 2).to(q.dtype)
     return out, probs.amax(1).sum(1) if want_mass else None
+
+
+def _fused_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [t, Hq, d] against k, v [n, Hk, d], causal with the queries at the last t positions.
+
+    The g query heads of a KV head are a batch dim of their own over K/V expanded (stride 0, no
+    copy) across it, so the causal pattern stays per query row; n == t is SDPA's own `is_causal`
+    (top-left aligned), a cached prefix (n > t) needs the bottom-right mask."""
+    t, Hq, d = q.shape
+    n, Hk = k.shape[0], k.shape[1]
+    g = Hq // Hk
+    kg, vg = (x.permute(1, 0, 2)[:, None].expand(Hk, g, n, d) for x in (k, v))
+    qg = q.view(t, Hk, g, d).permute(1, 2, 0, 3)  # [Hk, g, t, d]
+    if n == t:
+        out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+    else:
+        allowed = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(n - t)
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed)
+    return out.permute(2, 0, 1, 3).reshape(t, Hq, d)

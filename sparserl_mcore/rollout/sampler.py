@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sparserl_mcore.rollout.host_ints import long_tensor
 from sparserl_mcore.rollout.protocol import SamplingParams
 
 
@@ -24,11 +25,14 @@ def sample(
     if any(t != 1.0 for t in temps):
         scaled = scaled / torch.tensor(temps, dtype=torch.float32, device=logits.device)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
-    chosen = logits.max(dim=-1).indices  # argmax's first-maximum index; max measured faster on CPU
     drawn = [row for row, p in enumerate(params) if not p.greedy]
-    if drawn:
-        tokens = chosen.tolist()
-        probs = logp[drawn].exp()  # one op for every sampled row
+    if not drawn:
+        chosen = logits.max(dim=-1).indices  # argmax's first-maximum index; max measured faster on CPU
+    else:
+        # the [B, V] argmax only when some row is greedy: an all-sampled (RL) batch skips it
+        tokens = logits.max(dim=-1).indices.tolist() if len(drawn) < len(params) else [0] * len(params)
+        everyone = len(drawn) == len(params)  # then no row-gather copies of [B, V] below
+        probs = (logp if everyone else logp[drawn]).exp()  # one op for every sampled row
         # Unfiltered rows sharing a generator (unseeded requests share the engine's) draw in one
         # call; a seeded request has its own generator, so its draws never depend on the batch.
         shared: dict[int, list[int]] = {}
@@ -38,10 +42,11 @@ def sample(
             else:
                 shared.setdefault(id(generators[row]), []).append(i)
         for rows in shared.values():
-            picks = torch.multinomial(probs[rows], 1, generator=generators[drawn[rows[0]]])[:, 0]
+            rows_probs = probs if len(rows) == len(drawn) else probs[rows]  # all rows: no copy
+            picks = torch.multinomial(rows_probs, 1, generator=generators[drawn[rows[0]]])[:, 0]
             for i, token in zip(rows, picks.tolist(), strict=True):
                 tokens[drawn[i]] = token
-        chosen = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+        chosen = long_tensor(tokens, logits.device)
     return chosen.tolist(), logp.gather(1, chosen[:, None])[:, 0].tolist()
 
 

@@ -29,6 +29,7 @@ import torch
 
 from sparserl_mcore.rollout.compression_lanes import CompressionLanes
 from sparserl_mcore.rollout.hf_model import CausalLM
+from sparserl_mcore.rollout.host_ints import long_tensor
 from sparserl_mcore.rollout.kv_pool import KVPool, PoolExhaustedError
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
 from sparserl_mcore.rollout.paged_attention import (
@@ -57,7 +58,7 @@ class RequestState:
     generator: torch.Generator
     order: int = 0
     pages: list[int] = field(default_factory=list)
-    slots: torch.Tensor | None = None  # flat slot ids of `pages`
+    slots: torch.Tensor | None = None  # flat slot ids of `pages`, built on demand (Scheduler._slots)
     n_cached: int = 0  # cache entries in use (per layer and KV head)
     next_pos: int = 0  # RoPE position of the next token fed in
     cached_prompt_tokens: int = 0
@@ -262,8 +263,15 @@ class Scheduler:
 
     def _set_pages(self, r: RequestState, pages: list[int]) -> None:
         r.pages = pages
-        r.slots = self.pool.slot_table(pages)
+        r.slots = None  # decode steps address pages directly; only prefill and compression need slots
         r.peak_pages = max(r.peak_pages, len(pages))
+
+    def _slots(self, r: RequestState) -> torch.Tensor:
+        """Flat slot ids of r's pages, built when first needed after its pages changed (a decode
+        step that adds a page would otherwise pay several ops for a table it never reads)."""
+        if r.slots is None:
+            r.slots = self.pool.slot_table(r.pages)
+        return r.slots
 
     def _cache_prompt(self, r: RequestState) -> None:
         if self.radix is not None:
@@ -286,7 +294,7 @@ class Scheduler:
             pos.extend(range(r.n_cached, n))
             write.extend(r.pages[i // ps] * ps + i % ps for i in range(r.n_cached, n))
             prefill_tokens.append(n - r.n_cached)
-        ids_t, pos_t, write = torch.tensor([ids, pos, write], dtype=torch.long, device=dev)
+        ids_t, pos_t, write = long_tensor(ids + pos + write, dev).view(3, -1)
         cos, sin = model.rope(pos_t, max(pos) + 1)
         n_dec = len(decodes)
         layout = self._decode_layout(decodes) if decodes else None
@@ -311,7 +319,7 @@ class Scheduler:
                 outs.append(out)
                 layer_mass.append(mass)
             for r, start, end in zip(prefills, starts, ends, strict=True):
-                sl = r.slots[: len(r.req.input_ids)]
+                sl = self._slots(r)[: len(r.req.input_ids)]
                 out, mass = prefill_attention(q[n_dec + start : n_dec + end], kf, vf, sl, want_mass=want_mass)
                 outs.append(out)
                 layer_mass.append(mass)
@@ -322,7 +330,7 @@ class Scheduler:
         self._after_forward(decodes, prefills, q_rows, masses if want_mass else None)
         if prefills:  # only each prompt's last position samples
             last = list(range(n_dec)) + [n_dec + e - 1 for e in ends]
-            h = h.index_select(0, torch.tensor(last, dtype=torch.long, device=dev))
+            h = h.index_select(0, long_tensor(last, dev))
         return model.logits(h)
 
     def _decode_layout(self, decodes: list[RequestState]) -> DecodeLayout:
@@ -349,7 +357,7 @@ class Scheduler:
         for t in prefill_tokens:
             rows.extend(range(start + max(0, t - w), start + t))
             start += t
-        return torch.tensor(rows, dtype=torch.long, device=self.pool.k.device)
+        return long_tensor(rows, self.pool.k.device)
 
     def _after_forward(
         self,
@@ -362,14 +370,14 @@ class Scheduler:
         dev, w = self.pool.k.device, self.kv_cfg.window
         # per layer, masses hold [decode mass [B, Hk, N]] (when decoding) + one [Hk, n] per prefill
         if masses and decodes:  # [L, B, Hk, N], slot order
-            lanes = torch.tensor([r.lane for r in decodes], dtype=torch.long, device=dev)
+            lanes = long_tensor([r.lane for r in decodes], dev)
             self.lanes.add_mass(lanes, torch.stack([m[0] for m in masses]))
         if q_rows:  # ring rows of the rows of _window_rows: 1 per decode, the last <= w of a prompt
             rows = [self.lanes.ring_row(r.lane, r.q_seen) for r in decodes]
             for r in prefills:
                 seen, n_rows = r.q_seen, min(len(r.req.input_ids) - r.n_cached, w)
                 rows.extend(self.lanes.ring_row(r.lane, seen + j) for j in range(n_rows))
-            rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+            rows_t = long_tensor(rows, dev)
             self.lanes.push_queries(rows_t, torch.stack(q_rows))  # [L, rows, Hq, d]
         for i, r in enumerate(decodes + prefills):
             t = 1 if i < len(decodes) else len(r.req.input_ids) - r.n_cached
@@ -441,7 +449,7 @@ class Scheduler:
         assert self.compressor is not None
         cfg, L = self.model.cfg, self.model.cfg.num_layers
         B, n, keep, d, Hk = len(rs), rs[0].n_cached, self.kv_cfg.keep_tokens, cfg.head_dim, cfg.num_kv_heads
-        slots = torch.stack([r.slots[:n] for r in rs])  # [B, n]
+        slots = torch.stack([self._slots(r)[:n] for r in rs])  # [B, n]
         flat, dev = slots.view(-1), slots.device
         # keys [B * L * Hk, n, d] for scoring, copied out of the pool with all layers in one gather
         pool_k, pool_v = self.pool.k.view(L, -1, Hk, d), self.pool.v.view(L, -1, Hk, d)
@@ -476,7 +484,7 @@ class Scheduler:
         live = [b for b, r in enumerate(rs) if r in self.running]
         if not live:
             return
-        new_slots = torch.cat([rs[b].slots[:keep] for b in live])
+        new_slots = torch.cat([self._slots(rs[b])[:keep] for b in live])
         if len(live) < B:  # indexing by a list is a gather: only after a retraction
             kept_k, kept_v, idx, lanes = kept_k[:, live], kept_v[:, live], idx[live], lanes[live]
             acc = acc[live] if acc is not None else None
