@@ -88,8 +88,9 @@ def _diff_range(old: np.ndarray, new: np.ndarray, start: int, stop: int) -> _Par
     numpy's nonzero (~40 ns per hit, most of a diff at >= 98 % sparsity) have a quarter of the
     entries and a word can hold several changes; only the changed words are split into lanes. Where
     more than `_WORDS_DENSE` of a chunk's words changed (< ~95 % sparsity), splitting costs more than
-    it saves and the chunk is compared element by element. `start` is a multiple of 4; the last
-    (stop - start) % 4 elements are compared singly.
+    it saves and the chunk is compared element by element. Any `start` works; a multiple of 4 (as
+    `make_patch` uses) keeps the word views aligned. The last (stop - start) % 4 elements are
+    compared singly.
     """
     words = (stop - start) // 4
     end = start + 4 * words
