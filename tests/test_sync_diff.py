@@ -69,25 +69,3 @@ def test_bytes_do_not_depend_on_steps_or_threads(small_steps, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert small == serial
-
-
-@pytest.mark.parametrize("density", [0.003, 0.03, 0.3])
-@pytest.mark.parametrize("numel", [0, 1, 3, 4, 5, 257, 4099])
-def test_word_compare_equals_element_compare(small_steps, density, numel):
-    """4-element words (sparse chunks), element by element (dense chunks) and the <4-element tail
-    give exactly the positions and bits of a plain element-wise compare; words with several changed
-    lanes included (clustered changes); arrays not 8-byte aligned, as shard slices can be."""
-    rng = np.random.default_rng(numel)
-    old = rng.integers(0, 1 << 16, numel + 1, dtype=np.uint16)[1:]
-    new = np.empty(numel + 1, np.uint16)[1:]
-    new[:] = old
-    moved = rng.random(numel) < density
-    moved[1::4] |= moved[::4][: moved[1::4].size]  # neighbours in one word change together
-    new[moved] ^= rng.integers(1, 1 << 16, int(moved.sum()), dtype=np.uint16)
-    at = np.flatnonzero(old != new)
-    for start, stop in [(0, numel), (numel // 3, numel), (numel // 5, numel - numel // 4)]:
-        indices, old_bits, new_bits = diff._join([diff._diff_range(old, new, start, stop)])
-        mine = at[(at >= start) & (at < stop)]
-        np.testing.assert_array_equal(indices, mine)
-        np.testing.assert_array_equal(old_bits, old[mine])
-        np.testing.assert_array_equal(new_bits, new[mine])

@@ -1,18 +1,17 @@
 """Bit-wise diff of 16-bit weights against the last synced copy, producing a `Patch`.
 
 Memory: the caller keeps the last synced copy (2 bytes per parameter; `learner.ShardSyncer` keeps
-only its own slice). A diff holds two masks (32 + 148 KiB) per worker thread and the changed
+only its own slice). A diff holds one 128 KiB mask per worker thread and the changed
 (index, old value, new value) triples.
 
 Speed (the diff is most of a sparse encode; at 90 % sparsity the 0.5B model has ~50M changed
 elements): each tensor is compared in `_CHUNK`-element steps with numpy, so the boolean mask,
 `np.flatnonzero` over it and the gathers of old/new bits stay in the L2 cache instead of streaming
-a model-sized mask and index array through memory. Sparse chunks are compared as 64-bit words of
-4 elements (`_diff_range`): numpy's nonzero then runs over a quarter of the entries. numpy
-releases the GIL in these loops, so tensors, and `_PIECE`-element pieces of the big ones (the
-embedding is 27 % of Qwen2.5-0.5B), run in a thread pool on every core. No torch kernel runs here:
-torch's own OpenMP threads would compete with the pool for the same cores.
-Unchanged tensors cost one compare and one count per chunk.
+a model-sized mask and index array through memory. numpy releases the GIL in these loops, so
+tensors, and `_PIECE`-element pieces of the big ones (the embedding is 27 % of Qwen2.5-0.5B), run
+in a thread pool on every core. No torch kernel runs here: torch's own OpenMP threads would compete
+with the pool for the same cores.
+Unchanged tensors cost one compare (numpy's nonzero counts first and returns early).
 """
 
 from __future__ import annotations
@@ -32,23 +31,23 @@ from sparserl_mcore.sync.hashing import (
     tensor_digest,
 )
 
-_CHUNK = 1 << 17  # elements per compare step: the masks and both slices (<= 0.7 MiB) stay in L2; 64K-128K
-# were 4-7 % faster than 256K and 15-20 % faster than 1M on the 0.5B shape (element-wise compare)
-_WORDS_DENSE = 0.2  # share of changed 4-element words above which a chunk is compared per element
-_PIECE = 1 << 24  # elements per thread-pool job, a multiple of 4: big tensors are split so every core is busy
+_CHUNK = 1 << 17  # elements per compare step: the mask and both slices (640 KiB) stay in L2; 64K-128K
+# were 4-7 % faster than 256K and 15-20 % faster than 1M on the 0.5B shape
+_PIECE = 1 << 24  # elements per thread-pool job: big tensors are split so every core stays busy
 
 # (indices, old bits, new bits) of the changed elements of one range, as per-chunk arrays
 _Parts = tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]
 
 
-def _positions(mask: np.ndarray, size: int, count: int) -> np.ndarray:
-    """Flat positions of the `count` True entries of mask[:size]; mask[size:] is scratch space.
+def _positions(mask: np.ndarray, size: int) -> np.ndarray:
+    """Flat positions of the True entries of mask[:size]; mask[size:] is scratch space.
 
     numpy's nonzero on booleans runs a memchr call per hit when at most 10 % are True, and a
     branch-free loop otherwise; between ~4 % and 10 % (90-96 % sparsity) memchr is up to 2.3x
     slower (0.75 vs 1.75 ns per element measured at 9.5 %). There, True padding lifts the share
     above 10 % so the branch-free loop runs, and the padding's positions are cut off.
     """
+    count = np.count_nonzero(mask[:size])
     if count * 25 <= size:
         return np.flatnonzero(mask[:size])
     pad = max(0, (size - 10 * count) // 9 + 1)  # (count + pad) / (size + pad) > 1/10
@@ -56,63 +55,21 @@ def _positions(mask: np.ndarray, size: int, count: int) -> np.ndarray:
     return np.flatnonzero(mask[: size + pad])[:count]
 
 
-def _padded_mask(size: int) -> np.ndarray:
-    return np.empty(size + size // 9 + 1, np.bool_)  # room for `_positions`' padding
-
-
-def _add_lanes(parts: _Parts, old4: np.ndarray, new4: np.ndarray, first: np.ndarray) -> None:
-    """Append the changed elements of some 4-element words: old4/new4 their elements (4 per word),
-    `first` each word's flat index."""
-    lanes = np.flatnonzero(old4 != new4)
-    parts[1].append(old4[lanes])
-    parts[2].append(new4[lanes])
-    at = first[lanes >> 2]
-    at += lanes & 3
-    parts[0].append(at)
-
-
-def _add_elements(parts: _Parts, old: np.ndarray, new: np.ndarray, first: int, mask: np.ndarray) -> None:
-    """Append the changed elements of old vs new (flat index of old[0]: `first`), element by element."""
-    np.not_equal(old, new, out=mask[: old.size])
-    at = _positions(mask, old.size, int(np.count_nonzero(mask[: old.size])))
-    parts[1].append(old[at])
-    parts[2].append(new[at])
-    at += first
-    parts[0].append(at)
-
-
 def _diff_range(old: np.ndarray, new: np.ndarray, start: int, stop: int) -> _Parts:
-    """Changed elements of old[start:stop] vs new[start:stop] (flat uint16 bit patterns).
-
-    Compared as 64-bit words of 4 elements: the compare reads the same bytes, but the mask and
-    numpy's nonzero (~40 ns per hit, most of a diff at >= 98 % sparsity) have a quarter of the
-    entries and a word can hold several changes; only the changed words are split into lanes. Where
-    more than `_WORDS_DENSE` of a chunk's words changed (< ~95 % sparsity), splitting costs more than
-    it saves and the chunk is compared element by element. Any `start` works; a multiple of 4 (as
-    `make_patch` uses) keeps the word views aligned. The last (stop - start) % 4 elements are
-    compared singly.
-    """
-    words = (stop - start) // 4
-    end = start + 4 * words
-    old_w, new_w = old[start:end].view(np.uint64), new[start:end].view(np.uint64)
-    step = _CHUNK // 4
-    word_mask, element_mask = _padded_mask(min(step, words)), _padded_mask(min(_CHUNK, 4 * words))
+    """Changed elements of old[start:stop] vs new[start:stop] (flat uint16 bit patterns)."""
+    chunk = min(_CHUNK, stop - start)
+    mask = np.empty(chunk + chunk // 9 + 1, np.bool_)  # room for `_positions`' padding
     parts: _Parts = ([], [], [])
-    for lo in range(0, words, step):
-        hi = min(lo + step, words)
-        np.not_equal(old_w[lo:hi], new_w[lo:hi], out=word_mask[: hi - lo])
-        count = int(np.count_nonzero(word_mask[: hi - lo]))
-        if count > _WORDS_DENSE * (hi - lo):
-            first, last = start + 4 * lo, start + 4 * hi
-            _add_elements(parts, old[first:last], new[first:last], first, element_mask)
-        elif count:
-            at = _positions(word_mask, hi - lo, count)
+    for lo in range(start, stop, _CHUNK):
+        hi = min(lo + _CHUNK, stop)
+        o, n = old[lo:hi], new[lo:hi]
+        np.not_equal(o, n, out=mask[: hi - lo])
+        at = _positions(mask, hi - lo)
+        if at.size:
+            parts[1].append(o[at])
+            parts[2].append(n[at])
             at += lo
-            first = at << 2
-            first += start
-            _add_lanes(parts, old_w[at].view(np.uint16), new_w[at].view(np.uint16), first)
-    if end < stop:
-        _add_lanes(parts, old[end:stop], new[end:stop], np.array([end]))
+            parts[0].append(at)
     return parts
 
 
