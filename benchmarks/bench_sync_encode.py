@@ -1,13 +1,17 @@
 """Sparse encode speed without training: `make_patch` + `encode_patch` vs a dense safetensors save.
 
 The Qwen2.5-0.5B HF tensor shapes (`--scale` shrinks the embedding and MLP rows; 1.0 = 494M
-parameters) filled with N(0, 0.02) BF16 weights; each `--changed` fraction of elements, spread
-uniformly, moves by +-1..2 in its bit pattern (1-2 ulp). Rounds alternate encode and dense save
-so both see the same load on a shared machine; per stage the fastest round (wall and process CPU
-seconds) and the median wall are printed. The encoded bytes must be equal in every round.
+parameters) filled with N(0, 0.02) BF16 weights; each `--changed` fraction of elements moves in
+its bit pattern: `--flips uniform` spreads the changes evenly, +-1..2 (the `base` position model
+then finds no classes worth coding), `--flips adam` flips an element by one ulp with probability
+~ 1 / ulp(w), as small Adam steps do (bench_sync_positions), so `base` codes classes as in
+training. Rounds alternate encode and dense save so both see the same load on a shared machine;
+per stage the fastest round (wall and process CPU seconds) and the median wall are printed. The
+encoded bytes must be equal in every round.
 
 `python -m benchmarks bench_sync_encode` (scale 1/8: 100M parameters, ~20 s, 1.2 GB peak);
-`... --scale 1 --changed 0.1 0.02` is the 0.5B shape at 90 % / 98 % sparsity (~4 GB).
+`... --scale 1 --changed 0.1 0.02` is the 0.5B shape at 90 % / 98 % sparsity (~4 GB);
+`... --scale 1 --changed 0.01 --flips adam` the realistic ~99 % case for the `base` model.
 Results: docs/benchmarks.md, "Sparse sync".
 The training-based `sparserl sync bench --full` remains the reference run.
 """
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from benchmarks.bench_sync_positions import _flip_scale
 from sparserl_mcore.sync.bench import QWEN25_05B
 from sparserl_mcore.sync.codec import encode_patch
 from sparserl_mcore.sync.diff import make_patch
@@ -56,19 +61,33 @@ def qwen_shapes(scale: float) -> dict[str, tuple[int, ...]]:
     return shapes | {"model.norm.weight": (hidden,)}
 
 
-def states(scale: float, changed: float, seed: int = 0) -> tuple[dict, dict]:
-    """(old, new) BF16 state dicts; `changed` of the elements differ by 1-2 in their bit pattern."""
+def _adam_flips(flat: np.ndarray, changed: float, rng: np.random.Generator) -> None:
+    """Flip elements of `flat` (int16 bf16 patterns, in place) one ulp up or down with probability
+    ~ 1 / ulp(w), scaled so that ~`changed` of them flip (zeros only move up)."""
+    exponents = (flat.view(np.uint16) >> 7) & 0xFF
+    scale = _flip_scale(exponents.astype(np.int64), changed)
+    by_exponent = np.minimum(1.0, scale * 2.0 ** -np.arange(256, dtype=np.float64)).astype(np.float32)
+    moved = np.flatnonzero(rng.random(flat.size, dtype=np.float32) < by_exponent[exponents])
+    down = (rng.random(moved.size) < 0.5) & ((flat[moved] & 0x7FFF) > 0)
+    flat[moved] += np.where(down, -1, 1).astype(np.int16)
+
+
+def states(scale: float, changed: float, flips: str = "uniform", seed: int = 0) -> tuple[dict, dict]:
+    """(old, new) BF16 state dicts; ~`changed` of the elements differ (`flips`: see the module doc)."""
     rng = np.random.default_rng(seed)
     old, new = {}, {}
     for name, shape in qwen_shapes(scale).items():
         weights = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * 0.02).bfloat16()
         bits = weights.view(torch.int16).numpy().copy()
         flat = bits.reshape(-1)
-        moved = np.flatnonzero(rng.random(flat.size, dtype=np.float32) < changed)
-        steps = rng.integers(1, 3, moved.size, dtype=np.int16) * rng.choice(
-            np.array([-1, 1], np.int16), moved.size
-        )
-        flat[moved] += steps
+        if flips == "adam":
+            _adam_flips(flat, changed, rng)
+        else:
+            moved = np.flatnonzero(rng.random(flat.size, dtype=np.float32) < changed)
+            steps = rng.integers(1, 3, moved.size, dtype=np.int16) * rng.choice(
+                np.array([-1, 1], np.int16), moved.size
+            )
+            flat[moved] += steps
         old[name], new[name] = weights, torch.from_numpy(bits).view(torch.bfloat16)
     return old, new
 
@@ -79,8 +98,8 @@ def _timed(fn) -> tuple[object, float, float]:
     return out, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def measure(scale: float, changed: float, rounds: int, tmp: Path) -> dict:
-    old, new = states(scale, changed)
+def measure(scale: float, changed: float, flips: str, rounds: int, tmp: Path) -> dict:
+    old, new = states(scale, changed, flips)
     digests = state_dict_digests(old)
     times: dict[str, list[tuple[float, float]]] = {
         "make_patch": [],
@@ -111,6 +130,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench_sync_encode", description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=0.125, help="embedding/MLP rows vs Qwen2.5-0.5B")
     parser.add_argument("--changed", type=float, nargs="+", default=[0.1, 0.02], help="changed fractions")
+    parser.add_argument("--flips", choices=("uniform", "adam"), default="uniform", help="how changes spread")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     if not 0 < args.scale <= 1 or args.rounds < 1 or not all(0 < c < 1 for c in args.changed):
@@ -120,7 +140,7 @@ def main(argv: list[str]) -> int:
     print(" ".join(f"{name:>{width}}" for name, width in (columns | {"min cpu s": 9}).items()))
     with tempfile.TemporaryDirectory() as tmp:
         for changed in args.changed:
-            r = measure(args.scale, changed, args.rounds, Path(tmp))
+            r = measure(args.scale, changed, args.flips, args.rounds, Path(tmp))
             for stage, runs in r["times"].items():
                 walls = [w for w, _ in runs]
                 print(
