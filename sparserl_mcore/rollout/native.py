@@ -57,12 +57,18 @@ class PagedDecode:
         pool layer); pages int64 [B * P] (each request's table padded to P); lengths int64 [B],
         each in 1..P * page_size. Returns out [B, Hq, d]."""
         B, Hq, d = q.shape
-        tensors = (q, k_rows, v_rows, pages, lengths)
-        if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        # and-chains, not a generator over the tensors: this runs per layer per decode step
+        if not (q.is_cpu and k_rows.is_cpu and v_rows.is_cpu and pages.is_cpu and lengths.is_cpu) or not (
+            q.is_contiguous()
+            and k_rows.is_contiguous()
+            and v_rows.is_contiguous()
+            and pages.is_contiguous()
+            and lengths.is_contiguous()
+        ):
             raise ValueError("paged_decode: every tensor must be a contiguous CPU tensor")
-        if {q.dtype, k_rows.dtype, v_rows.dtype} != {torch.float32} or {pages.dtype, lengths.dtype} != {
-            torch.int64
-        }:
+        if not (q.dtype == k_rows.dtype == v_rows.dtype == torch.float32) or not (
+            pages.dtype == lengths.dtype == torch.int64
+        ):
             raise ValueError("paged_decode: q / k_rows / v_rows must be float32, pages / lengths int64")
         if Hq % kv_heads or k_rows.shape[1] != page_size * kv_heads * d or pages.numel() % B:
             raise ValueError(
