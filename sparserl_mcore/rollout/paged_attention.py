@@ -107,6 +107,7 @@ def decode_attention(
     layout: DecodeLayout,
     *,
     want_mass: bool = False,
+    use_native: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query per request over its own cache, gathered page by page.
 
@@ -115,11 +116,12 @@ def decode_attention(
     large memcpys instead of per-entry indexing. Returns out [B, Hq, d] (q's dtype) and optionally
     mass [B, Hk, N].
     On CPU in fp32 without the mass, the native kernel (`native.paged_decode`) reads the pages in
-    place instead, no gather (docs/rollout.md, "Step cost"); without it, the torch path below.
+    place instead, no gather (docs/rollout.md, "Step cost"); without it, or with `use_native=False`
+    (benchmarks comparing the two), the torch path below.
     """
     B, Hq, d = q.shape
     N = layout.valid.shape[1]
-    if not want_mass and q.device.type == "cpu" and q.dtype == k_rows.dtype == torch.float32:
+    if use_native and not want_mass and q.device.type == "cpu" and q.dtype == k_rows.dtype == torch.float32:
         kernel = native.paged_decode()
         if kernel is not None:
             kv_heads = k_rows.shape[1] // (layout.page_size * d)
