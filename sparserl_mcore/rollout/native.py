@@ -6,8 +6,9 @@ place, once (docs/rollout.md, "Step cost"). Optional by design: no compiler, a f
 non-CPU tensor or `SPARSERL_NATIVE=0` leaves the caller on its torch path.
 
 The shared library is cached per user (`$XDG_CACHE_HOME/sparserl_mcore`, else
-`~/.cache/sparserl_mcore`) under a name keyed by the source, the flags and the compiler's
-version, and written atomically (temp file + rename), so concurrent first uses cannot load a
+`~/.cache/sparserl_mcore`) under a name keyed by the source, the flags, the compiler's version
+and the CPU (`-march=native` code can be illegal on another CPU sharing a home directory), and
+written atomically (temp file + rename), so concurrent first uses cannot load a
 half-written file.
 """
 
@@ -19,6 +20,7 @@ import hashlib
 import logging
 import math
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -110,12 +112,13 @@ def paged_decode() -> PagedDecode | None:
 
 
 def _build(source: Path) -> Path:
-    """Compile `source` into the cache (or reuse a build of the same source, flags and compiler)."""
+    """Compile `source` into the cache (or reuse a build of the same source, flags, compiler and CPU)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (cc / gcc, or set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, cc, version]).encode()).hexdigest()[:16]
+    parts = [source.read_text(), *FLAGS, cc, version, _cpu_id()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparserl_mcore"
     target = cache / f"{source.stem}-{key}.so"
     if target.exists():
@@ -134,3 +137,13 @@ def _build(source: Path) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _cpu_id() -> str:
+    """The CPU's model and feature flags (Linux), else the architecture: part of the cache key."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
