@@ -22,8 +22,10 @@ needs_cc = pytest.mark.skipif(
 
 
 @pytest.fixture
-def fresh_kernel():
-    """Forget the process-wide loaded kernel before and after, so env changes take effect."""
+def fresh_kernel(monkeypatch):
+    """Forget the process-wide loaded kernel before and after, so env changes take effect; the
+    kernel enabled whatever the caller's environment says (tests may disable it again)."""
+    monkeypatch.delenv(native.ENV_VAR, raising=False)
     native.paged_decode.cache_clear()
     yield
     native.paged_decode.cache_clear()
