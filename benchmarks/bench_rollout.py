@@ -15,7 +15,9 @@ load; a ratio is the median over rounds of the same-round ratio, with its min-ma
    `none` (goal: >= 0.9);
 3. radix sharing: pool pages holding the prompts of G samples per prompt, radix on vs off (goal:
    <= 1/G + one page per sample);
-4. the matmul layout behind the engine's fp32 CPU weights: F.linear (HF layout) vs input-major.
+4. the matmul layout behind the engine's fp32 CPU weights: F.linear (HF layout) vs input-major;
+5. decode attention alone at this model's shape: the native kernel (rollout/native.py, pages read in
+   place) vs the torch path (page gather + SDPA), with each one's max error vs a float64 reference.
 
 `python -m benchmarks bench_rollout` (defaults) or `python -m benchmarks.bench_rollout --device cuda ...`;
 results are recorded in docs/benchmarks.md ("## Rollout engine").
@@ -38,11 +40,13 @@ import torch
 import torch.nn.functional as F
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
+from sparserl_mcore.rollout import native
 from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
 from sparserl_mcore.rollout.kvcompress import METHODS, KVCompressionConfig
+from sparserl_mcore.rollout.paged_attention import DecodeLayout, decode_attention
 from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
 
-TABLES = ("throughput", "compression", "radix", "gemm")
+TABLES = ("throughput", "compression", "radix", "gemm", "decode_attention")
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -224,6 +228,8 @@ def main(argv: list[str]) -> int:
             _radix_table(a, path, base)
         if "gemm" in tables:
             _gemm_table(a)
+        if "decode_attention" in tables:
+            _decode_attention_table(a)
     return 0
 
 
@@ -323,6 +329,53 @@ def _gemm_table(a) -> None:
             f"| {name} ({k} x {n}) | {str(dtype).removeprefix('torch.')} | {m} | {us['linear']:.0f} | "
             f"{us['input-major']:.0f} | {us['linear'] / us['input-major']:.2f}x |"
         )
+
+
+def _decode_attention_table(a, pool_pages: int = 512) -> None:
+    """One layer's decode attention for `--batch` requests of about N cached entries each, their pages
+    scattered at random over a pool of `pool_pages` (as after many requests came and went)."""
+    kernel = native.paged_decode()
+    if kernel is None:
+        print("\ndecode_attention: native kernel unavailable (no C compiler or SPARSERL_NATIVE=0)")
+        return
+    d, ps, g = a.hidden // a.heads, a.page_size, torch.Generator().manual_seed(2)
+    k_rows, v_rows = (torch.randn(pool_pages, ps * a.kv_heads * d, generator=g) for _ in range(2))
+    print("\n| entries N | torch (gather + SDPA) us | native us | speed-up | max err torch / native |")
+    print("|---|---|---|---|---|")
+    for n_max in (16, 64, 128, a.gen + 48):
+        lengths = torch.randint(max(1, n_max - 2), n_max + 1, (a.batch,), generator=g).tolist()
+        perm, tables = torch.randperm(pool_pages, generator=g).tolist(), []
+        for n in lengths:
+            tables.append(perm[: -(-n // ps)])
+            perm = perm[len(tables[-1]) :]
+        q = torch.randn(a.batch, a.heads, d, generator=g)
+        layout = DecodeLayout.build(tables, lengths, page_size=ps, dtype=torch.float32, device="cpu")
+        calls = {
+            "torch": partial(decode_attention, q, k_rows, v_rows, layout, use_native=False),
+            "native": partial(decode_attention, q, k_rows, v_rows, layout),
+        }
+        errs = {
+            key: _attention_error(fn()[0], q, k_rows, v_rows, tables, lengths, a.kv_heads)
+            for key, fn in calls.items()
+        }
+        us = _median_call_us(calls, 200, max(a.repeats, 7), "cpu")
+        print(
+            f"| {min(lengths)}-{max(lengths)} | {us['torch']:.0f} | {us['native']:.0f} | "
+            f"{us['torch'] / us['native']:.2f}x | {errs['torch']:.1e} / {errs['native']:.1e} |"
+        )
+
+
+def _attention_error(out, q, k_rows, v_rows, tables, lengths, kv_heads: int) -> float:
+    """Max abs difference of `out` [B, Hq, d] from float64 softmax attention over each request's entries."""
+    B, Hq, d = q.shape
+    err = 0.0
+    for b, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+        k, v = (x[table].view(-1, kv_heads, d)[:n].double() for x in (k_rows, v_rows))
+        for h in range(Hq):
+            kv = h // (Hq // kv_heads)
+            ref = (k[:, kv] @ q[b, h].double() / math.sqrt(d)).softmax(0) @ v[:, kv]
+            err = max(err, (out[b, h].double() - ref).abs().max().item())
+    return err
 
 
 def _median_call_us(calls: dict[str, Callable], n: int, repeats: int, device: str) -> dict[str, float]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sparserl_mcore.rollout import native
 from sparserl_mcore.rollout.host_ints import long_tensor
 
 # The cross-head mass path (`_cross_head_attention`) costs Hk times the score flops: it pays off
@@ -30,13 +31,16 @@ class DecodeLayout:
     """Where each decoding request's cache lives, built once per step and shared by every layer.
 
     pages [B * P]: each request's page table padded to P pages with any valid page, request-major;
-    valid [B, N = P * page_size]: entries in use; bias [B, 1, 1, N]: the same as an additive mask
-    (0 / -inf, in the pool's dtype), the form the fused kernel takes without converting per call.
+    lengths [B] int64: entries in use per request (what the native kernel reads); valid [B, N = P *
+    page_size]: the same as a mask; bias [B, 1, 1, N]: the same as an additive mask (0 / -inf, in
+    the pool's dtype), the form the fused SDPA takes without converting per call.
     cross_bias [B, Hq, N * Hk] fp32 (only when built with `cross_heads`): the mask of the cross-head
     mass path (`decode_attention`), -inf also where a key belongs to another KV head than the query.
     """
 
     pages: torch.Tensor
+    lengths: torch.Tensor
+    page_size: int
     valid: torch.Tensor
     bias: torch.Tensor
     cross_bias: torch.Tensor | None = None
@@ -70,7 +74,14 @@ class DecodeLayout:
             # [B, 1, N, 1] + [Hq, 1, Hk], whose inner loop would run over only Hk elements
             entries = bias.float().repeat_interleave(cross_heads[1], dim=1)[:, None, :]
             cross = entries + _other_head_bias(*cross_heads, valid.shape[1], device)
-        return cls(pages=pages, valid=valid, bias=bias[:, None, None, :], cross_bias=cross)
+        return cls(
+            pages=pages,
+            lengths=lengths_t,
+            page_size=page_size,
+            valid=valid,
+            bias=bias[:, None, None, :],
+            cross_bias=cross,
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -96,6 +107,7 @@ def decode_attention(
     layout: DecodeLayout,
     *,
     want_mass: bool = False,
+    use_native: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query per request over its own cache, gathered page by page.
 
@@ -103,9 +115,26 @@ def decode_attention(
     page). Gathering whole pages (contiguous blocks, `index_select` over rows) makes the copy a few
     large memcpys instead of per-entry indexing. Returns out [B, Hq, d] (q's dtype) and optionally
     mass [B, Hk, N].
+    On CPU in fp32 without the mass, the native kernel (`native.paged_decode`) reads the pages in
+    place instead, no gather (docs/rollout.md, "Step cost"); without it, or with `use_native=False`
+    (benchmarks comparing the two), the torch path below.
     """
     B, Hq, d = q.shape
     N = layout.valid.shape[1]
+    if use_native and not want_mass and q.device.type == "cpu" and q.dtype == k_rows.dtype == torch.float32:
+        kernel = native.paged_decode()
+        if kernel is not None:
+            kv_heads = k_rows.shape[1] // (layout.page_size * d)
+            out = kernel(
+                q.contiguous(),
+                k_rows,
+                v_rows,
+                layout.pages,
+                layout.lengths,
+                kv_heads=kv_heads,
+                page_size=layout.page_size,
+            )
+            return out, None
     k = k_rows.index_select(0, layout.pages).view(B, -1, d)  # [B, N * Hk, d], entry-major
     v = v_rows.index_select(0, layout.pages).view(B, -1, d)
     if want_mass and layout.cross_bias is not None:
