@@ -44,17 +44,21 @@ def _case(kv_heads: int, q_heads: int, d: int, lengths: list[int], pool_pages: i
     return q, k_rows, v_rows, tables, layout
 
 
-def _reference(q, k_rows, v_rows, tables, lengths, kv_heads) -> torch.Tensor:
-    """float64 softmax attention per request and query head over its first n entries."""
+def _reference(q, k_rows, v_rows, tables, lengths, kv_heads) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 softmax attention per request and query head over its first n entries, and the
+    mass each entry got (max over the query heads of its KV head) [B, Hk, P * PAGE], 0 past n."""
     B, Hq, d = q.shape
     out = torch.empty(B, Hq, d, dtype=torch.float64)
+    mass = torch.zeros(B, kv_heads, max(len(t) for t in tables) * PAGE, dtype=torch.float64)
     for b, (table, n) in enumerate(zip(tables, lengths, strict=True)):
         k = k_rows[table].view(-1, kv_heads, d)[:n].double()
         v = v_rows[table].view(-1, kv_heads, d)[:n].double()
         for h in range(Hq):
             kv = h // (Hq // kv_heads)
-            out[b, h] = (k[:, kv] @ q[b, h].double() / math.sqrt(d)).softmax(0) @ v[:, kv]
-    return out
+            probs = (k[:, kv] @ q[b, h].double() / math.sqrt(d)).softmax(0)
+            out[b, h] = probs @ v[:, kv]
+            mass[b, kv, :n] = torch.maximum(mass[b, kv, :n], probs)
+    return out, mass
 
 
 @needs_cc
@@ -67,11 +71,17 @@ def test_kernel_matches_float64_reference_on_scattered_pages(kv_heads, q_heads, 
     assert kernel is not None, "a C compiler is present but the kernel did not build (see the log)"
     lengths = [1, 7, 16, 17, 160]
     q, k_rows, v_rows, tables, layout = _case(kv_heads, q_heads, d, lengths)
-    out = kernel(q, k_rows, v_rows, layout.pages, layout.lengths, kv_heads=kv_heads, page_size=PAGE)
-    ref = _reference(q, k_rows, v_rows, tables, lengths, kv_heads)
+    kw = {"kv_heads": kv_heads, "page_size": PAGE}
+    out, none = kernel(q, k_rows, v_rows, layout.pages, layout.lengths, **kw)
+    ref, ref_mass = _reference(q, k_rows, v_rows, tables, lengths, kv_heads)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    # decode_attention dispatches to it on CPU fp32 without the mass
+    assert none is None
+    out_m, mass = kernel(q, k_rows, v_rows, layout.pages, layout.lengths, want_mass=True, **kw)
+    torch.testing.assert_close(out_m, out, atol=0, rtol=0)
+    torch.testing.assert_close(mass.double(), ref_mass, atol=1e-6, rtol=1e-5)
+    # decode_attention dispatches to it on CPU fp32, with the mass (H2O) and without
     torch.testing.assert_close(decode_attention(q, k_rows, v_rows, layout)[0], out, atol=0, rtol=0)
+    torch.testing.assert_close(decode_attention(q, k_rows, v_rows, layout, want_mass=True)[1], mass)
 
 
 @needs_cc
@@ -92,10 +102,10 @@ def test_disabled_by_env_var_falls_back_to_torch(monkeypatch, fresh_kernel):
     assert native.paged_decode() is None
     lengths = [1, 17, 160]
     q, k_rows, v_rows, tables, layout = _case(2, 8, 32, lengths)
-    out, _ = decode_attention(q, k_rows, v_rows, layout)
-    torch.testing.assert_close(
-        out.double(), _reference(q, k_rows, v_rows, tables, lengths, 2), atol=1e-5, rtol=1e-5
-    )
+    out, mass = decode_attention(q, k_rows, v_rows, layout, want_mass=True)
+    ref, ref_mass = _reference(q, k_rows, v_rows, tables, lengths, 2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mass.double(), ref_mass, atol=1e-6, rtol=1e-5)
 
 
 def test_failed_build_logs_and_falls_back(monkeypatch, tmp_path, caplog, fresh_kernel):

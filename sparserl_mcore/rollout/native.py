@@ -42,7 +42,7 @@ class PagedDecode:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.paged_decode_f32
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        self._fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float]
 
     def __call__(
         self,
@@ -54,10 +54,12 @@ class PagedDecode:
         *,
         kv_heads: int,
         page_size: int,
-    ) -> torch.Tensor:
+        want_mass: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q [B, Hq, d] fp32; k_rows / v_rows [pages, page_size * Hk * d] fp32 contiguous (one
         pool layer); pages int64 [B * P] (each request's table padded to P); lengths int64 [B],
-        each in 1..P * page_size. Returns out [B, Hq, d]."""
+        each in 1..P * page_size. Returns out [B, Hq, d] and, with `want_mass`, the attention each
+        entry got, max over a KV head's query heads: [B, Hk, P * page_size], 0 past each length."""
         B, Hq, d = q.shape
         # and-chains, not a generator over the tensors: this runs per layer per decode step
         if not (q.is_cpu and k_rows.is_cpu and v_rows.is_cpu and pages.is_cpu and lengths.is_cpu) or not (
@@ -78,6 +80,7 @@ class PagedDecode:
                 f"kv_heads={kv_heads}, page_size={page_size}, {pages.numel()} page ids for {B} requests"
             )
         out = torch.empty_like(q)
+        mass = torch.zeros(B, kv_heads, pages.numel() // B * page_size) if want_mass else None
         rc = self._fn(
             q.data_ptr(),
             k_rows.data_ptr(),
@@ -85,6 +88,7 @@ class PagedDecode:
             pages.data_ptr(),
             lengths.data_ptr(),
             out.data_ptr(),
+            None if mass is None else mass.data_ptr(),
             B,
             Hq,
             kv_heads,
@@ -96,7 +100,7 @@ class PagedDecode:
         if rc != 0:
             reason = "a length is < 1 or beyond its page table" if rc == -1 else "out of memory"
             raise ValueError(f"paged_decode: {reason} (lengths {lengths.tolist()})")
-        return out
+        return out, mass
 
 
 @functools.cache

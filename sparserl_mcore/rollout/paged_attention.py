@@ -100,6 +100,12 @@ def _other_head_bias(q_heads: int, kv_heads: int, n: int, device: torch.device) 
     return torch.zeros(q_heads, n * kv_heads, device=device).masked_fill_(other, -math.inf)
 
 
+def native_decode_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `decode_attention` runs the native kernel for a pool on `device` in `dtype`: CPU fp32
+    with the kernel built (then the torch path's layout extras, such as `cross_bias`, go unused)."""
+    return device.type == "cpu" and dtype == torch.float32 and native.paged_decode() is not None
+
+
 def decode_attention(
     q: torch.Tensor,
     k_rows: torch.Tensor,
@@ -115,17 +121,17 @@ def decode_attention(
     page). Gathering whole pages (contiguous blocks, `index_select` over rows) makes the copy a few
     large memcpys instead of per-entry indexing. Returns out [B, Hq, d] (q's dtype) and optionally
     mass [B, Hk, N].
-    On CPU in fp32 without the mass, the native kernel (`native.paged_decode`) reads the pages in
-    place instead, no gather (docs/rollout.md, "Step cost"); without it, or with `use_native=False`
+    On CPU in fp32 the native kernel (`native.paged_decode`, with or without the mass) reads the
+    pages in place instead, no gather (docs/rollout.md, "Step cost"); without it, or with `use_native=False`
     (benchmarks comparing the two), the torch path below.
     """
     B, Hq, d = q.shape
     N = layout.valid.shape[1]
-    if use_native and not want_mass and q.device.type == "cpu" and q.dtype == k_rows.dtype == torch.float32:
+    if use_native and q.dtype == k_rows.dtype and native_decode_applies(q.device, q.dtype):
         kernel = native.paged_decode()
         if kernel is not None:
             kv_heads = k_rows.shape[1] // (layout.page_size * d)
-            out = kernel(
+            return kernel(
                 q.contiguous(),
                 k_rows,
                 v_rows,
@@ -133,8 +139,8 @@ def decode_attention(
                 layout.lengths,
                 kv_heads=kv_heads,
                 page_size=layout.page_size,
+                want_mass=want_mass,
             )
-            return out, None
     k = k_rows.index_select(0, layout.pages).view(B, -1, d)  # [B, N * Hk, d], entry-major
     v = v_rows.index_select(0, layout.pages).view(B, -1, d)
     if want_mass and layout.cross_bias is not None:

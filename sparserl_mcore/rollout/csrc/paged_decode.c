@@ -9,7 +9,9 @@
  *
  * Layout (sparserl_mcore/rollout/kv_pool.py): k_rows / v_rows [pages, page_size, Hk, d] (entry
  * major within a page). q [B, Hq, d]; pages [B, P] (padded); lengths [B] (1 <= len <= P *
- * page_size); out [B, Hq, d]. Returns 0, -1 for a length out of range, -2 if out of memory.
+ * page_size); out [B, Hq, d]; mass NULL or [B, Hk, P * page_size]: the attention each entry got,
+ * max over the g query heads of its KV head (what H2O accumulates; entries past a request's length
+ * are left as they are, so pass zeros). Returns 0, -1 for a length out of range, -2 if out of memory.
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,11 +44,13 @@ ALWAYS_INLINE float exp_nonpositive(float x) {
     return p * two_n;
 }
 
-/* One (request, KV head): g query rows qh [g, d] against n entries; writes oh [g, d]. */
+/* One (request, KV head): g query rows qh [g, d] against n entries; writes oh [g, d] and, unless
+ * mh is NULL, mh [n]. */
 ALWAYS_INLINE void head_attention(const float *restrict qh, const float *restrict k_rows,
                                   const float *restrict v_rows, const int64_t *restrict table, int64_t n,
                                   int64_t g, int64_t d, int64_t head, int64_t hk, int64_t page_size,
-                                  float scale, float *restrict scores, float *restrict oh) {
+                                  float scale, float *restrict scores, float *restrict oh,
+                                  float *restrict mh) {
     const int64_t row = page_size * hk * d, stride = hk * d;
     /* scores[i * n + j] = scale * <q_i, k_j> */
     for (int64_t j0 = 0, p = 0; j0 < n; j0 += page_size, ++p) {
@@ -90,25 +94,34 @@ ALWAYS_INLINE void head_attention(const float *restrict qh, const float *restric
     }
     for (int64_t i = 0; i < g; ++i)
         for (int64_t c = 0; c < d; ++c) oh[i * d + c] *= inv[i];
+    if (mh != NULL) {
+        for (int64_t j = 0; j < n; ++j) mh[j] = scores[j] * inv[0];
+        for (int64_t i = 1; i < g; ++i) {
+            const float *restrict si = scores + i * n;
+            for (int64_t j = 0; j < n; ++j) mh[j] = si[j] * inv[i] > mh[j] ? si[j] * inv[i] : mh[j];
+        }
+    }
 }
 
 /* All KV heads of one request. */
 ALWAYS_INLINE void request_attention(const float *restrict q, const float *restrict k_rows,
                                      const float *restrict v_rows, const int64_t *restrict table,
                                      int64_t n, int64_t g, int64_t d, int64_t hk, int64_t page_size,
-                                     float scale, float *restrict scores, float *restrict out) {
+                                     float scale, float *restrict scores, float *restrict out,
+                                     float *restrict mass, int64_t width) {
     for (int64_t h = 0; h < hk; ++h)
         head_attention(q + h * g * d, k_rows, v_rows, table, n, g, d, h, hk, page_size, scale, scores,
-                       out + h * g * d);
+                       out + h * g * d, mass == NULL ? NULL : mass + h * width);
 }
 
 #define REQUEST_ARGS                                                                                    \
     const float *restrict q, const float *restrict k_rows, const float *restrict v_rows,                \
         const int64_t *restrict table, int64_t n, int64_t hk, int64_t page_size, float scale,           \
-        float *restrict scores, float *restrict out
+        float *restrict scores, float *restrict out, float *restrict mass, int64_t width
 #define SPECIALISE(G, D)                                                                                \
     static void request_g##G##_d##D(REQUEST_ARGS) {                                                     \
-        request_attention(q, k_rows, v_rows, table, n, G, D, hk, page_size, scale, scores, out);        \
+        request_attention(q, k_rows, v_rows, table, n, G, D, hk, page_size, scale, scores, out, mass,   \
+                          width);                                                                       \
     }
 /* g: Qwen2.5 0.5B-72B, Llama 3 and the test / bench models; d: 32 (bench), 64, 128 */
 #define FOR_EACH_D(G) SPECIALISE(G, 32) SPECIALISE(G, 64) SPECIALISE(G, 128)
@@ -130,7 +143,7 @@ static request_fn specialised(int64_t g, int64_t d) {
 
 int paged_decode_f32(const float *restrict q, const float *restrict k_rows, const float *restrict v_rows,
                      const int64_t *restrict pages, const int64_t *restrict lengths, float *restrict out,
-                     int64_t b, int64_t hq, int64_t hk, int64_t d, int64_t page_size, int64_t p,
+                     float *restrict mass, int64_t b, int64_t hq, int64_t hk, int64_t d, int64_t page_size, int64_t p,
                      float scale) {
     int64_t longest = 0;
     for (int64_t r = 0; r < b; ++r) {
@@ -142,14 +155,17 @@ int paged_decode_f32(const float *restrict q, const float *restrict k_rows, cons
     float *scratch = malloc(sizeof(float) * (size_t)g * (size_t)longest);
     if (scratch == NULL) return -2;
     const request_fn fn = specialised(g, d);
+    const int64_t width = p * page_size;
     for (int64_t r = 0; r < b; ++r) {
         const float *qr = q + r * hq * d;
         float *outr = out + r * hq * d;
+        float *massr = mass == NULL ? NULL : mass + r * hk * width;
         if (fn != NULL)
-            fn(qr, k_rows, v_rows, pages + r * p, lengths[r], hk, page_size, scale, scratch, outr);
+            fn(qr, k_rows, v_rows, pages + r * p, lengths[r], hk, page_size, scale, scratch, outr, massr,
+               width);
         else
             request_attention(qr, k_rows, v_rows, pages + r * p, lengths[r], g, d, hk, page_size, scale,
-                              scratch, outr);
+                              scratch, outr, massr, width);
     }
     free(scratch);
     return 0;
