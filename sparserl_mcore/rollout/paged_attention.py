@@ -100,10 +100,12 @@ def _other_head_bias(q_heads: int, kv_heads: int, n: int, device: torch.device) 
     return torch.zeros(q_heads, n * kv_heads, device=device).masked_fill_(other, -math.inf)
 
 
-def native_decode_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `decode_attention` runs the native kernel for a pool on `device` in `dtype`: CPU fp32
-    with the kernel built (then the torch path's layout extras, such as `cross_bias`, go unused)."""
-    return device.type == "cpu" and dtype == torch.float32 and native.paged_decode() is not None
+def native_decode_kernel(device: torch.device, dtype: torch.dtype) -> native.PagedDecode | None:
+    """The native kernel `decode_attention` runs for a pool on `device` in `dtype` (CPU fp32, kernel
+    built), else None; when it runs, the torch path's layout extras (`cross_bias`) go unused."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    return native.paged_decode()
 
 
 def decode_attention(
@@ -127,20 +129,18 @@ def decode_attention(
     """
     B, Hq, d = q.shape
     N = layout.valid.shape[1]
-    if use_native and q.dtype == k_rows.dtype and native_decode_applies(q.device, q.dtype):
-        kernel = native.paged_decode()
-        if kernel is not None:
-            kv_heads = k_rows.shape[1] // (layout.page_size * d)
-            return kernel(
-                q.contiguous(),
-                k_rows,
-                v_rows,
-                layout.pages,
-                layout.lengths,
-                kv_heads=kv_heads,
-                page_size=layout.page_size,
-                want_mass=want_mass,
-            )
+    kernel = native_decode_kernel(q.device, q.dtype) if use_native and q.dtype == k_rows.dtype else None
+    if kernel is not None:
+        return kernel(
+            q.contiguous(),
+            k_rows,
+            v_rows,
+            layout.pages,
+            layout.lengths,
+            kv_heads=k_rows.shape[1] // (layout.page_size * d),
+            page_size=layout.page_size,
+            want_mass=want_mass,
+        )
     k = k_rows.index_select(0, layout.pages).view(B, -1, d)  # [B, N * Hk, d], entry-major
     v = v_rows.index_select(0, layout.pages).view(B, -1, d)
     if want_mass and layout.cross_bias is not None:

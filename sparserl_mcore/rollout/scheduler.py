@@ -36,7 +36,7 @@ from sparserl_mcore.rollout.paged_attention import (
     CROSS_HEAD_MAX_KV_HEADS,
     DecodeLayout,
     decode_attention,
-    native_decode_applies,
+    native_decode_kernel,
     prefill_attention,
 )
 from sparserl_mcore.rollout.protocol import FinishReason, GenerateRequest, KVStats, Sample
@@ -346,7 +346,7 @@ class Scheduler:
             if self.compressor is not None
             and self.compressor.needs_accumulated_attention
             and cfg.num_kv_heads <= CROSS_HEAD_MAX_KV_HEADS
-            and not native_decode_applies(device, dtype)  # the kernel returns the mass itself
+            and native_decode_kernel(device, dtype) is None  # the kernel returns the mass itself
             else None
         )
         return DecodeLayout.build(
