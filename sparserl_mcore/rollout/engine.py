@@ -28,7 +28,8 @@ from sparserl_mcore.rollout.kv_pool import KVPool
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, build_compressor
 from sparserl_mcore.rollout.protocol import GenerateRequest, Sample
 from sparserl_mcore.rollout.radix_cache import RadixCache
-from sparserl_mcore.rollout.scheduler import CompressionListener, RequestState, Scheduler
+from sparserl_mcore.rollout.request_state import CompressionListener, RequestState
+from sparserl_mcore.rollout.scheduler import Scheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
