@@ -67,15 +67,17 @@ class BatchForward:
         want_mass, want_queries = self.want_mass, self.want_queries
         # decode-only steps (most steps): the window rows are all rows, a slice of q, no gather
         window_rows = self._window_rows(n_dec, prefill_tokens) if want_queries and prefills else None
-        q_rows, masses = [], []
+        q_rows: list[torch.Tensor] = []
+        masses: list[list[torch.Tensor | None]] = []
         h = model.embed(ids_t)
         for layer in range(model.cfg.num_layers):
             q, k, v = model.qkv(layer, h, cos, sin)
             kf, vf = self.pool.k_flat(layer), self.pool.v_flat(layer)
             kf.index_copy_(0, write_t, k)
             vf.index_copy_(0, write_t, v)
-            outs, layer_mass = [], []
-            if decodes:
+            outs: list[torch.Tensor] = []
+            layer_mass: list[torch.Tensor | None] = []
+            if layout is not None:
                 out, mass = decode_attention(
                     q[:n_dec], self.pool.k_rows(layer), self.pool.v_rows(layer), layout, want_mass=want_mass
                 )
@@ -127,21 +129,21 @@ class BatchForward:
         decodes: list[RequestState],
         prefills: list[RequestState],
         q_rows: list[torch.Tensor],
-        masses: list[list[torch.Tensor]] | None,
+        masses: list[list[torch.Tensor | None]] | None,
     ) -> None:
         """Advance counters; record window queries and (h2o) attention mass, all requests at once."""
         dev, w, lanes = self.pool.k.device, self.kv_cfg.window, self.lanes
         # per layer, masses hold [decode mass [B, Hk, N]] (when decoding) + one [Hk, n] per prefill
         if masses and decodes:  # [L, B, Hk, N], slot order
             assert lanes is not None
-            lane_ids = long_tensor([r.lane for r in decodes], dev)
-            lanes.add_mass(lane_ids, torch.stack([m[0] for m in masses]))
+            lane_ids = long_tensor([_lane(r) for r in decodes], dev)
+            lanes.add_mass(lane_ids, torch.stack([_tensor(m[0]) for m in masses]))
         if q_rows:  # ring rows of the rows of _window_rows: 1 per decode, the last <= w of a prompt
             assert lanes is not None
-            rows = [lanes.ring_row(r.lane, r.q_seen) for r in decodes]
+            rows = [lanes.ring_row(_lane(r), r.q_seen) for r in decodes]
             for r in prefills:
                 seen, n_rows = r.q_seen, min(len(r.req.input_ids) - r.n_cached, w)
-                rows.extend(lanes.ring_row(r.lane, seen + j) for j in range(n_rows))
+                rows.extend(lanes.ring_row(_lane(r), seen + j) for j in range(n_rows))
             lanes.push_queries(long_tensor(rows, dev), torch.stack(q_rows))  # [L, rows, Hq, d]
         for i, r in enumerate(decodes + prefills):
             t = 1 if i < len(decodes) else len(r.req.input_ids) - r.n_cached
@@ -149,8 +151,18 @@ class BatchForward:
                 r.q_seen += 1 if i < len(decodes) else min(t, w)
             if masses is not None and i >= len(decodes):
                 assert lanes is not None and lanes.mass is not None
-                prefill_mass = torch.stack([m[i - len(decodes) + bool(decodes)] for m in masses])
-                lanes.mass[:, r.lane, :, : r.n_cached + t] += prefill_mass
+                prefill_mass = torch.stack([_tensor(m[i - len(decodes) + bool(decodes)]) for m in masses])
+                lanes.mass[:, _lane(r), :, : r.n_cached + t] += prefill_mass
             r.n_cached += t
             r.next_pos += t
             r.peak_retained = max(r.peak_retained, r.n_cached)
+
+
+def _lane(r: RequestState) -> int:
+    assert r.lane is not None, f"request {r.rid} runs without a compression lane"
+    return r.lane
+
+
+def _tensor(x: torch.Tensor | None) -> torch.Tensor:
+    assert x is not None, "attention mass was requested but not returned"
+    return x

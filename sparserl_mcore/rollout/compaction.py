@@ -129,5 +129,10 @@ class Compactor:
         if not based:
             return pos
         pos = pos.clone()
-        pos[based, :, :, : widths[based[0]]] = torch.stack([rs[b].kept_positions for b in based])
+        pos[based, :, :, : widths[based[0]]] = torch.stack([_kept(rs[b]) for b in based])
         return pos
+
+
+def _kept(r: RequestState) -> torch.Tensor:
+    assert r.kept_positions is not None
+    return r.kept_positions

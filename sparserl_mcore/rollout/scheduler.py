@@ -19,6 +19,7 @@ Memory rules (see docs/rollout.md, "Engine"):
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -30,9 +31,11 @@ from sparserl_mcore.rollout.batch_forward import BatchForward
 from sparserl_mcore.rollout.compaction import Compactor
 from sparserl_mcore.rollout.compression_lanes import CompressionLanes
 from sparserl_mcore.rollout.hf_model import CausalLM
+from sparserl_mcore.rollout.invariants import resource_problems
 from sparserl_mcore.rollout.kv_pool import KVPool, PoolExhaustedError
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
 from sparserl_mcore.rollout.protocol import FinishReason, KVStats, Sample
+from sparserl_mcore.rollout.quarantine import Quarantine
 from sparserl_mcore.rollout.radix_cache import RadixCache
 from sparserl_mcore.rollout.request_state import CompressionListener, RequestState
 from sparserl_mcore.rollout.sampler import sample
@@ -41,6 +44,9 @@ __all__ = ["CompressionListener", "RequestState", "Scheduler", "SchedulerStats"]
 
 StopTextFn = Callable[[list[int]], str]
 
+log = logging.getLogger(__name__)
+_logged_failures: set[str] = set()
+
 
 @dataclass
 class SchedulerStats:
@@ -48,6 +54,8 @@ class SchedulerStats:
     retractions: int = 0
     generated_tokens: int = 0
     prefill_tokens: int = 0
+    failed_steps: int = 0
+    failed_requests: int = 0
 
 
 class Scheduler:
@@ -97,6 +105,9 @@ class Scheduler:
             else None
         )
         self.weight_version = 0
+        self.consecutive_failures = 0  # failed (or stalled) steps since the last good one
+        self.last_failure: str | None = None
+        self._quarantine = Quarantine()
         self._order = 0
 
     @property
@@ -106,39 +117,128 @@ class Scheduler:
 
     @torch.inference_mode()
     def step(self) -> list[RequestState]:
-        """Advance every request by one token; returns the requests that finished.
+        """Advance every request by one token; returns the requests that finished or failed.
 
-        Runs under inference_mode (no autograd bookkeeping on any op); the per-request tensors it
-        creates (slot tables, query windows, kept positions) are only ever modified inside step()."""
-        finished = self._take_aborted()
-        decodes = self._reserve_decode_slots()
-        prefills = self._admit(finished)
-        if decodes or prefills:
-            self.stats.steps += 1
-            logits = self._forward(decodes, prefills)
-            batch = decodes + prefills
-            tokens, logprobs = sample(logits, [r.req.sampling for r in batch], [r.generator for r in batch])
-            for r in prefills:
-                self._cache_prompt(r)
-            for r, tok, lp in zip(batch, tokens, logprobs, strict=True):
-                reason = self._append(r, tok, lp)
-                if reason is not None:
-                    self._finish(r, reason)
-                    finished.append(r)
-            if self._compactor is not None:
-                self._compactor.compress_due(batch, self.running, self._alloc_for)
+        Never raises for a request's sake (only BaseExceptions such as KeyboardInterrupt pass): a
+        failure is contained (`_contain`), so no resource outlives its request and the other
+        requests carry on. Runs under inference_mode (no autograd bookkeeping on any op); the
+        per-request tensors it creates (slot tables, query windows, kept positions) are only ever
+        modified inside step()."""
+        finished: list[RequestState] = []
+        try:
+            progressed = self._step(finished)
+        except Exception as exc:
+            self._contain(exc, finished)
+            return finished
+        self.consecutive_failures = 0
+        if not progressed and not finished and self.waiting:
+            self._stalled(finished)
         return finished
 
-    # ---- admission and memory ------------------------------------------------------------------
-    def _take_aborted(self) -> list[RequestState]:
-        done = []
-        for r in [r for r in (*self.waiting, *self.running) if r.rid in self.aborted]:
-            if r in self.waiting:
-                self.waiting.remove(r)
+    def _step(self, finished: list[RequestState]) -> bool:
+        """admit, forward, sample, compress, retire; False when no forward ran."""
+        self._take_aborted(finished)
+        decodes = self._reserve_decode_slots()
+        prefills = self._admit(finished)
+        if not decodes and not prefills:
+            return False
+        self.stats.steps += 1
+        logits = self._forward(decodes, prefills)
+        batch = decodes + prefills
+        tokens, logprobs = sample(logits, [r.req.sampling for r in batch], [r.generator for r in batch])
+        for r in prefills:
+            self._cache_prompt(r)
+        for r, tok, lp in zip(batch, tokens, logprobs, strict=True):
+            reason = self._append(r, tok, lp)
+            if reason is not None:
+                self._finish(r, reason)
+                finished.append(r)
+        if self._compactor is not None:
+            self._compactor.compress_due(batch, self.running, self._alloc_for)
+        return True
+
+    # ---- failures --------------------------------------------------------------------------------
+    def _contain(self, exc: Exception, finished: list[RequestState]) -> None:
+        """A step raised outside admission. Every running request is retracted (all it holds is
+        released); a lone suspect is failed with the error, several are rerun in halves until the
+        failure has a single owner (quarantine.py). Nothing running: the waiting requests fail,
+        since retrying cannot help them and the driver must not spin."""
+        self.stats.failed_steps += 1
+        self.consecutive_failures += 1
+        self.last_failure = f"{type(exc).__name__}: {exc}"
+        involved = list(self.running)
+        _log_failure(exc, len(involved))
+        for r in involved:
+            self._retract(r)
+        culprit = self._quarantine.after_failure(involved)
+        victims = [culprit] if culprit is not None else [] if involved else list(self.waiting)
+        for r in victims:
+            self._fail(r, exc)
+            finished.append(r)
+
+    def _stalled(self, finished: list[RequestState]) -> None:
+        """Requests wait, nothing runs, nothing could be admitted: only a leak does that (a prompt
+        too large for an idle pool already fails alone). Fail them rather than spin."""
+        lanes = f", {self.lanes.num_free}/{self.lanes.num_lanes} lanes free" if self.lanes else ""
+        reason = (
+            f"engine cannot make progress: {len(self.waiting)} requests waiting, none admitted "
+            f"({self.pool.num_free}/{self.pool.num_pages} pages free{lanes})"
+        )
+        self.stats.failed_steps += 1
+        self.consecutive_failures += 1
+        self.last_failure = reason
+        for r in list(self.waiting):
+            self._fail(r, RuntimeError(reason))
+            finished.append(r)
+
+    def _fail(self, r: RequestState, exc: BaseException) -> None:
+        self.release(r)
+        r.error = exc
+        self.stats.failed_requests += 1
+
+    def release(self, r: RequestState) -> None:
+        """Drop everything `r` holds: its place in the queues, its page references, its lane.
+        Every exit path (finish, abort, retraction, failure) goes through here."""
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self._drop_pages(r)
+        if r.lane is not None:
+            assert self.lanes is not None
+            lane, r.lane = r.lane, None
+            self.lanes.release(lane)
+
+    def _drop_pages(self, r: RequestState) -> None:
+        pages, r.pages, r.slots = r.pages, [], None
+        if pages:
+            self.pool.decref(pages)
+
+    def resource_problems(self) -> list[str]:
+        """Violated resource invariants (rollout/invariants.py), one line each."""
+        return resource_problems(self.pool, self.radix, self.lanes, self.running, self.waiting)
+
+    # ---- pause modes -----------------------------------------------------------------------------
+    @torch.inference_mode()  # lanes and slot tables are inference tensors
+    def retract_all(self) -> None:
+        """Every running request back to the queue, its KV freed (pause mode "retract")."""
+        for r in sorted(self.running, key=lambda x: x.order, reverse=True):  # oldest ends up first
+            self._retract(r)
+
+    @torch.inference_mode()
+    def abort_all(self) -> list[RequestState]:
+        """Finish every queued and running request as "abort" (pause mode "abort")."""
+        everyone = [*self.running, *self.waiting]
+        for r in everyone:
             self._finish(r, "abort")
-            done.append(r)
+        return everyone
+
+    # ---- admission and memory ------------------------------------------------------------------
+    def _take_aborted(self, finished: list[RequestState]) -> None:
+        for r in [r for r in (*self.waiting, *self.running) if r.rid in self.aborted]:
+            self._finish(r, "abort")
+            finished.append(r)
         self.aborted.clear()
-        return done
 
     def _reserve_decode_slots(self) -> list[RequestState]:
         """Give each running request room for its next token (a new page when the last is full)."""
@@ -150,45 +250,71 @@ class Scheduler:
         return list(self.running)
 
     def _admit(self, finished: list[RequestState]) -> list[RequestState]:
-        """Start waiting requests while pages and limits allow; a prompt that cannot fit even in an
-        idle pool fails alone (appended to `finished` with its error)."""
+        """Start waiting requests while pages and limits allow. A request whose admission raises,
+        or whose prompt cannot fit even in an idle pool, fails alone (appended to `finished`)."""
         admitted: list[RequestState] = []
         budget = self.max_prefill_tokens
         for r in list(self.waiting):
             if len(self.running) >= self.max_running or (admitted and budget <= 0):
                 break
-            prompt, ps = r.req.input_ids, self.pool.page_size
-            limit = (len(prompt) - 1) // ps * ps  # at least one prompt token is always computed
-            shared = self.radix.match(prompt, limit) if self.radix is not None else []
-            if self.radix is not None and any(
-                _common_pages(prompt, a.req.input_ids, limit, ps) > len(shared) for a in admitted
-            ):
-                self.pool.decref(shared)  # wait one step: the other request's prefill will be cached
+            if not self._quarantine.admits(r):
                 continue
-            own = self._alloc(math.ceil(len(prompt) / ps) - len(shared), requester=None)
-            if own is None:
-                self.pool.decref(shared)
-                if self.running or admitted:
-                    break  # memory returns as running requests finish
-                r.error = PoolExhaustedError(
-                    f"a {len(prompt)}-token prompt needs more pages than the pool has "
-                    f"({self.pool.num_pages} of {ps} tokens); raise capacity_pages / capacity_bytes"
-                )
-                self.waiting.remove(r)
+            try:
+                verdict = self._admit_one(r, admitted)
+            except Exception as exc:
+                _log_failure(exc, 1)
+                verdict = exc
+            if verdict == "stop":
+                break
+            if isinstance(verdict, BaseException):
+                self._fail(r, verdict)
                 finished.append(r)
-                continue
-            self.waiting.remove(r)
-            self._start(r, shared, own)
-            admitted.append(r)
-            budget -= len(prompt) - r.n_cached
-            self.stats.prefill_tokens += len(prompt) - r.n_cached
+            elif verdict == "finished":
+                finished.append(r)
+            elif verdict == "admitted":
+                admitted.append(r)
+                budget -= len(r.req.input_ids) - r.n_cached
+                self.stats.prefill_tokens += len(r.req.input_ids) - r.n_cached
         return admitted
 
-    def _start(self, r: RequestState, shared: list[int], own: list[int]) -> None:
+    def _admit_one(self, r: RequestState, admitted: list[RequestState]) -> str | BaseException:
+        """ "admitted", "finished" (nothing to generate), "wait", "stop" (memory returns as running
+        requests finish) or the error it fails with. Pages are recorded on r as soon as they are
+        taken, so `release` returns them whatever happens next."""
+        if r.req.sampling.max_new_tokens == 0:
+            self._finish(r, "length")
+            return "finished"
+        if self.lanes is not None and self.lanes.num_free == 0:
+            return "stop"  # one lane per running request: none free only when one leaked (_stalled)
+        prompt, ps = r.req.input_ids, self.pool.page_size
+        limit = (len(prompt) - 1) // ps * ps  # at least one prompt token is always computed
+        r.pages = self.radix.match(prompt, limit) if self.radix is not None else []
+        if self.radix is not None and any(
+            _common_pages(prompt, a.req.input_ids, limit, ps) > len(r.pages) for a in admitted
+        ):
+            self._drop_pages(r)  # wait one step: the other request's prefill will be cached
+            return "wait"
+        own = self._alloc(math.ceil(len(prompt) / ps) - len(r.pages), requester=None)
+        if own is None:
+            shared = len(r.pages)
+            self._drop_pages(r)
+            if self.running or admitted:
+                return "stop"
+            return PoolExhaustedError(
+                f"a {len(prompt)}-token prompt needs more pages than the pool has "
+                f"({self.pool.num_pages} of {ps} tokens, {shared} shared); raise capacity_pages / "
+                "capacity_bytes"
+            )
+        self.waiting.remove(r)
+        self._start(r, own)
+        return "admitted"
+
+    def _start(self, r: RequestState, own: list[int]) -> None:
         self._order += 1
         r.order = self._order
-        r.set_pages(shared + own)
-        r.n_cached = r.next_pos = r.cached_prompt_tokens = len(shared) * self.pool.page_size
+        shared = len(r.pages)
+        r.set_pages(r.pages + own)
+        r.n_cached = r.next_pos = r.cached_prompt_tokens = shared * self.pool.page_size
         self.running.append(r)
         if r.req.sampling.seed is not None:
             r.generator.manual_seed(r.req.sampling.seed)
@@ -223,9 +349,7 @@ class Scheduler:
         return self._alloc(n, requester=requester)
 
     def _retract(self, r: RequestState) -> None:
-        self.running.remove(r)
-        self.pool.decref(r.pages)
-        self._release_lane(r)
+        self.release(r)
         r.reset()
         self.waiting.appendleft(r)
         self.stats.retractions += 1
@@ -250,11 +374,7 @@ class Scheduler:
         return "length" if len(r.output_ids) >= sp.max_new_tokens else None
 
     def _finish(self, r: RequestState, reason: FinishReason) -> None:
-        if r in self.running:
-            self.running.remove(r)
-            self.pool.decref(r.pages)
-        self._release_lane(r)
-        r.pages = []
+        self.release(r)
         r.result = Sample(
             rid=r.rid,
             prompt_ids=r.req.input_ids,
@@ -272,12 +392,6 @@ class Scheduler:
             cached_prompt_tokens=r.cached_prompt_tokens,
         )
 
-    def _release_lane(self, r: RequestState) -> None:
-        if r.lane is not None:
-            assert self.lanes is not None
-            self.lanes.release(r.lane)
-            r.lane = None
-
 
 def _common_pages(a: tuple[int, ...], b: tuple[int, ...], limit: int, page_size: int) -> int:
     """Whole pages of a[:limit] that b shares as a prefix."""
@@ -285,3 +399,17 @@ def _common_pages(a: tuple[int, ...], b: tuple[int, ...], limit: int, page_size:
     while n + page_size <= min(limit, len(b)) and a[n : n + page_size] == b[n : n + page_size]:
         n += page_size
     return n // page_size
+
+
+def _log_failure(exc: Exception, involved: int) -> None:
+    """One line per failure; the traceback only the first time an error message is seen, so a
+    failure repeated while its culprit is isolated does not flood the log."""
+    line = f"engine step failed with {involved} requests involved: {type(exc).__name__}: {exc}"
+    key = f"{type(exc).__name__}: {exc}"
+    if key in _logged_failures:
+        log.warning(line)
+    else:
+        if len(_logged_failures) > 256:
+            _logged_failures.clear()
+        _logged_failures.add(key)
+        log.warning(line, exc_info=exc)
