@@ -12,9 +12,13 @@ costs one restart of the batch. Greedy and seeded requests give the same output 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from sparserl_mcore.rollout.request_state import RequestState
+
+log = logging.getLogger("sparserl_mcore.rollout.scheduler")
+_logged_failures: set[str] = set()
 
 
 class Quarantine:
@@ -54,3 +58,17 @@ class Quarantine:
             self._probing = self._groups.popleft()
         if self._probing and all(r.done for r in self._probing):
             self._probing = []
+
+
+def log_step_failure(exc: Exception, involved: int) -> None:
+    """One line per failure; the traceback only the first time an error message is seen, so a
+    failure repeated while its culprit is isolated does not flood the log."""
+    line = f"engine step failed with {involved} requests involved: {type(exc).__name__}: {exc}"
+    key = f"{type(exc).__name__}: {exc}"
+    if key in _logged_failures:
+        log.warning(line)
+    else:
+        if len(_logged_failures) > 256:
+            _logged_failures.clear()
+        _logged_failures.add(key)
+        log.warning(line, exc_info=exc)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparserl_mcore.rollout.kv_pool import KVPool
-from sparserl_mcore.rollout.protocol import GenerateRequest, Sample
+from sparserl_mcore.rollout.protocol import FinishReason, GenerateRequest, KVStats, Sample
 
 # Called after each compression with (rid, original positions kept [layers, kv_heads, n_keep], the
 # position the next token will take). Tests rebuild the "retained positions only" recompute from it.
@@ -64,3 +64,22 @@ class RequestState:
         if self.slots is None:
             self.slots = pool.slot_table(self.pages)
         return self.slots
+
+    def sample(self, reason: FinishReason, *, weight_version: int, page_bytes: int) -> Sample:
+        """Its result as the engine returns it."""
+        return Sample(
+            rid=self.rid,
+            prompt_ids=self.req.input_ids,
+            output_ids=tuple(self.output_ids),
+            output_logprobs=tuple(self.logprobs),
+            finish_reason=reason,
+            kv_stats=KVStats(
+                peak_retained_tokens=self.peak_retained,
+                evictions=self.evictions,
+                compressions=self.compressions,
+                peak_pages=self.peak_pages,
+                peak_kv_bytes=self.peak_pages * page_bytes,
+            ),
+            weight_version=weight_version,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+        )

@@ -15,11 +15,15 @@ Memory rules (see docs/rollout.md, "Engine"):
   modified.
 - Out of pages: evict unreferenced radix leaves (LRU), then retract the youngest running request
   (its pages are freed and it restarts from its prompt later, with its seed re-applied).
+
+Every resource a request holds is recorded on its RequestState as soon as it is taken and dropped
+by `release`, which every exit path goes through (finish, abort, retraction, failure); the
+invariants of invariants.py check that. A step that raises fails only the request behind it
+(quarantine.py finds it); the others restart and complete.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -34,8 +38,8 @@ from sparserl_mcore.rollout.hf_model import CausalLM
 from sparserl_mcore.rollout.invariants import resource_problems
 from sparserl_mcore.rollout.kv_pool import KVPool, PoolExhaustedError
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
-from sparserl_mcore.rollout.protocol import FinishReason, KVStats, Sample
-from sparserl_mcore.rollout.quarantine import Quarantine
+from sparserl_mcore.rollout.protocol import FinishReason
+from sparserl_mcore.rollout.quarantine import Quarantine, log_step_failure
 from sparserl_mcore.rollout.radix_cache import RadixCache
 from sparserl_mcore.rollout.request_state import CompressionListener, RequestState
 from sparserl_mcore.rollout.sampler import sample
@@ -43,9 +47,6 @@ from sparserl_mcore.rollout.sampler import sample
 __all__ = ["CompressionListener", "RequestState", "Scheduler", "SchedulerStats"]
 
 StopTextFn = Callable[[list[int]], str]
-
-log = logging.getLogger(__name__)
-_logged_failures: set[str] = set()
 
 
 @dataclass
@@ -167,7 +168,7 @@ class Scheduler:
         self.consecutive_failures += 1
         self.last_failure = f"{type(exc).__name__}: {exc}"
         involved = list(self.running)
-        _log_failure(exc, len(involved))
+        log_step_failure(exc, len(involved))
         for r in involved:
             self._retract(r)
         culprit = self._quarantine.after_failure(involved)
@@ -262,7 +263,7 @@ class Scheduler:
             try:
                 verdict = self._admit_one(r, admitted)
             except Exception as exc:
-                _log_failure(exc, 1)
+                log_step_failure(exc, 1)
                 verdict = exc
             if verdict == "stop":
                 break
@@ -375,22 +376,7 @@ class Scheduler:
 
     def _finish(self, r: RequestState, reason: FinishReason) -> None:
         self.release(r)
-        r.result = Sample(
-            rid=r.rid,
-            prompt_ids=r.req.input_ids,
-            output_ids=tuple(r.output_ids),
-            output_logprobs=tuple(r.logprobs),
-            finish_reason=reason,
-            kv_stats=KVStats(
-                peak_retained_tokens=r.peak_retained,
-                evictions=r.evictions,
-                compressions=r.compressions,
-                peak_pages=r.peak_pages,
-                peak_kv_bytes=r.peak_pages * self.pool.page_bytes,
-            ),
-            weight_version=self.weight_version,
-            cached_prompt_tokens=r.cached_prompt_tokens,
-        )
+        r.result = r.sample(reason, weight_version=self.weight_version, page_bytes=self.pool.page_bytes)
 
 
 def _common_pages(a: tuple[int, ...], b: tuple[int, ...], limit: int, page_size: int) -> int:
@@ -399,17 +385,3 @@ def _common_pages(a: tuple[int, ...], b: tuple[int, ...], limit: int, page_size:
     while n + page_size <= min(limit, len(b)) and a[n : n + page_size] == b[n : n + page_size]:
         n += page_size
     return n // page_size
-
-
-def _log_failure(exc: Exception, involved: int) -> None:
-    """One line per failure; the traceback only the first time an error message is seen, so a
-    failure repeated while its culprit is isolated does not flood the log."""
-    line = f"engine step failed with {involved} requests involved: {type(exc).__name__}: {exc}"
-    key = f"{type(exc).__name__}: {exc}"
-    if key in _logged_failures:
-        log.warning(line)
-    else:
-        if len(_logged_failures) > 256:
-            _logged_failures.clear()
-        _logged_failures.add(key)
-        log.warning(line, exc_info=exc)
