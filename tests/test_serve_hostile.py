@@ -229,11 +229,14 @@ def test_invalid_requests_are_400_naming_the_field_and_never_reach_the_engine(pl
         raw = b'{"input_ids": [1], "sampling_params": {"temperature": Infinity}}'
         r = http.post(f"{url}/generate", content=raw)
         assert r.status_code == 400 and "temperature" in r.json()["error"], r.text
-        ok = http.post(f"{url}/generate", json=_body({"max_new_tokens": 4, "top_k": -1, "min_p": 0.1}))
+        r = http.post(f"{url}/generate", json=_body({"max_new_tokens": None}))
+        assert r.status_code == 400 and "max_new_tokens=None" in r.json()["error"]
+        nulls = {"top_k": None, "stop": None, "seed": None, "temperature": None}  # null: the default
+        ok = http.post(f"{url}/generate", json=_body({"max_new_tokens": 4, "min_p": 0.1, **nulls}))
         assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 4
     assert len(calls) == 1, "an invalid request reached the engine"
     rejected = [r for r in caplog.records if r.name == SERVER_LOG and "/generate -> 400" in r.getMessage()]
-    assert len(rejected) == len(BAD_REQUESTS) + 1
+    assert len(rejected) == len(BAD_REQUESTS) + 2
     assert all(r.exc_info is None for r in caplog.records), "a refusal logged a traceback"
     assert engine.stats()["failed_requests"] == 0
 

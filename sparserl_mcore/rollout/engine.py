@@ -211,10 +211,11 @@ class EmbeddedEngine:
             with self._cond:
                 if self._paused or all(s.done for s in mine):
                     return
-                self._take_inbox()
-            with self._step_lock:
-                if self._paused:  # a pause landed between the check above and the lock
-                    continue
+            with self._step_lock:  # lock order everywhere: _step_lock, then _cond
+                with self._cond:
+                    if self._paused:  # a pause landed between the check above and the lock
+                        continue
+                    self._take_inbox()
                 finished = self.scheduler.step()
                 self._after_step()
             if finished:
@@ -222,7 +223,7 @@ class EmbeddedEngine:
                     self._cond.notify_all()
 
     def _take_inbox(self) -> None:
-        """New requests and aborts into the scheduler (caller holds _cond and the step boundary)."""
+        """New requests and aborts into the scheduler (caller holds _step_lock and _cond)."""
         self.scheduler.waiting.extend(self._inbox)
         self._inbox.clear()
         self.scheduler.aborted |= self._aborts
@@ -368,7 +369,6 @@ class EmbeddedEngine:
             "radix_hit_rate": radix.hit_rate if radix is not None else 0.0,
             "radix_hit_tokens": radix.hit_tokens if radix is not None else 0,
             **asdict(self.scheduler.stats),
-            "health_problem": self.health_problem(),
         }
 
 

@@ -89,12 +89,14 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
-        """Build from a JSON object, rejecting unknown keys by name."""
+        """Build from a JSON object, rejecting unknown keys by name. null means the default, as
+        with SGLang, except for max_new_tokens (SGLang reads null there as "up to the context",
+        which this engine does not offer: refused rather than silently different)."""
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown sampling params {unknown}; known: {sorted(known)}")
-        return cls(**dict(data))
+        return cls(**{k: v for k, v in data.items() if v is not None or k == "max_new_tokens"})
 
 
 def _int(name: str, value: Any) -> int:
