@@ -311,8 +311,8 @@ def _shifted_weights(hf_dir: pathlib.Path, out: pathlib.Path) -> dict[str, torch
 
 
 def test_weight_update_is_bounded_with_a_long_request_in_flight(hf_dir, tmp_path):
-    """The update lands between steps (retract pause): it does not wait for the long request, and
-    that request restarts under the new weights, so its output is the new model's alone."""
+    """A flush and an update land between steps: neither waits for the long request. The update
+    retracts it, so it restarts under the new weights and its output is the new model's alone."""
     engine = _engine(hf_dir)
     new = tmp_path / "new.safetensors"
     _shifted_weights(hf_dir, new)
@@ -322,6 +322,8 @@ def test_weight_update_is_bounded_with_a_long_request_in_flight(hf_dir, tmp_path
     with BackgroundServer(app) as server:
         t = _post_in_background(server.url, long, out, "long")
         _wait_for(lambda: engine.stats()["generated_tokens"] > 20, "the long request to decode")
+        flushed = httpx.post(f"{server.url}/flush_cache", headers=AUTH, timeout=10)  # in place, at once
+        assert flushed.status_code == 200 and not engine.scheduler.idle
         start = time.monotonic()
         r = httpx.post(
             f"{server.url}/update_weights_from_disk",
