@@ -223,7 +223,7 @@ def test_stops_abort_and_pool_exhaustion(hf_model):
     with pytest.raises(ValueError, match="vocab_size"):
         engine.generate([GenerateRequest(input_ids=[VOCAB], sampling=GREEDY)])
     tiny = _engine(path, capacity_pages=2)
-    with pytest.raises(RuntimeError, match="raise capacity"):
+    with pytest.raises(ValueError, match="more than the whole KV pool"):  # refused before it runs
         tiny.generate([GenerateRequest(input_ids=list(range(20)), sampling=GREEDY)])
     assert tiny.pool.num_free == 2  # the oversized prompt failed alone; the engine still serves
     fits = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)

@@ -62,8 +62,10 @@ def test_update_in_place_and_bad_weights(tmp_path):
     live = model.params["model.norm.weight"]
     model.update({"model.norm.weight": torch.full_like(live, 2.0)})
     assert model.params["model.norm.weight"] is live and bool((live == 2.0).all())
-    with pytest.raises(KeyError, match="not a parameter"):
+    with pytest.raises(ValueError, match="not a parameter"):
         model.update({"model.nope": live})
+    with pytest.raises(ValueError, match="floating-point"):
+        model.update({"model.norm.weight": torch.ones_like(live, dtype=torch.int32)})
     with pytest.raises(ValueError, match="shape"):
         model.update({"model.norm.weight": torch.zeros(3)})
     params = dict(model.params)

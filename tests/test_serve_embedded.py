@@ -4,6 +4,7 @@ weight update -> continue). References: HF transformers greedy decoding on the s
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import queue
@@ -38,7 +39,10 @@ BUDGET = 32
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> pathlib.Path:
-    return make_tiny(TinyModelConfig(dtype="bfloat16", seed=5), tmp_path_factory.mktemp("m") / "tiny")
+    path = make_tiny(TinyModelConfig(dtype="bfloat16", seed=5), tmp_path_factory.mktemp("m") / "tiny")
+    config = json.loads((path / "config.json").read_text())  # room for the 20000-token requests below
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    return path
 
 
 def _weights(hf_dir: pathlib.Path) -> dict[str, torch.Tensor]:

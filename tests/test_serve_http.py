@@ -45,8 +45,12 @@ class HFReferenceEngine:
         self.version = 0
         self.aborted: set[str] = set()
         self.flushes = 0
+        self.pauses: list[str] = []
         self._running = threading.Event()
         self._running.set()
+        self._step = threading.Lock()  # held while a token is computed: pause() waits for it
+        self._inflight: set[str] = set()
+        self._epoch = 0  # bumped by a "retract" pause: requests restart from their prompts
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
         return [self._one(r) for r in requests]
@@ -55,20 +59,29 @@ class HFReferenceEngine:
     def _one(self, req: GenerateRequest) -> Sample:
         sp, ids, logps = req.sampling, list(req.input_ids), []
         gen = torch.Generator().manual_seed(sp.seed or 0)
-        reason = "length"
-        for _ in range(sp.max_new_tokens):
+        reason, epoch = "length", self._epoch
+        self._inflight.add(req.rid)
+        while len(ids) - len(req.input_ids) < sp.max_new_tokens:
             self._running.wait()
-            if req.rid in self.aborted:
-                reason = "abort"
-                break
-            logits = self.model(torch.tensor([ids])).logits[0, -1]
-            logp = torch.log_softmax(logits / (sp.temperature or 1.0), dim=-1)
-            tok = int(logp.argmax()) if sp.greedy else int(torch.multinomial(logp.exp(), 1, generator=gen))
-            ids.append(tok)
-            logps.append(float(logp[tok]))
-            if tok in sp.stop_token_ids:
-                reason = "stop"
-                break
+            with self._step:
+                if epoch != self._epoch:  # retracted: start over
+                    ids, logps, epoch = list(req.input_ids), [], self._epoch
+                    gen.manual_seed(sp.seed or 0)
+                if req.rid in self.aborted:
+                    reason = "abort"
+                    break
+                logits = self.model(torch.tensor([ids])).logits[0, -1]
+                logp = torch.log_softmax(logits / (sp.temperature or 1.0), dim=-1)
+                if sp.greedy:
+                    tok = int(logp.argmax())
+                else:
+                    tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                ids.append(tok)
+                logps.append(float(logp[tok]))
+                if tok in sp.stop_token_ids:
+                    reason = "stop"
+                    break
+        self._inflight.discard(req.rid)
         n = len(req.input_ids)
         return Sample(
             rid=req.rid,
@@ -98,8 +111,14 @@ class HFReferenceEngine:
     def flush_cache(self) -> None:
         self.flushes += 1
 
-    def pause(self) -> None:
+    def pause(self, mode: str = "in_place") -> None:
+        self.pauses.append(mode)
         self._running.clear()
+        with self._step:  # no token is being computed once this returns
+            if mode == "abort":
+                self.aborted |= self._inflight
+            elif mode == "retract":
+                self._epoch += 1
 
     def resume(self) -> None:
         self._running.set()
@@ -293,7 +312,7 @@ def test_disk_update_route(served, hf_dir):
         json={"model_path": "/nonexistent", "weight_version": 4},
         headers=auth,
     )
-    assert r.status_code == 400 and "no .safetensors" in r.json()["error"]
+    assert r.status_code == 400 and "no such file" in r.json()["error"]
     assert engine.version == 3
 
 

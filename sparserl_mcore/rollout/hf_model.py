@@ -53,6 +53,7 @@ class ModelConfig:
     rope_scaling: Mapping[str, Any] | None
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    context_length: int | None = None  # max_position_embeddings; None when config.json has none
 
     def __post_init__(self) -> None:
         if self.model_type not in ARCHITECTURES:
@@ -97,6 +98,7 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
+            context_length=int(hf["max_position_embeddings"]) if hf.get("max_position_embeddings") else None,
         )
 
 
@@ -279,10 +281,13 @@ class CausalLM:
         return packed
 
     def update(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors into the live parameters in place; all checked before any is written."""
+        """Copy HF-named tensors into the live parameters in place (floating dtypes are cast to the
+        model's); all are checked before any is written: ValueError names the first bad one."""
         for name, tensor in state_dict.items():
             if name not in self.params:
-                raise KeyError(f"{name!r} is not a parameter of this {self.cfg.model_type} model")
+                raise ValueError(f"{name!r} is not a parameter of this {self.cfg.model_type} model")
+            if not tensor.is_floating_point():
+                raise ValueError(f"{name}: dtype {tensor.dtype}, expected a floating-point tensor")
             if tuple(tensor.shape) != tuple(self.params[name].shape):
                 raise ValueError(
                     f"{name}: shape {tuple(tensor.shape)}, expected {tuple(self.params[name].shape)}"
