@@ -34,6 +34,8 @@ from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
 from sparserl_mcore.rollout.protocol import GenerateRequest, RequestsFailed, Sample, SamplingParams
 from sparserl_mcore.rollout.server import BackgroundServer, ServerConfig, create_app
+from sparserl_mcore.sync.codec import encode_patch
+from sparserl_mcore.sync.diff import make_patch
 
 TOKEN = "hostile-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -428,7 +430,7 @@ def test_weight_routes_refuse_bad_updates_in_one_line(hf_dir, tmp_path):
         ({"model_path": str(hf_dir), "weight_version": True}, 400, "weight_version"),
         ({"model_path": str(hf_dir), "weight_version": 3}, 200, ""),
         ({"model_path": str(hf_dir), "weight_version": 3}, 200, ""),  # equal: the next bucket
-        ({"model_path": str(hf_dir), "weight_version": 2}, 409, "older than the served version 3"),
+        ({"model_path": str(hf_dir), "weight_version": 2}, 200, ""),  # full updates are authoritative
     ]
     app = create_app(engine, ServerConfig(token=TOKEN))
     prompt = GenerateRequest(input_ids=(5, 6, 7), sampling=_greedy(8))
@@ -444,8 +446,14 @@ def test_weight_routes_refuse_bad_updates_in_one_line(hf_dir, tmp_path):
             headers={"Content-Type": "application/octet-stream"},
         )
         assert r.status_code == 400 and "shape" in r.json()["error"]
+        wire = {k: v.to(torch.bfloat16) for k, v in state.items()}
+        stale = encode_patch(make_patch(wire, wire, version=8, base_version=7, anchor_version=0))
+        r = http.post(
+            "/update_weights_from_patch", content=stale, headers={"Content-Type": "application/octet-stream"}
+        )
+        assert r.status_code == 409 and "based on version 7" in r.json()["error"], r.text
     assert engine.generate([prompt])[0].output_ids == before  # nothing half-applied
-    assert engine.model_info()["weight_version"] == 3
+    assert engine.model_info()["weight_version"] == 2
 
 
 # ---- the bounded load test ------------------------------------------------------------------------

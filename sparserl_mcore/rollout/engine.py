@@ -289,12 +289,6 @@ class EmbeddedEngine:
     # ---- weights and cache ---------------------------------------------------------------------
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         with self._step_lock:
-            if version < self.scheduler.weight_version:
-                raise WeightVersionConflict(
-                    f"weight_version={version} is older than the served version "
-                    f"{self.scheduler.weight_version}: another trainer is updating this server, or "
-                    "restart it for a new run"
-                )
             self.model.update(state_dict)
             self._receiver = None  # its digests describe the old weights
             self._set_version(version)
@@ -308,7 +302,10 @@ class EmbeddedEngine:
                 version = self.scheduler.weight_version
                 self._receiver = sync_apply.HFReceiver(self._wire_state(), version=version)
             before = dict(self._receiver.digests)
-            result = self._receiver.apply(patch_bytes)
+            try:
+                result = self._receiver.apply(patch_bytes)
+            except sync_apply.PatchVersionError as exc:
+                raise WeightVersionConflict(str(exc)) from None
             changed = {n: t for n, t in self._receiver.state.items() if result.digests[n] != before[n]}
             if self._receiver.state is not self.model.params:
                 self.model.update(changed)

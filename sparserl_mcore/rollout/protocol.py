@@ -244,7 +244,9 @@ class RequestsFailed(RuntimeError):
 
 
 class WeightVersionConflict(ValueError):
-    """A weight update is older than the version served (HTTP 409): two writers, or a stale one."""
+    """A sparse patch made against another base version than the one served (HTTP 409): a missed or
+    repeated sync, or two writers. The sender falls back to a full update, which is authoritative
+    and may set any version (a resumed or new run restarts from its own step)."""
 
 
 @runtime_checkable
