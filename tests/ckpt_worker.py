@@ -1,10 +1,10 @@
-"""Multi-rank half of tests/test_ckpt_convert.py, run once under torchrun with 2 ranks.
+"""Multi-rank half of tests/test_ckpt_convert.py (2 ranks) and tests/test_uneven_pipeline.py.
 
 Reads WORK/plan.json and, re-initialising the parallel runtime for each layout (the runtime keys
 each initialisation apart in torchrun's store, so no per-round rendezvous is needed here):
 - "roundtrips": HF -> dist checkpoint at (tp, pp) -> HF at (tp2, pp2), files left for the test
   process to compare bit for bit with the source;
-- "reshard": load HF at TP=1, keep logits, save a dist checkpoint; load that at TP=2 and at PP=2
+- "reshard" (optional): load HF at TP=1, keep logits, save a dist checkpoint; load that at TP=2 and at PP=2
   and save their logits (WORK/logits_*.pt) for the test process to compare.
 """
 
@@ -93,7 +93,8 @@ def main(work: pathlib.Path) -> int:
     plan = json.loads((work / "plan.json").read_text())
     for case in plan["roundtrips"]:
         roundtrip(case)
-    reshard(plan["reshard_hf"], work)
+    if "reshard_hf" in plan:
+        reshard(plan["reshard_hf"], work)
     return 0
 
 

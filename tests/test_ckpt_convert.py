@@ -30,6 +30,9 @@ ROUNDTRIPS = {
     "qwen3_tied_bf16": (TinyModelConfig(arch="qwen3", tie_embeddings=True, dtype="bfloat16"), (1, 2), (1, 2)),
     "llama": (TinyModelConfig(arch="llama", vocab=200), (1, 2), (2, 1)),
     "llama_tied": (TinyModelConfig(arch="llama", tie_embeddings=True), (2, 1), (1, 2)),
+    # 5 layers on PP=2: uneven stages (3, 2) both ways, tied (the last stage's copy); PP=3 is in
+    # tests/test_uneven_pipeline.py
+    "qwen2_5layers_tied": (TinyModelConfig(arch="qwen2", layers=5, tie_embeddings=True), (1, 2), (1, 2)),
 }
 
 
