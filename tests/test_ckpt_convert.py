@@ -75,6 +75,7 @@ def converted(tmp_path_factory) -> pathlib.Path:
             }
         )
     plan["reshard_hf"] = str(work / "qwen2")
+    plan["save_hf"] = {"hf": str(work / "qwen3_tied_bf16"), "out": str(work / "exports" / "qwen3_tied_bf16")}
     (work / "plan.json").write_text(json.dumps(plan))
     launch_local([str(ROOT / "tests" / "ckpt_worker.py"), str(work)], 2, timeout=400)
     return work
@@ -85,6 +86,14 @@ def test_roundtrip_is_bit_exact(converted, name):
     out = converted / f"{name}_out"
     assert len(list(out.glob("*.safetensors"))) > 1
     assert_bit_exact(converted / name, out)
+
+
+def test_save_hf_from_the_ranks_is_atomic_bit_exact_and_keeps_the_dtype(converted):
+    """The trainer's export: DP=2 (one writer per stage), bf16 kept, a repeat replaces the first."""
+    out = converted / "exports" / "qwen3_tied_bf16"
+    assert_bit_exact(converted / "qwen3_tied_bf16", out)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["qwen3_tied_bf16"]  # no temp dirs left
 
 
 def test_dist_checkpoint_reshards_with_same_logits(converted):
