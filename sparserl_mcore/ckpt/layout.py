@@ -107,7 +107,7 @@ class ModelLayout:
         self.padded_vocab_size = padded_vocab_size
         self.fused_norms = fused_norms
         self.stage_layers = _check_stages(hf, pp_size, stage_layers)
-        self.hf_shapes: dict[str, tuple[int, ...]] = _hf_shapes(hf)
+        self.hf_shapes: dict[str, tuple[int, ...]] = hf.tensor_shapes()
         self._tables: dict[tuple[ParamMap, str | None, str], dict] = {}
 
     def __repr__(self) -> str:
@@ -377,34 +377,6 @@ def layout_for(spec: ModelSpec) -> ModelLayout:
 
 def _replicated(name: str, hf_name: str, size: int, tp_rank: int) -> ParamMap:
     return ParamMap(name, (size,), (Segment(hf_name, 0, size, 0),), emit=tp_rank == 0)
-
-
-def _hf_shapes(hf: HFModelConfig) -> dict[str, tuple[int, ...]]:
-    h, d, f = hf.hidden_size, hf.head_dim, hf.ffn_hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (hf.vocab_size, h)}
-    for i in range(hf.num_layers):
-        a = f"model.layers.{i}."
-        shapes[a + "input_layernorm.weight"] = (h,)
-        for proj, rows in (
-            ("q_proj", hf.num_heads * d),
-            ("k_proj", hf.num_kv_heads * d),
-            ("v_proj", hf.num_kv_heads * d),
-        ):
-            shapes[f"{a}self_attn.{proj}.weight"] = (rows, h)
-            if hf.qkv_bias:
-                shapes[f"{a}self_attn.{proj}.bias"] = (rows,)
-        if hf.qk_norm:
-            shapes[a + "self_attn.q_norm.weight"] = (d,)
-            shapes[a + "self_attn.k_norm.weight"] = (d,)
-        shapes[a + "self_attn.o_proj.weight"] = (h, hf.num_heads * d)
-        shapes[a + "post_attention_layernorm.weight"] = (h,)
-        shapes[a + "mlp.gate_proj.weight"] = (f, h)
-        shapes[a + "mlp.up_proj.weight"] = (f, h)
-        shapes[a + "mlp.down_proj.weight"] = (h, f)
-    shapes["model.norm.weight"] = (h,)
-    if not hf.tie_embeddings:
-        shapes["lm_head.weight"] = (hf.vocab_size, h)
-    return shapes
 
 
 def _segment_table(segs: tuple[Segment, ...], hf_shapes: dict[str, tuple[int, ...]], key: str) -> dict:

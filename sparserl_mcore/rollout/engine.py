@@ -261,7 +261,7 @@ class EmbeddedEngine:
             "model_path": self.hf_dir,
             "tokenizer_path": self.hf_dir if self.tokenizer is not None else None,
             "is_generation": True,
-            "architecture": mc.model_type,
+            "architecture": mc.arch,
             "vocab_size": mc.vocab_size,
             "num_layers": mc.num_layers,
             "eos_token_ids": list(mc.eos_token_ids),
