@@ -1,4 +1,5 @@
-"""Assemble a `Trainer` from a `RunConfig`: the learner on every rank, engines on the host rank.
+"""Build the parts a `loop.Trainer` drives from a `RunConfig`: the learner on every rank, engines
+on the host rank.
 
 Config translation lives here (the run schema -> each component's own small config), so the
 components never see the run schema.
@@ -25,7 +26,6 @@ from sparserl_mcore.trainer import learner as learner_lib
 from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
 from sparserl_mcore.trainer.evaluate import Evaluator
 from sparserl_mcore.trainer.learner import unwrap_model
-from sparserl_mcore.trainer.loop import Trainer
 from sparserl_mcore.trainer.prompts import PromptData
 from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt
 from sparserl_mcore.trainer.weight_sync import WeightSyncer
@@ -132,7 +132,7 @@ def kv_bytes_per_token(spec: Any, runtime: Any) -> int:
     return 2 * spec.hf.num_layers * spec.hf.num_kv_heads * spec.hf.head_dim * element
 
 
-def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
+def build_parts(cfg: RunConfig, runtime: Any) -> Parts:
     host = runtime.rank == HOST_RANK
     log = MetricsLogger(cfg.telemetry, enabled=host, run_config=to_dict(cfg), device_index=runtime.local_rank)
     pool_cfg = PoolConfig(
@@ -161,7 +161,7 @@ def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
     evaluator = Evaluator(
         cfg.eval, data.eval_prompts(cfg.eval.num_prompts), reward_fn, cfg.rollout, seed=cfg.train.seed
     )
-    parts = Parts(
+    return Parts(
         learner=learner,
         ref=build_reference(cfg, runtime),
         pool=pool,
@@ -173,4 +173,3 @@ def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
         telemetry=log,
         kv_bytes_per_token=kv_bytes_per_token(learner.spec, runtime),
     )
-    return Trainer(cfg, runtime, parts)
