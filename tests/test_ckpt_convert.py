@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from sparserl_mcore.ckpt import cli as convert_cli
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.parallel.launch import launch_local
-from tools import convert as convert_cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # name -> (tiny config, (tp, pp) of hf-to-mcore, (tp, pp) of mcore-to-hf): every arch tied and

@@ -19,7 +19,7 @@ import parity_worker
 
 
 def main(work: pathlib.Path, hf_dirs: list[str]) -> int:
-    from launchers import verify
+    from sparserl_mcore.launch import verify
 
     found = {"parity": parity_worker.run_layout(1, 3, hf_dirs), "verify": {}}
     for hf in hf_dirs:

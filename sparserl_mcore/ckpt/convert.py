@@ -1,6 +1,6 @@
 """The conversions as collective functions over an initialised runtime (one shard per rank).
 
-`launchers.convert` (torchrun / srun entry) and the tests call `hf_to_mcore` / `mcore_to_hf`.
+`sparserl_mcore.launch.convert` (torchrun / srun entry) and the tests call `hf_to_mcore` / `mcore_to_hf`.
 `export_hf` is THE way a megatron model becomes an HF checkpoint (mcore_to_hf and the trainer both
 use it): data-parallel rank 0 of each stage writes the weights, global rank 0 the index and
 config, in the model's own dtype unless told otherwise (config.json says which). It writes into an
