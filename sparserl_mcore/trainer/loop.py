@@ -123,6 +123,7 @@ class Trainer:
                 sampling=cfg.rollout.sampling,
                 run_seed=cfg.train.seed,
                 reward_fn=p.reward_fn,
+                group=self.runtime.learner_group,
             )
         batch = build_batch(
             samples,

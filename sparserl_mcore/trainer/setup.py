@@ -159,7 +159,12 @@ def build_parts(cfg: RunConfig, runtime: Any) -> Parts:
         log.event,
     )
     evaluator = Evaluator(
-        cfg.eval, data.eval_prompts(cfg.eval.num_prompts), reward_fn, cfg.rollout, seed=cfg.train.seed
+        cfg.eval,
+        data.eval_prompts(cfg.eval.num_prompts),
+        reward_fn,
+        cfg.rollout,
+        seed=cfg.train.seed,
+        group=runtime.learner_group,
     )
     return Parts(
         learner=learner,
