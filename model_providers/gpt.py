@@ -109,9 +109,10 @@ def build_spec(
     """
     hf = parse_hf_config(hf_config)
     parallel.validate_model(num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads)
-    dtype = _DTYPES.get(params_dtype, params_dtype) if isinstance(params_dtype, str) else params_dtype
+    dtype = _DTYPES.get(params_dtype) if isinstance(params_dtype, str) else params_dtype
     if dtype not in _DTYPES.values():
         raise ValueError(f"params_dtype={params_dtype!r}; choose one of {sorted(_DTYPES)}")
+    assert dtype is not None  # for the type checker: one of _DTYPES' values
     cpu = (not torch.cuda.is_available()) if cpu is None else cpu
     impl = transformer_impl or ("transformer_engine" if not cpu and te_available() else "local")
     if impl not in TRANSFORMER_IMPLS:

@@ -127,7 +127,7 @@ def save_hf(
 
     writer = atomic_output_dir(out, overwrite=True) if rt.rank == 0 else contextlib.nullcontext()
     with writer as tmp:
-        box = [str(tmp) if rt.rank == 0 else None]
+        box = [str(tmp) if rt.rank == 0 else ""]
         dist.broadcast_object_list(box, src=0)
         export_hf(
             model, spec, rt, box[0], hf_config_dir=hf_config_dir, dtype=dtype, max_shard_bytes=max_shard_bytes

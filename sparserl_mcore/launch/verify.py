@@ -66,7 +66,7 @@ def hf_reference_logits(hf_dir: str, tokens):
         return model(input_ids=tokens).logits.float()
 
 
-def compare(got, want, lengths) -> dict[str, float]:
+def compare(got, want, lengths) -> dict[str, object]:
     """Max absolute difference over real-token positions, and that relative to max |want|."""
     import torch
 
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             model, tokens_on_device, micro_batch_size=1, vocab_size=spec.vocab_size, groups=rt.groups
         )
         if rt.is_last_stage and rt.tp_rank == 0 and rt.dp_rank == 0:
-            result = compare(got.cpu(), hf_reference_logits(args.hf_dir, tokens), lengths)
+            assert got is not None, "the last stage holds the logits"
+            result: dict[str, object] = compare(got.cpu(), hf_reference_logits(args.hf_dir, tokens), lengths)
             result.update(arch=spec.arch, tp=args.tp, pp=args.pp, prompts=len(PROMPTS))
             pathlib.Path(args.result).write_text(json.dumps(result) + "\n")
     finally:

@@ -155,6 +155,8 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
 
 
 def _describe(launch: _LaunchEnv, device: torch.device, cfg: ParallelConfig) -> Runtime:
+    world = dist.group.WORLD
+    assert world is not None, "torch.distributed is initialised before the runtime is described"
     return Runtime(
         rank=launch.rank,
         world_size=launch.world_size,
@@ -171,7 +173,7 @@ def _describe(launch: _LaunchEnv, device: torch.device, cfg: ParallelConfig) -> 
         cp_rank=parallel_state.get_context_parallel_rank(),
         cp_size=cfg.context_parallel_size,
         groups=ProcessGroupCollection.use_mpu_process_groups(),
-        learner_group=dist.group.WORLD,
+        learner_group=world,
     )
 
 
