@@ -41,10 +41,7 @@ class ModelSpec:
     padded_vocab_size: int
     tie_embeddings: bool
     max_sequence_length: int
-
-    @property
-    def layers_per_stage(self) -> int:
-        return self.hf.num_layers // self.parallel.pipeline_model_parallel_size
+    stage_layers: tuple[int, ...]  # decoder layers per pipeline stage (`ParallelConfig.stage_layers`)
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
@@ -58,6 +55,8 @@ def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int
 def _transformer_config(
     hf: HFModelConfig, parallel: ParallelConfig, dtype: torch.dtype, cpu: bool
 ) -> TransformerConfig:
+    stages = parallel.stage_layers(hf.num_layers)
+    uneven = len(set(stages)) > 1  # megatron's own default is equal stages
     return TransformerConfig(
         num_layers=hf.num_layers,
         hidden_size=hf.hidden_size,
@@ -77,6 +76,8 @@ def _transformer_config(
         init_method_std=hf.initializer_range,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=stages[0] if uneven else None,
+        num_layers_in_last_pipeline_stage=stages[-1] if uneven else None,
         context_parallel_size=parallel.context_parallel_size,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -108,9 +109,10 @@ def build_spec(
     """
     hf = parse_hf_config(hf_config)
     parallel.validate_model(num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads)
-    dtype = _DTYPES.get(params_dtype, params_dtype) if isinstance(params_dtype, str) else params_dtype
+    dtype = _DTYPES.get(params_dtype) if isinstance(params_dtype, str) else params_dtype
     if dtype not in _DTYPES.values():
         raise ValueError(f"params_dtype={params_dtype!r}; choose one of {sorted(_DTYPES)}")
+    assert dtype is not None  # for the type checker: one of _DTYPES' values
     cpu = (not torch.cuda.is_available()) if cpu is None else cpu
     impl = transformer_impl or ("transformer_engine" if not cpu and te_available() else "local")
     if impl not in TRANSFORMER_IMPLS:
@@ -134,6 +136,7 @@ def build_spec(
         ),
         tie_embeddings=hf.tie_embeddings,
         max_sequence_length=hf.max_position_embeddings,
+        stage_layers=parallel.stage_layers(hf.num_layers),
     )
 
 

@@ -13,8 +13,11 @@ import sys
 
 # name -> (module, one-line help). Exhaustive: a new command is added here.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "model": ("tools.model", "make tiny random-weight HF checkpoints (tests, demos)"),
-    "convert": ("tools.convert", "HF safetensors <-> Megatron dist checkpoints, and logit parity checks"),
+    "model": ("sparserl_mcore.ckpt.model_cli", "make tiny random-weight HF checkpoints (tests, demos)"),
+    "convert": (
+        "sparserl_mcore.ckpt.cli",
+        "HF safetensors <-> Megatron dist checkpoints, and logit parity checks",
+    ),
     "sync": ("sparserl_mcore.sync.cli", "sparse BF16 weight patches: diff, apply, inspect, bench"),
     "serve": (
         "sparserl_mcore.rollout.cli",

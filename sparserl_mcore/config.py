@@ -437,13 +437,12 @@ class SyncConfig:
     """Sparse BF16 weight sync from the learner to every rollout engine.
 
     codec: the sync engineer's patch encoding (value encoding, zstd level); every: steps between
-    syncs; transport: how patches travel, "inproc" to the embedded engine or "http" to remote
-    servers (the shared-filesystem transport of sparserl_mcore.sync is not wired into the loop).
+    syncs. How patches travel follows rollout.engine: in process to the embedded engine, over the
+    weight route to remote servers.
     """
 
     codec: CodecConfig = dataclasses.field(default_factory=CodecConfig)
     every: int = 1
-    transport: Literal["inproc", "http"] = "inproc"
 
     def __post_init__(self) -> None:
         _positive(self, "every")
@@ -475,12 +474,11 @@ class RunConfig:
                 f"{self.rollout.group_size} = {rollout_seqs} sequences per step is not a multiple of "
                 f"train.global_batch_size={self.train.global_batch_size}"
             )
-        if self.rollout.engine == "remote" and self.sync.transport == "inproc":
+        if self.rollout.sampling.seed is not None:
             raise ValueError(
-                "rollout.engine='remote' cannot use sync.transport='inproc'; set sync.transport=http"
+                f"rollout.sampling.seed={self.rollout.sampling.seed}: training seeds every request "
+                "from train.seed (so a resumed run draws the same samples); leave it null"
             )
-        if self.rollout.engine == "embedded" and self.sync.transport == "http":
-            raise ValueError("rollout.engine='embedded' syncs in process; set sync.transport=inproc")
 
 
 def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunConfig:

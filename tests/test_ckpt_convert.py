@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from sparserl_mcore.ckpt import cli as convert_cli
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.parallel.launch import launch_local
-from tools import convert as convert_cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # name -> (tiny config, (tp, pp) of hf-to-mcore, (tp, pp) of mcore-to-hf): every arch tied and
@@ -30,6 +30,9 @@ ROUNDTRIPS = {
     "qwen3_tied_bf16": (TinyModelConfig(arch="qwen3", tie_embeddings=True, dtype="bfloat16"), (1, 2), (1, 2)),
     "llama": (TinyModelConfig(arch="llama", vocab=200), (1, 2), (2, 1)),
     "llama_tied": (TinyModelConfig(arch="llama", tie_embeddings=True), (2, 1), (1, 2)),
+    # 5 layers on PP=2: uneven stages (3, 2) both ways, tied (the last stage's copy); PP=3 is in
+    # tests/test_uneven_pipeline.py
+    "qwen2_5layers_tied": (TinyModelConfig(arch="qwen2", layers=5, tie_embeddings=True), (1, 2), (1, 2)),
 }
 
 
@@ -72,6 +75,7 @@ def converted(tmp_path_factory) -> pathlib.Path:
             }
         )
     plan["reshard_hf"] = str(work / "qwen2")
+    plan["save_hf"] = {"hf": str(work / "qwen3_tied_bf16"), "out": str(work / "exports" / "qwen3_tied_bf16")}
     (work / "plan.json").write_text(json.dumps(plan))
     launch_local([str(ROOT / "tests" / "ckpt_worker.py"), str(work)], 2, timeout=400)
     return work
@@ -82,6 +86,14 @@ def test_roundtrip_is_bit_exact(converted, name):
     out = converted / f"{name}_out"
     assert len(list(out.glob("*.safetensors"))) > 1
     assert_bit_exact(converted / name, out)
+
+
+def test_save_hf_from_the_ranks_is_atomic_bit_exact_and_keeps_the_dtype(converted):
+    """The trainer's export: DP=2 (one writer per stage), bf16 kept, a repeat replaces the first."""
+    out = converted / "exports" / "qwen3_tied_bf16"
+    assert_bit_exact(converted / "qwen3_tied_bf16", out)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["qwen3_tied_bf16"]  # no temp dirs left
 
 
 def test_dist_checkpoint_reshards_with_same_logits(converted):

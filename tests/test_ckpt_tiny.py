@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
+from sparserl_mcore.ckpt import model_cli
 from sparserl_mcore.ckpt.atomic import atomic_output_dir
 from sparserl_mcore.ckpt.tiny import TOKENIZER_SIZE, TinyModelConfig, make_tiny
-from tools import model as model_cli
 
 TEXT = "Q: 12+(34*5)=?\nA: 182. Hello, World! x_y/z-1 [a] {b} <c> ~`'\"#$%&;:|\\^@\t end"
 

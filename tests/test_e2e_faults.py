@@ -73,7 +73,6 @@ def test_dead_engines_fail_over_then_checkpoint_and_stop(tmp_path):
             "faults",
             parallel={"tensor_model_parallel_size": 1},
             rollout={"engine": "remote", "urls": urls, "request_timeout_s": 60.0, "max_retries": 2},
-            sync={"transport": "http"},
             eval={"dense": False, "compressed": False, "at_start": False},
             train={"steps": 6},
         )

@@ -1,6 +1,7 @@
 """Megatron (model_providers + parallel runtime) vs HF transformers logits, fp32, real megatron-core
 over gloo: qwen2, qwen3 (head_dim != hidden/heads), llama (llama3 RoPE scaling), tied and untied,
-at (TP, PP) = (1, 1), (2, 1), (1, 2). One 2-rank torchrun run covers every layout and checkpoint.
+and a 5-layer llama whose PP=2 stages are uneven (3, 2), at (TP, PP) = (1, 1), (2, 1), (1, 2).
+One 2-rank torchrun run covers every layout and checkpoint (PP=3: tests/test_uneven_pipeline.py).
 `sparserl convert verify` runs end to end on a converted checkpoint, matching and mismatching.
 """
 
@@ -26,7 +27,7 @@ CHECKPOINTS = {
     )
     for arch in ("qwen2", "qwen3", "llama")
     for tied in (False, True)
-}
+} | {"llama_5layers": TinyModelConfig(arch="llama", layers=5, vocab=200, seed=5)}
 TOLERANCE = 1e-5
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}  # gloo + the CPU execution mode even on GPU machines
 

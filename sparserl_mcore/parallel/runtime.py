@@ -5,7 +5,8 @@ LOCAL_RANK / MASTER_ADDR / MASTER_PORT; srun: SLURM_PROCID / SLURM_STEP_NUM_TASK
 MASTER_ADDR / MASTER_PORT exported by the sbatch script; neither: a single process), picks NCCL on
 GPU and gloo on CPU, enters the CPU execution mode on CPU, and returns a `Runtime` describing this
 rank. Code that needs a process group takes it from `Runtime.groups` (megatron's
-`ProcessGroupCollection`: tp, pp, mp, cp, dp, dp_cp, embd, ...) and passes it down explicitly.
+`ProcessGroupCollection`: tp, pp, mp, cp, dp, dp_cp, embd, ...) or `Runtime.learner_group` (every
+rank of the learner grid) and passes it down explicitly; nothing relies on the default group.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class Runtime:
     cp_rank: int
     cp_size: int
     groups: ProcessGroupCollection
+    # Every rank of the TP x CP x DP x PP grid: the ranks that decide together (an update skipped or
+    # gated, the host's samples and eval scores). megatron's grid spans the world today, so this is
+    # the world group, named: collectives say which ranks they mean instead of defaulting to it.
+    learner_group: dist.ProcessGroup
 
     @property
     def is_first_stage(self) -> bool:
@@ -150,6 +155,8 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
 
 
 def _describe(launch: _LaunchEnv, device: torch.device, cfg: ParallelConfig) -> Runtime:
+    world = dist.group.WORLD
+    assert world is not None, "torch.distributed is initialised before the runtime is described"
     return Runtime(
         rank=launch.rank,
         world_size=launch.world_size,
@@ -166,6 +173,7 @@ def _describe(launch: _LaunchEnv, device: torch.device, cfg: ParallelConfig) -> 
         cp_rank=parallel_state.get_context_parallel_rank(),
         cp_size=cfg.context_parallel_size,
         groups=ProcessGroupCollection.use_mpu_process_groups(),
+        learner_group=world,
     )
 
 

@@ -153,7 +153,7 @@ class EmbeddedEngine:
         mc, kv = self.model.cfg, cfg.kv_compression
         self.limits = RequestLimits(
             vocab_size=mc.vocab_size,
-            context_length=mc.context_length,
+            context_length=mc.max_position_embeddings,
             kv_tokens=self.pool.num_pages * self.pool.page_size,
             kv_budget=kv.budget if kv.enabled else None,
         )
@@ -340,11 +340,11 @@ class EmbeddedEngine:
             "model_path": self.hf_dir,
             "tokenizer_path": self.hf_dir if self.tokenizer is not None else None,
             "is_generation": True,
-            "architecture": mc.model_type,
+            "architecture": mc.arch,
             "vocab_size": mc.vocab_size,
             "num_layers": mc.num_layers,
             "eos_token_ids": list(mc.eos_token_ids),
-            "context_length": mc.context_length,
+            "context_length": mc.max_position_embeddings,
             "request_limits": asdict(self.limits),
             "weight_version": self.scheduler.weight_version,
             "kv_compression": asdict(self.cfg.kv_compression),

@@ -1,8 +1,9 @@
 """`sparserl train --config X.yaml [key=value ...]`: validate the config, then train.
 
 Without `--nproc` the command trains in this process, which is what torchrun/srun start on every
-rank (`launchers/train.py` is the same entry as a script path). With `--nproc N` it validates the
-config once here, then starts `torchrun --standalone --nproc_per_node N launchers/train.py ...`
+rank (`sparserl_mcore.launch.train`, also `launchers/train.py` as a script path). With `--nproc N` it
+validates the config once here, then starts `torchrun --standalone --nproc_per_node N -m
+sparserl_mcore.launch.train ...`
 itself and streams its output.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
 def launch(config: str, overrides: list[str], nproc: int) -> int:
     """torchrun on this machine, output streamed (not captured: the run can be long)."""
-    import launchers.train
     from sparserl_mcore.parallel.launch import torchrun_command
 
-    script = str(Path(launchers.train.__file__).resolve())
-    return subprocess.call(torchrun_command([script, "--config", config, *overrides], nproc))
+    entry = ["-m", "sparserl_mcore.launch.train"]
+    return subprocess.call(torchrun_command([*entry, "--config", config, *overrides], nproc))

@@ -62,7 +62,10 @@ class NonFiniteGradGuard:
 
     Megatron reports non-finite gradients only through the fp16 loss scaler; with fp32 or bf16
     training its `prepare_grads` always says "fine" and the step would write NaN into the weights.
-    Here every rank checks its gradients and the verdict is OR-ed over the whole job, so the update
+    Here every rank checks its gradients and the verdict is OR-ed over the optimizer's
+    grad-statistics group (megatron's own group for found-inf and the grad norm: the model-parallel
+    group, or every rank of the distributed optimizer, whose ranks each hold a shard of the
+    gradients; data-parallel replicas without it hold the same reduced gradients), so the update
     step (`sparserl_mcore.loss.megatron_step`) skips the step on every rank alike: no weight, LR or
     DGG state changes. Everything else is the wrapped optimizer's.
     """
@@ -79,7 +82,8 @@ class NonFiniteGradGuard:
         bad = any(not torch.isfinite(g).all() for opt in leaves for g in opt.get_main_grads_for_grad_norm())
         device = "cuda" if torch.cuda.is_available() else "cpu"
         flag = torch.tensor([1.0 if (found_inf or bad) else 0.0], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        group = self.optimizer_.get_grad_stats_parallel_group()
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
 
 

@@ -26,6 +26,7 @@ from sparserl_mcore.trainer import checkpoint
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
 from sparserl_mcore.trainer.rollouts import generate_and_score
+from sparserl_mcore.trainer.setup import Parts, build_parts
 
 EXIT_OK, EXIT_NO_ENGINE = 0, 3
 
@@ -57,17 +58,15 @@ def train(cfg: RunConfig) -> RunSummary:
     """Initialise this rank, run the loop, tear down (also on error)."""
     runtime = parallel.initialize(cfg.parallel, seed=cfg.train.seed)
     try:
-        from sparserl_mcore.trainer.setup import build_trainer
-
-        return build_trainer(cfg, runtime).fit()
+        return Trainer(cfg, runtime, build_parts(cfg, runtime)).fit()
     finally:
         parallel.shutdown()
 
 
 class Trainer:
-    """Holds the parts built by `setup.build_trainer`; `fit` drives them step by step."""
+    """Holds the parts built by `setup.build_parts`; `fit` drives them step by step."""
 
-    def __init__(self, cfg: RunConfig, runtime: Any, parts: Any):
+    def __init__(self, cfg: RunConfig, runtime: Any, parts: Parts):
         self.cfg, self.runtime, self.parts = cfg, runtime, parts
         self.state = LoopState()
         self._weights_changed = False  # an update was applied since the last sync
@@ -124,6 +123,7 @@ class Trainer:
                 sampling=cfg.rollout.sampling,
                 run_seed=cfg.train.seed,
                 reward_fn=p.reward_fn,
+                group=self.runtime.learner_group,
             )
         batch = build_batch(
             samples,

@@ -1,4 +1,5 @@
-"""Assemble a `Trainer` from a `RunConfig`: the learner on every rank, engines on the host rank.
+"""Build the parts a `loop.Trainer` drives from a `RunConfig`: the learner on every rank, engines
+on the host rank.
 
 Config translation lives here (the run schema -> each component's own small config), so the
 components never see the run schema.
@@ -8,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from sparserl_mcore.ckpt.hf_io import copy_hf_metadata, export_hf_weights, load_hf_weights, write_index
+from sparserl_mcore.ckpt.convert import save_hf
+from sparserl_mcore.ckpt.hf_io import load_hf_weights
 from sparserl_mcore.ckpt.layout import layout_for
 from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
@@ -26,7 +26,6 @@ from sparserl_mcore.trainer import learner as learner_lib
 from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
 from sparserl_mcore.trainer.evaluate import Evaluator
 from sparserl_mcore.trainer.learner import unwrap_model
-from sparserl_mcore.trainer.loop import Trainer
 from sparserl_mcore.trainer.prompts import PromptData
 from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt
 from sparserl_mcore.trainer.weight_sync import WeightSyncer
@@ -62,32 +61,9 @@ class Learner:
             self.gate.load_state_dict(state)
 
     def export_hf(self, out: str, *, runtime: Any, source_dir: str) -> Path:
-        """Collective: the policy as HF safetensors (+ config/tokenizer of `source_dir`), written
-        under a temp name and renamed by rank 0 once every stage has written its files."""
-        out_path = Path(out)
-        tmp = out_path.parent / f".{out_path.name}.tmp"
-        if runtime.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        core = unwrap_model(self.model)
-        weight_map = export_hf_weights(
-            core,
-            self.layout,
-            tmp,
-            tp_rank=runtime.tp_rank,
-            pp_rank=runtime.pp_rank,
-            tp_group=runtime.groups.tp,
-        )
-        maps = [None] * runtime.world_size if runtime.rank == 0 else None
-        dist.gather_object(weight_map, maps, dst=0)
-        if runtime.rank == 0:
-            write_index(tmp, [m for m in maps if m])
-            copy_hf_metadata(source_dir, tmp)
-            shutil.rmtree(out_path, ignore_errors=True)
-            tmp.rename(out_path)
-        dist.barrier()
-        return out_path
+        """Collective: the policy as HF safetensors in its params dtype (+ config/tokenizer of
+        `source_dir`), replacing `out` atomically (`ckpt.convert.save_hf`)."""
+        return save_hf(unwrap_model(self.model), self.spec, runtime, out, hf_config_dir=source_dir)
 
 
 def build_learner(cfg: RunConfig, runtime: Any) -> Learner:
@@ -156,7 +132,7 @@ def kv_bytes_per_token(spec: Any, runtime: Any) -> int:
     return 2 * spec.hf.num_layers * spec.hf.num_kv_heads * spec.hf.head_dim * element
 
 
-def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
+def build_parts(cfg: RunConfig, runtime: Any) -> Parts:
     host = runtime.rank == HOST_RANK
     log = MetricsLogger(cfg.telemetry, enabled=host, run_config=to_dict(cfg), device_index=runtime.local_rank)
     pool_cfg = PoolConfig(
@@ -183,9 +159,14 @@ def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
         log.event,
     )
     evaluator = Evaluator(
-        cfg.eval, data.eval_prompts(cfg.eval.num_prompts), reward_fn, cfg.rollout, seed=cfg.train.seed
+        cfg.eval,
+        data.eval_prompts(cfg.eval.num_prompts),
+        reward_fn,
+        cfg.rollout,
+        seed=cfg.train.seed,
+        group=runtime.learner_group,
     )
-    parts = Parts(
+    return Parts(
         learner=learner,
         ref=build_reference(cfg, runtime),
         pool=pool,
@@ -197,4 +178,3 @@ def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
         telemetry=log,
         kv_bytes_per_token=kv_bytes_per_token(learner.spec, runtime),
     )
-    return Trainer(cfg, runtime, parts)

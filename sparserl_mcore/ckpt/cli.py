@@ -2,11 +2,11 @@
 
     sparserl convert hf-to-mcore --hf-dir H --out M [--tp T --pp P]
     sparserl convert mcore-to-hf --mcore-dir M --out H2 [--hf-config-dir H] [--tp T --pp P]
-    sparserl convert verify ...            (tools/verify.py: megatron vs HF transformers logits)
+    sparserl convert verify ...            (ckpt/verify_cli.py: megatron vs HF transformers logits)
 
 Conversions check the input in this process first (config, TP/PP, tensor names and shapes: errors
-name the tensor or field), then run TP*PP ranks with torchrun (`launchers.convert`) writing into a
-temp directory beside `--out`, renamed only when every rank succeeded.
+name the tensor or field), then run TP*PP ranks with torchrun (`sparserl_mcore.launch.convert`)
+writing into a temp directory beside `--out`, renamed only when every rank succeeded.
 """
 
 from __future__ import annotations
@@ -37,12 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
         p.add_argument("--timeout", type=float, default=None, help="seconds before the ranks are killed")
     verify = sub.add_parser("verify", help="compare megatron logits with HF transformers")
-    importlib.import_module("tools.verify").add_arguments(verify)  # cheap: no torch at import time
+    importlib.import_module("sparserl_mcore.ckpt.verify_cli").add_arguments(
+        verify
+    )  # cheap: no torch at import time
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "verify":
-        return int(importlib.import_module("tools.verify").run(args) or 0)
+        return int(importlib.import_module("sparserl_mcore.ckpt.verify_cli").run(args) or 0)
     from sparserl_mcore.ckpt.hf_io import CheckpointError
     from sparserl_mcore.parallel.launch import LaunchError
 
@@ -87,7 +89,9 @@ def _launch(argv: list[str], nproc: int, args: argparse.Namespace) -> None:
     from sparserl_mcore.parallel.launch import launch_local
 
     with atomic_output_dir(args.out, overwrite=args.overwrite) as tmp:
-        launch_local(["-m", "launchers.convert", *argv, "--out", str(tmp)], nproc, timeout=args.timeout)
+        launch_local(
+            ["-m", "sparserl_mcore.launch.convert", *argv, "--out", str(tmp)], nproc, timeout=args.timeout
+        )
 
 
 def preflight_hf(hf_dir: str | pathlib.Path, tp: int, pp: int, dtype: str | None = None) -> None:

@@ -1,7 +1,7 @@
 """`sparserl convert verify`: do a Megatron checkpoint's logits match HF transformers?
 
 Launches TP*PP local ranks (torchrun; NCCL with one GPU per rank, gloo on CPU or with `--cpu`)
-running `launchers.verify`, which loads the
+running `sparserl_mcore.launch.verify`, which loads the
 dist checkpoint at the requested layout and compares fp32 logits on fixed prompts against HF
 transformers on the HF checkpoint. The last printed line is the maximum absolute and relative
 difference; the exit status is 1 when the relative difference exceeds the tolerance.
@@ -43,7 +43,14 @@ def run(args: argparse.Namespace) -> int:
             return 2
     with tempfile.TemporaryDirectory(prefix="sparserl-verify-") as tmp:
         result_path = pathlib.Path(tmp) / "result.json"
-        argv = ["-m", "launchers.verify", "--hf-dir", str(args.hf_dir), "--mcore-dir", str(args.mcore_dir)]
+        argv = [
+            "-m",
+            "sparserl_mcore.launch.verify",
+            "--hf-dir",
+            str(args.hf_dir),
+            "--mcore-dir",
+            str(args.mcore_dir),
+        ]
         argv += ["--tp", str(args.tp), "--pp", str(args.pp), "--result", str(result_path)]
         try:
             env = {"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None
