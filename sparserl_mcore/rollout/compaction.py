@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from model_providers.hf_config import HFModelConfig
 from sparserl_mcore.rollout.compression_lanes import CompressionLanes
-from sparserl_mcore.rollout.hf_model import ModelConfig
 from sparserl_mcore.rollout.kv_pool import KVPool
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
 from sparserl_mcore.rollout.request_state import CompressionListener, RequestState
@@ -29,7 +29,7 @@ class Compactor:
 
     def __init__(
         self,
-        model_cfg: ModelConfig,
+        model_cfg: HFModelConfig,
         pool: KVPool,
         kv_cfg: KVCompressionConfig,
         compressor: KVCompressor,
