@@ -5,12 +5,9 @@ Every rank runs this; the trainer reads its rank from the launcher's environment
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from sparserl_mcore.trainer import cli
+from sparserl_mcore.trainer.cli import rank_entry
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="launchers/train.py", description=__doc__.splitlines()[0])
-    cli.add_arguments(parser)
-    sys.exit(cli.run(parser.parse_args()))
+    sys.exit(rank_entry())

@@ -2,11 +2,14 @@
 
 `ParallelConfig` is pure Python (no torch import) so configs can be validated before any process
 group exists; `validate_world` / `validate_model` check a layout against a world size and a model
-shape and name the numbers that do not fit.
+shape and name the numbers that do not fit. `launch_env()` reads this process's rank and world
+size from the launcher's environment (torchrun, srun), also without torch, so the launching
+process and every rank agree on them.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -66,3 +69,31 @@ class ParallelConfig:
                 f"pipeline_model_parallel_size={pp} does not divide num_hidden_layers={num_layers}; "
                 "stages get equal layer counts, choose a PP size that divides the layer count"
             )
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """This process's place in the launch, as the launcher's environment says."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def launch_env() -> LaunchEnv:
+    """torchrun's RANK / WORLD_SIZE / LOCAL_RANK, srun's SLURM_* inside a step, else one process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    # SLURM_STEP_NUM_TASKS exists only inside an srun step: a plain process in a batch script
+    # (which also sees SLURM_PROCID=0 and the allocation's SLURM_NTASKS) stays a single process.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
+        if missing:
+            raise RuntimeError(
+                f"running under srun but {', '.join(missing)} is not set; export MASTER_ADDR (first "
+                "node of the allocation) and MASTER_PORT in the sbatch script"
+            )
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
+        return LaunchEnv(rank, world, int(env.get("SLURM_LOCALID", 0)))
+    return LaunchEnv(0, 1, 0)
