@@ -17,7 +17,8 @@ Lifetime (the contract a rank's checkpoint-on-SIGTERM handler can rely on):
 - A rank whose torchrun dies gets SIGKILL (`rank_entry` sets its own parent-death signal).
 - A rank that dies: torchrun sees it within its 0.1 s monitor interval and stops the others.
 torchrun starts every rank in a session of its own, so teardown walks the process tree rather than
-signalling one process group.
+signalling one process group; once torchrun is gone, every rank's process group is killed too
+(the children of a rank that died, e.g. dist-checkpoint workers, would outlive the run otherwise).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from sparserl_mcore.parallel.rank_entry import (
     clear_logs,
     common_exit_code,
     die_with_parent,
+    rank_groups,
     summarize,
 )
 
@@ -228,8 +230,17 @@ def run_ranks(
         except BaseException:
             stopper.kill()
             raise
-        proc.wait()
+        finally:
+            proc.wait()
+            _kill_groups(log_path)
     return _result(proc.returncode, log_path, nproc, stopper.signum, timed_out)
+
+
+def _kill_groups(log_dir: Path) -> None:
+    """SIGKILL what is left in the ranks' process groups (see the module docstring)."""
+    for group in rank_groups(log_dir):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
 
 
 def _result(code: int, log_dir: Path, nproc: int, signum: int | None, timed_out: bool) -> RanksResult:

@@ -7,11 +7,15 @@ Rank side, `rank_main(main)`:
   ranks other than 0 go to `<log dir>/rank<R>.log`; rank 0's stdout stays on the console;
 - megatron-core's import-time "Transformer Engine and Apex are not installed" / "Apex is not
   installed" warnings are dropped (the launcher says once what runs without them);
-- it writes `<log dir>/rank<R>.exit.json`: the exit code and, for an uncaught exception,
+- it writes `<log dir>/rank<R>.pgid` (its process group: torchrun starts every rank in a session
+  of its own, and what a rank spawns, e.g. dist-checkpoint worker processes, stays in that group)
+  and `<log dir>/rank<R>.exit.json`: the exit code and, for an uncaught exception,
   "Type: first line of the message" (the full traceback goes to the rank's log).
 
 Launcher side, `summarize(log_dir, nproc)`: one line per distinct error with its ranks and the log
 that holds the traceback; ranks killed by a signal are read from torchrun's own failure report.
+`rank_groups(log_dir)`: the process groups to kill once torchrun is gone (torchrun stops only the
+ranks still alive, so the children of a rank that died would otherwise outlive the run).
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ def _exit_path(log_dir: Path, rank: int) -> Path:
     return log_dir / f"rank{rank}.exit.json"
 
 
+def _pgid_path(log_dir: Path, rank: int) -> Path:
+    return log_dir / f"rank{rank}.pgid"
+
+
 def _redirect_output(log_dir: Path, rank: int) -> None:
     fd = os.open(_log_path(log_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stderr.flush()
@@ -104,6 +112,7 @@ def rank_main(main: Callable[[], int | None]) -> int:
     log_dir = Path(os.environ[LOG_DIR_ENV]) if os.environ.get(LOG_DIR_ENV) else None
     if log_dir is not None:
         _redirect_output(log_dir, rank)
+        _pgid_path(log_dir, rank).write_text(f"{os.getpgid(0)}\n")
     quiet_optional_backend_warnings()
     error = None
     try:
@@ -127,9 +136,21 @@ def clear_logs(log_dir: str | os.PathLike) -> Path:
     """Create `log_dir` and remove the logs and exit records of an earlier launch into it."""
     path = Path(log_dir).resolve()
     path.mkdir(parents=True, exist_ok=True)
-    for stale in [*path.glob("rank*.log"), *path.glob("rank*.exit.json"), path / TORCHRUN_LOG]:
+    stale_files = [*path.glob("rank*.log"), *path.glob("rank*.exit.json"), *path.glob("rank*.pgid")]
+    for stale in [*stale_files, path / TORCHRUN_LOG]:
         stale.unlink(missing_ok=True)
     return path
+
+
+def rank_groups(log_dir: str | os.PathLike) -> list[int]:
+    """The process groups the ranks of the last launch into `log_dir` ran in (never ours)."""
+    groups = set()
+    for path in Path(log_dir).glob("rank*.pgid"):
+        try:
+            groups.add(int(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(g for g in groups if g > 1 and g != os.getpgid(0))
 
 
 def _records(log_dir: Path, nproc: int) -> dict[int, dict]:
@@ -143,10 +164,14 @@ def _records(log_dir: Path, nproc: int) -> dict[int, dict]:
 
 
 def _signalled(log_dir: Path) -> dict[int, str]:
-    """rank -> signal name, for the ranks torchrun reports as killed by a signal."""
+    """rank -> signal name, when torchrun's first observed failure is a rank killed by a signal
+    (the ranks torchrun itself stops after a failure are consequences, not listed)."""
     try:
         text = (log_dir / TORCHRUN_LOG).read_text(errors="replace")
     except OSError:
+        return {}
+    _, found, text = text.rpartition("Root Cause (first observed failure):")
+    if not found:
         return {}
     out = {}
     for rank, num in _SIGNALLED.findall(text):
