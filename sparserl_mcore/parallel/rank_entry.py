@@ -91,6 +91,15 @@ def _write_exit(log_dir: Path, rank: int, code: int, error: str | None) -> None:
 
 
 def _one_line(exc: BaseException) -> str:
+    """'Type: first line of the message'; for an exception gathered from several ranks (torch's
+    distributed-checkpoint CheckpointException carries `failures` {rank: (exception, trace)}), the
+    first underlying exception."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return f"{type(exc).__name__}: {_one_line(inner)}"
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
     line = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
