@@ -245,7 +245,7 @@ def common_exit_code(log_dir: str | os.PathLike, nproc: int) -> int | None:
     """The exit code every failed rank chose itself (no exception, no signal), if they agree."""
     records = _records(Path(log_dir), nproc)
     failed = [r for r in records.values() if r.get("exit_code") != 0]
-    codes = {r.get("exit_code") for r in failed}
+    codes = {int(r.get("exit_code") or 1) for r in failed}
     if not failed or any(r.get("error") for r in failed) or len(codes) != 1 or _signalled(Path(log_dir)):
         return None
-    return int(codes.pop())
+    return codes.pop()

@@ -23,7 +23,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -56,7 +56,8 @@ def _rng_file(path: Path, rank: int) -> Path:
 def _save_rng(path: Path) -> None:
     """This rank's RNG streams as tensors (safetensors) and scalars (its JSON metadata)."""
     py_version, py_state, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     tensors = {
         "torch": torch.get_rng_state(),
         "python": torch.tensor(py_state, dtype=torch.int64),
