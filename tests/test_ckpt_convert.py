@@ -10,6 +10,7 @@ import argparse
 import json
 import pathlib
 import re
+import shutil
 
 import pytest
 import torch
@@ -120,8 +121,10 @@ def test_cli_roundtrip_and_failed_ranks_leave_nothing(tmp_path, capsys):
     assert _cli("mcore-to-hf", "--mcore-dir", str(tmp_path / "m"), "--out", str(tmp_path / "h3")) == 1
     err = capsys.readouterr().err
     assert "conversion ranks failed" in err and "Traceback" not in err
-    line = r"^ranks? [0-9, -]+: CheckpointException: FileNotFoundError: .*\(log: .*rank\d\.log\)$"
-    assert re.search(line, err, re.M), err
+    line = r"^ranks? [0-9, -]+: CheckpointException: FileNotFoundError: .*\(log: (.*)rank\d\.log\)$"
+    found = re.search(line, err, re.M)
+    assert found, err
+    shutil.rmtree(found.group(1))  # the logs a failed conversion keeps for its user
     assert not (tmp_path / "h3").exists() and _leftovers(tmp_path) == []
 
 

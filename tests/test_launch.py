@@ -267,7 +267,9 @@ def test_sigkill_of_sparserl_convert_then_the_next_writer_clears_its_temp(tmp_pa
     out = tmp_path / "mcore"
     cmd = [sys.executable, "-m", "sparserl_mcore", "convert", "hf-to-mcore", "--hf-dir", str(hf)]
     cmd += ["--out", str(out), "--tp", "2"]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (tmp_path / "tmp").mkdir()  # the killed command cannot remove its log dir: keep it in tmp_path
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _ranks_of(launcher, "launchers.convert", 2)
         everyone = psutil.Process(launcher.pid).children(recursive=True)

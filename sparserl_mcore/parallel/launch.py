@@ -156,9 +156,11 @@ class _Stopper:
         self.signum: int | None = None
         self._timer: threading.Timer | None = None
 
-    def _ranks(self) -> list[psutil.Process]:
+    def _targets(self) -> list[psutil.Process]:
+        """torchrun's children (the ranks), or torchrun itself while it has none yet."""
         try:
-            return psutil.Process(self.proc.pid).children()
+            torchrun = psutil.Process(self.proc.pid)
+            return torchrun.children() or [torchrun]
         except psutil.NoSuchProcess:
             return []
 
@@ -167,8 +169,7 @@ class _Stopper:
             self.kill()
             return
         self.signum = signum
-        ranks = self._ranks()
-        for proc in ranks or [psutil.Process(self.proc.pid)]:
+        for proc in self._targets():
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(signal.SIGTERM)
         self._timer = threading.Timer(self.grace_s, self.kill)

@@ -49,7 +49,8 @@ def quiet_optional_backend_warnings() -> None:
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Ask the kernel to send `sig` to this process when its parent exits (Linux; a no-op elsewhere).
 
-    Safe between fork and exec (a `preexec_fn`). If the parent is already gone, `sig` is raised now.
+    Safe between fork and exec (a `preexec_fn`). A parent that exits while this is being set up is
+    noticed (`sig` is raised at once); one that exited before this process got here is not.
     """
     if not sys.platform.startswith("linux"):
         return
