@@ -6,4 +6,6 @@ import sys
 from sparserl_mcore.launch.verify import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sparserl_mcore.parallel.rank_entry import rank_main
+
+    sys.exit(rank_main(main))

@@ -149,7 +149,13 @@ def load_hf_config(source: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"HF config not found: {path}")
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return data
 
 
 def _rope(hf: Mapping[str, Any], arch: str) -> tuple[float, Llama3RopeScaling | None]:
@@ -197,8 +203,21 @@ def _check_unsupported(hf: Mapping[str, Any], arch: str) -> None:
 
 
 def parse_hf_config(source: Mapping[str, Any] | str | Path) -> HFModelConfig:
-    """Normalise an HF config (dict, config.json path or checkpoint dir) of a registered family."""
+    """Normalise an HF config (dict, config.json path or checkpoint dir) of a registered family.
+
+    A missing required field or a malformed value is a ValueError naming the field and the source.
+    """
     hf = load_hf_config(source)
+    where = "the HF config" if isinstance(source, Mapping) else str(source)
+    try:
+        return _parse(hf)
+    except KeyError as exc:
+        raise ValueError(f"{where}: config.json lacks the required field {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _parse(hf: dict[str, Any]) -> HFModelConfig:
     arch = resolve_arch(hf)
     traits = ARCHITECTURES[arch]
     _check_unsupported(hf, arch)

@@ -140,9 +140,9 @@ def test_launch_local_runs_ranks_and_reports_failures(tmp_path):
 def test_launch_local_timeout_kills_every_rank(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(
-        "import os, pathlib, sys, time\n"
+        "import os, pathlib, sys, threading\n"
         "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text(str(os.getpid()))\n"
-        "time.sleep(600)\n"
+        "threading.Event().wait()  # hangs until killed\n"
     )
     with pytest.raises(LaunchError, match="timed out") as failure:
         launch_local([str(script), str(tmp_path)], 2, timeout=20)

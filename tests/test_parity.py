@@ -85,7 +85,14 @@ def _sparserl(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_convert_verify_cli(hf_dirs, tmp_path):
-    hf, other_hf, mcore = str(hf_dirs["qwen3_tied"]), str(hf_dirs["qwen3"]), str(tmp_path / "mcore")
+    import dataclasses
+
+    other = dataclasses.replace(CHECKPOINTS["qwen3_tied"], seed=99)  # same model, other weights
+    hf, other_hf, mcore = (
+        str(hf_dirs["qwen3_tied"]),
+        str(make_tiny(other, tmp_path / "other")),
+        str(tmp_path / "mcore"),
+    )
     converted = _sparserl("convert", "hf-to-mcore", "--hf-dir", hf, "--out", mcore)
     assert converted.returncode == 0, converted.stdout + converted.stderr
 
@@ -95,7 +102,18 @@ def test_convert_verify_cli(hf_dirs, tmp_path):
     assert last.startswith("max_abs_diff=") and last.endswith("OK"), ok.stdout
     assert float(last.split("max_rel_diff=")[1].split()[0]) < TOLERANCE
 
-    # Same shapes, other weights: the check must fail loudly.
+    # Same model, other weights: a real mismatch, exit 1, and nothing that reads "verified".
     bad = _sparserl("convert", "verify", "--hf-dir", other_hf, "--mcore-dir", mcore)
     assert bad.returncode == 1, bad.stdout + bad.stderr
-    assert bad.stdout.strip().splitlines()[-1].endswith("FAIL")
+    lines = bad.stdout.strip().splitlines()
+    assert lines[-1].endswith("FAIL") and lines[0].startswith("MISMATCH") and "verified" not in bad.stdout
+
+    # A layout the model cannot take, or another architecture: refused before any rank, exit 2.
+    for argv in (("--hf-dir", hf, "--tp", "3"), ("--hf-dir", str(hf_dirs["qwen3"]))):
+        refused = _sparserl("convert", "verify", *argv, "--mcore-dir", mcore)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1 and not refused.stdout, refused.stderr
+    assert (
+        "does not divide num_attention_heads=4"
+        in _sparserl("convert", "verify", "--hf-dir", hf, "--tp", "3", "--mcore-dir", mcore).stderr
+    )

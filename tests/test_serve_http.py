@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 from hf_reference import hf_greedy
+from waiting import event_after_call, wait_until
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, build_tokenizer, make_tiny
 from sparserl_mcore.rollout.client import RemoteEngine, RemoteEngineError, RemoteValueError
@@ -44,6 +45,7 @@ class HFReferenceEngine:
         self.receiver = HFReceiver(weights, version=0)
         self.version = 0
         self.aborted: set[str] = set()
+        self.decoding: set[str] = set()  # rids that reached the decode loop
         self.flushes = 0
         self.pauses: list[str] = []
         self._running = threading.Event()
@@ -62,6 +64,7 @@ class HFReferenceEngine:
         reason, epoch = "length", self._epoch
         self._inflight.add(req.rid)
         while len(ids) - len(req.input_ids) < sp.max_new_tokens:
+            self.decoding.add(req.rid)
             self._running.wait()
             with self._step:
                 if epoch != self._epoch:  # retracted: start over
@@ -335,22 +338,28 @@ def test_remote_abort_finishes_a_running_request(served):
         result: dict = {}
         thread = threading.Thread(target=lambda: result.update(s=client.generate([req])[0]))
         thread.start()
-        time.sleep(0.5)
+        wait_until(lambda: "remote-abort" in engine.decoding, timeout=30, what="the request decoding")
         client.abort("remote-abort")
         thread.join(30)
         assert not thread.is_alive(), "the aborted request should not have run to 4000 tokens"
     assert result["s"].finish_reason == "abort" and len(result["s"].output_ids) < 4000
 
 
-def test_pause_holds_generation_until_continue(served):
-    url, _ = served
+def test_pause_holds_generation_until_continue(hf_dir, monkeypatch):
+    app = create_app(HFReferenceEngine(hf_dir), ServerConfig(token=TOKEN))
+    queued = event_after_call(monkeypatch, app.state.worker, "submit_generate")
+    with BackgroundServer(app) as server:
+        _pause_holds_generation_until_continue(server.url, queued)
+
+
+def _pause_holds_generation_until_continue(url: str, queued: threading.Event) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert httpx.post(f"{url}/pause_generation", headers=auth).status_code == 200
     result: dict = {}
     body = {"input_ids": PROMPT, "sampling_params": _greedy(3)}
     t = threading.Thread(target=lambda: result.update(r=httpx.post(f"{url}/generate", json=body, timeout=60)))
     t.start()
-    time.sleep(0.5)
+    assert queued.wait(30), "the request never reached the worker"
     assert "r" not in result and httpx.get(f"{url}/get_model_info").json()["paused"] is True
     assert httpx.post(f"{url}/flush_cache", headers=auth).status_code == 200  # control ops run while paused
     assert httpx.post(f"{url}/continue_generation", headers=auth).status_code == 200

@@ -4,8 +4,10 @@ Launches TP*PP local ranks (torchrun; NCCL with one GPU per rank, gloo on CPU or
 running `sparserl_mcore.launch.verify`, which loads the
 dist checkpoint at the requested layout and compares fp32 logits on fixed prompts against HF
 transformers on the HF checkpoint. The last printed line is the maximum absolute and relative
-difference; the exit status is 1 when the relative difference exceeds the tolerance.
-Imports nothing heavy at import time (the CLI stays fast).
+difference. Exit status: 0 the logits match; 1 they do not (the line starts with "MISMATCH");
+2 the input was refused before any rank started (missing directory, a layout the model cannot
+take, a checkpoint that does not match --hf-dir); 3 the ranks failed (one line per error, with the
+log that holds its traceback). Imports nothing heavy at import time (the CLI stays fast).
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import sys
 import tempfile
+
+EXIT_MATCH, EXIT_MISMATCH, EXIT_REFUSED, EXIT_RANKS_FAILED = 0, 1, 2, 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,39 +39,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
 
 
-def run(args: argparse.Namespace) -> int:
-    from sparserl_mcore.parallel.launch import LaunchError, launch_local
+def preflight(args: argparse.Namespace) -> None:
+    """H a complete checkpoint with a tokenizer; M readable, converted from H's model, and loadable
+    at (--tp, --pp). Raises ValueError (or OSError) naming the problem."""
+    from sparserl_mcore.ckpt.preflight import check_hf_checkpoint
+    from sparserl_mcore.ckpt.cli import preflight_mcore
 
-    for flag, path in (("--hf-dir", args.hf_dir), ("--mcore-dir", args.mcore_dir)):
-        if not pathlib.Path(path).is_dir():
-            print(f"sparserl convert verify: {flag} {path} is not a directory", file=sys.stderr)
-            return 2
-    with tempfile.TemporaryDirectory(prefix="sparserl-verify-") as tmp:
-        result_path = pathlib.Path(tmp) / "result.json"
-        argv = [
-            "-m",
-            "sparserl_mcore.launch.verify",
-            "--hf-dir",
-            str(args.hf_dir),
-            "--mcore-dir",
-            str(args.mcore_dir),
-        ]
-        argv += ["--tp", str(args.tp), "--pp", str(args.pp), "--result", str(result_path)]
-        try:
-            env = {"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None
-            launch_local(argv, args.tp * args.pp, env=env, timeout=args.timeout)
-        except LaunchError as exc:
-            print(str(exc)[-8000:], file=sys.stderr)
-            print("sparserl convert verify: the ranks failed (output above); nothing was compared")
-            return 1
-        result = json.loads(result_path.read_text())
-    ok = result["max_rel_diff"] <= args.tolerance
-    print(
-        f"verified {result['arch']} at TP={result['tp']} PP={result['pp']} against HF transformers: "
-        f"{result['prompts']} prompts, {result['tokens']} token positions, fp32, tolerance {args.tolerance:g}"
+    check_hf_checkpoint(args.hf_dir, label="--hf-dir", tokenizer=True)
+    if not pathlib.Path(args.mcore_dir).is_dir():
+        raise ValueError(f"--mcore-dir {args.mcore_dir}: no such directory")
+    preflight_mcore(args.mcore_dir, args.tp, args.pp, hf_config_dir=args.hf_dir, label="--hf-dir")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sparserl_mcore.parallel.launch import run_ranks
+
+    try:
+        preflight(args)
+    except (ValueError, OSError) as exc:
+        print(f"sparserl convert verify: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    logs = pathlib.Path(tempfile.mkdtemp(prefix="sparserl-verify-logs-"))
+    result_path = logs / "result.json"
+    argv = [
+        "-m",
+        "sparserl_mcore.launch.verify",
+        "--hf-dir",
+        str(args.hf_dir),
+        "--mcore-dir",
+        str(args.mcore_dir),
+    ]
+    argv += ["--tp", str(args.tp), "--pp", str(args.pp), "--result", str(result_path)]
+    env = {"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None
+    ranks = run_ranks(argv, args.tp * args.pp, log_dir=logs, env=env, timeout=args.timeout)
+    if ranks.returncode:
+        print("sparserl convert verify: the ranks failed; nothing was compared", file=sys.stderr)
+        for line in ranks.failure_lines():
+            print(f"  {line}", file=sys.stderr)
+        return ranks.returncode if ranks.stopped_by else EXIT_RANKS_FAILED
+    result = json.loads(result_path.read_text())
+    shutil.rmtree(logs, ignore_errors=True)
+    return report(result, args.tolerance)
+
+
+def report(result: dict, tolerance: float) -> int:
+    """Print the comparison; the last line holds the max abs/rel difference."""
+    ok = result["max_rel_diff"] <= tolerance
+    what = (
+        f"{result['arch']} at TP={result['tp']} PP={result['pp']} against HF transformers: "
+        f"{result['prompts']} prompts, {result['tokens']} token positions, fp32, tolerance {tolerance:g}"
     )
+    print(f"verified {what}" if ok else f"MISMATCH: {what}")
     print(
         f"max_abs_diff={result['max_abs_diff']:.3e} max_rel_diff={result['max_rel_diff']:.3e} "
         f"{'OK' if ok else 'FAIL'}"
     )
-    return 0 if ok else 1
+    return EXIT_MATCH if ok else EXIT_MISMATCH

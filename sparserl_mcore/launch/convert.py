@@ -59,4 +59,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sparserl_mcore.parallel.rank_entry import rank_main
+
+    sys.exit(rank_main(main))

@@ -9,10 +9,14 @@ Pipeline stages may hold different layer counts, split the way megatron-core spl
 equal). `stage_layers(num_layers)` is the one answer to "how many decoder layers does each stage
 hold": `model_providers` turns it into megatron's TransformerConfig fields, `ckpt.layout` into
 each stage's global layer offset. Left unset, the split is chosen to balance the stages.
+
+`launch_env()` reads this process's rank and world size from the launcher's environment (torchrun,
+srun), also without torch, so the launching process and every rank agree on them.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -149,3 +153,31 @@ def balanced_stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
                 best = (key, counts)
     assert best is not None, "pp <= num_layers always has a split (one layer per stage at worst)"
     return best[1]
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """This process's place in the launch, as the launcher's environment says."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def launch_env() -> LaunchEnv:
+    """torchrun's RANK / WORLD_SIZE / LOCAL_RANK, srun's SLURM_* inside a step, else one process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    # SLURM_STEP_NUM_TASKS exists only inside an srun step: a plain process in a batch script
+    # (which also sees SLURM_PROCID=0 and the allocation's SLURM_NTASKS) stays a single process.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
+        if missing:
+            raise RuntimeError(
+                f"running under srun but {', '.join(missing)} is not set; export MASTER_ADDR (first "
+                "node of the allocation) and MASTER_PORT in the sbatch script"
+            )
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
+        return LaunchEnv(rank, world, int(env.get("SLURM_LOCALID", 0)))
+    return LaunchEnv(0, 1, 0)

@@ -22,7 +22,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from sparserl_mcore.parallel import cpu_mode
-from sparserl_mcore.parallel.config import ParallelConfig
+from sparserl_mcore.parallel.config import LaunchEnv, ParallelConfig, launch_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,35 +58,10 @@ class Runtime:
         return self.pp_rank == self.pp_size - 1
 
 
-@dataclass(frozen=True)
-class _LaunchEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-
-
-def _launch_env() -> _LaunchEnv:
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return _LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
-    # SLURM_STEP_NUM_TASKS exists only inside an srun step: a plain process in a batch script
-    # (which also sees SLURM_PROCID=0 and the allocation's SLURM_NTASKS) stays a single process.
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
-        if missing:
-            raise RuntimeError(
-                f"running under srun but {', '.join(missing)} is not set; export MASTER_ADDR (first "
-                "node of the allocation) and MASTER_PORT in the sbatch script"
-            )
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
-        return _LaunchEnv(rank, world, int(env.get("SLURM_LOCALID", 0)))
-    return _LaunchEnv(0, 1, 0)
-
-
 _generation = 0  # how many worlds this process has initialised (see _init_process_group)
 
 
-def _init_process_group(launch: _LaunchEnv, backend: str, device: torch.device) -> None:
+def _init_process_group(launch: LaunchEnv, backend: str, device: torch.device) -> None:
     """Rendezvous through the launcher's store, under a per-initialisation key prefix.
 
     torchrun's agent store outlives a process group, so a second `initialize` in the same processes
@@ -129,7 +104,7 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
     execution mode (`parallel.cpu_mode`) is entered until `shutdown()`. On failure everything set
     up so far is torn down again.
     """
-    launch = _launch_env()
+    launch = launch_env()
     cfg.validate_world(launch.world_size)
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     backend = backend or ("nccl" if use_cuda else "gloo")
@@ -154,7 +129,7 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
         raise
 
 
-def _describe(launch: _LaunchEnv, device: torch.device, cfg: ParallelConfig) -> Runtime:
+def _describe(launch: LaunchEnv, device: torch.device, cfg: ParallelConfig) -> Runtime:
     world = dist.group.WORLD
     assert world is not None, "torch.distributed is initialised before the runtime is described"
     return Runtime(

@@ -92,9 +92,12 @@ def _limits(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit 2 when the server cannot start (bad flags, an unreadable checkpoint, a port in use)."""
+    from sparserl_mcore.ckpt.preflight import check_hf_checkpoint
     from sparserl_mcore.rollout.server import ServerConfig
 
     try:
+        check_hf_checkpoint(args.hf_dir, label="--hf-dir")
         server_cfg = ServerConfig(
             host=args.host,
             port=args.port,
@@ -127,11 +130,9 @@ def _serve(hf_dir: str, server_cfg: Any, engine_cfg: Any, log_level: str) -> int
     try:
         sock = bind_socket(server_cfg.host, server_cfg.port)
     except OSError as exc:
-        print(
-            f"sparserl serve: error: cannot listen on {server_cfg.host}:{server_cfg.port}: {exc}",
-            file=sys.stderr,
-        )
-        return 1
+        where = f"{server_cfg.host}:{server_cfg.port}"
+        print(f"sparserl serve: error: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     try:
         engine = EmbeddedEngine(hf_dir, engine_cfg)
     except (OSError, ValueError) as exc:

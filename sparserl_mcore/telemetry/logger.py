@@ -76,7 +76,7 @@ class MetricsLogger:
             sink.write(step, record)
         if self.cfg.progress:
             parts = [f"{label}={record[key]:.4g}" for label, key in SUMMARY.items() if key in record]
-            self.console.print(f"[bold cyan]step {step}[/] " + " ".join(parts))
+            self.console.print(f"[bold cyan]step {step}[/] " + " ".join(parts), soft_wrap=True)
         return record
 
     def event(self, kind: str, fields: Mapping[str, Any]) -> None:
@@ -85,7 +85,7 @@ class MetricsLogger:
             return
         plain = {k: _plain(v) for k, v in fields.items()}
         self._jsonl.event(kind, plain)
-        self.console.print(f"[yellow]event[/] {kind}: {plain}")
+        self.console.print(f"[yellow]event[/] {kind}: {plain}", soft_wrap=True)
 
     def close(self) -> dict[str, Path]:
         """Close the sinks and draw the plot; returns the paths written."""

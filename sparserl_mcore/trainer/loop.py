@@ -19,13 +19,14 @@ from typing import Any
 import torch
 
 from sparserl_mcore import parallel
-from sparserl_mcore.config import RunConfig
+from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.telemetry import RunProgress
 from sparserl_mcore.trainer import checkpoint
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
 from sparserl_mcore.trainer.rollouts import generate_and_score
+from sparserl_mcore.trainer.run_record import read_saved_run
 from sparserl_mcore.trainer.setup import Parts, build_parts
 
 EXIT_OK, EXIT_NO_ENGINE = 0, 3
@@ -45,6 +46,8 @@ class LoopState:
 
 @dataclasses.dataclass(frozen=True)
 class RunSummary:
+    """How a run ended; `report()` is what the host rank prints last."""
+
     exit_code: int
     steps: int
     metrics_path: Path | None = None
@@ -52,6 +55,28 @@ class RunSummary:
     checkpoint_path: Path | None = None
     hf_path: Path | None = None
     message: str = ""
+    first_step: int = 0  # the step this run started from (> 0 when it resumed)
+    seconds: float = 0.0
+    rewards: tuple[float, float] | None = None  # mean reward of this run's first and last step
+
+    def report(self) -> list[str]:
+        """A short summary and the paths a user looks at next (those this run wrote)."""
+        head = "done" if self.exit_code == EXIT_OK else f"stopped (exit code {self.exit_code})"
+        line = f"{head}: steps {self.first_step} -> {self.steps} in {_duration(self.seconds)}"
+        if self.rewards is not None:
+            line += f", reward {self.rewards[0]:.3f} -> {self.rewards[1]:.3f}"
+        paths = {
+            "metrics": self.metrics_path,
+            "plot": self.plot_path,
+            "checkpoint": self.checkpoint_path,
+            "HF export": self.hf_path,
+        }
+        return [line] + [f"  {name + ':':<12}{path}" for name, path in paths.items() if path is not None]
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
 
 
 def train(cfg: RunConfig) -> RunSummary:
@@ -70,6 +95,9 @@ class Trainer:
         self.cfg, self.runtime, self.parts = cfg, runtime, parts
         self.state = LoopState()
         self._weights_changed = False  # an update was applied since the last sync
+        self._started = time.monotonic()
+        self._first_step = 0
+        self._rewards: list[float] = []  # mean reward of this run's first and latest step
 
     # -- the run -------------------------------------------------------------------------------
     def fit(self) -> RunSummary:
@@ -85,10 +113,11 @@ class Trainer:
 
     def _fit(self) -> RunSummary:
         self.resume()
+        self._first_step = self.state.step
         self.progress.step_done(self.state.step)
         p = self.parts
         if self.cfg.eval.at_start and self.state.step == 0:
-            p.telemetry.log(self.evaluate(), step=0)
+            self._log_eval()
         try:
             while self.state.step < self.cfg.train.steps:
                 self.step()
@@ -99,7 +128,7 @@ class Trainer:
             p.telemetry.event("stopped", {"reason": str(exc), "checkpoint": str(ckpt)})
             return self._summary(EXIT_NO_ENGINE, ckpt, message=f"no rollout engine left: {exc}")
         if self.cfg.eval.every == 0 or self.state.step % self.cfg.eval.every:
-            p.telemetry.log(self.evaluate(), step=self.state.step)
+            self._log_eval()
         ckpt = self.save() if self.cfg.checkpoint.dir else None
         hf = None
         if self.cfg.checkpoint.save_hf:
@@ -149,6 +178,7 @@ class Trainer:
         self.state.step, self.state.rollouts = step, self.state.rollouts + len(samples)
         metrics.update(timer.metrics(), **{"train/rollouts": self.state.rollouts})
         p.telemetry.log(metrics, step=step)
+        self._rewards[1:] = [metrics["rollout/reward_mean"]]
         self.progress.step_done(step, info=f"reward {metrics['rollout/reward_mean']:.3f}")
 
     # -- pieces ---------------------------------------------------------------------------------
@@ -157,6 +187,12 @@ class Trainer:
         metrics = p.syncer.sync([p.pool, p.dense_pool], version=version)
         self.state.sync_version, self._weights_changed = version, False
         return metrics
+
+    def _log_eval(self) -> None:
+        """An eval row at the current step, if an eval is configured (no empty rows)."""
+        metrics = self.evaluate()
+        if metrics:
+            self.parts.telemetry.log(metrics, step=self.state.step)
 
     def evaluate(self) -> dict[str, float]:
         if self.cfg.eval.compressed:
@@ -231,6 +267,7 @@ class Trainer:
             self.sync_weights(self.state.step)
         self.state.data = p.data.state_dict()
         self.state.dgg = p.learner.dgg_state()
+        record = {"config": to_dict(self.cfg), "world_size": self.runtime.world_size, "data": self.state.data}
         return checkpoint.save_checkpoint(
             self.cfg.checkpoint.dir,
             self.state.step,
@@ -238,6 +275,7 @@ class Trainer:
             optimizer=p.learner.optimizer,
             scheduler=p.learner.scheduler,
             loop_state=dataclasses.asdict(self.state),
+            record=record,
             keep=self.cfg.checkpoint.keep_last,
         )
 
@@ -246,13 +284,22 @@ class Trainer:
         p, ckpt_cfg = self.parts, self.cfg.checkpoint
         path = checkpoint.latest_checkpoint(ckpt_cfg.dir) if ckpt_cfg.dir and ckpt_cfg.resume else None
         if path is not None:
+            saved = read_saved_run(path)
+            same_layout = saved.world_size == self.runtime.world_size and (saved.config or {}).get(
+                "parallel"
+            ) == to_dict(self.cfg.parallel)
             loop = checkpoint.load_checkpoint(
-                path, model=p.learner.model, optimizer=p.learner.optimizer, scheduler=p.learner.scheduler
+                path,
+                model=p.learner.model,
+                optimizer=p.learner.optimizer,
+                scheduler=p.learner.scheduler,
+                restore_rng=same_layout,
             )
             self.state = LoopState(**loop)
             p.data.load_state_dict(self.state.data)
             p.learner.load_dgg_state(self.state.dgg)
-            p.telemetry.event("resumed", {"checkpoint": str(path), "step": self.state.step})
+            fields = {"checkpoint": str(path), "step": self.state.step, "rng_restored": same_layout}
+            p.telemetry.event("resumed", fields)
         p.syncer.full_sync([p.pool, p.dense_pool], version=self.state.sync_version)
 
     def _summary(
@@ -267,6 +314,9 @@ class Trainer:
             checkpoint_path=ckpt,
             hf_path=hf,
             message=message,
+            first_step=self._first_step,
+            seconds=time.monotonic() - self._started,
+            rewards=(self._rewards[0], self._rewards[-1]) if self._rewards else None,
         )
 
 
