@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 import torch
-from e2e_support import PY, REPO, make_assets, metrics, subprocess_env, write_config
+from e2e_support import REPO, make_assets, metrics, subprocess_env, write_config
 from safetensors.torch import load_file
 
 from sparserl_mcore.parallel.launch import launch_local, torchrun_command
@@ -51,7 +51,7 @@ def _rank_process(torchrun: subprocess.Popen, rank: int, timeout: float = 120) -
 def _wait_step(root, name: str, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, "run ended before step {step}"
+        assert proc.poll() is None, f"run ended before step {step}"
         try:
             if any(r.get("step") == step and "rollout/reward_mean" in r for r in metrics(root, name)):
                 return
