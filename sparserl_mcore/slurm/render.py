@@ -210,7 +210,7 @@ for node in "${ROLLOUTS[@]}"; do
 done
 echo "sparserl job: ${#URLS[@]} $ROLLOUT_SERVER rollout servers on ${ROLLOUTS[*]}"
 srun --nodes="$ROLLOUT_NODES" --nodelist="$(join "${ROLLOUTS[@]}")" --ntasks-per-node="$SERVERS_PER_NODE" \
-    --open-mode=append --output="$LOGS/rollout-%N-%t.log" \
+    --ntasks=$((ROLLOUT_NODES * SERVERS_PER_NODE)) --open-mode=append --output="$LOGS/rollout-%N-%t.log" \
     python -m launchers.rollout --config "$CONFIG" --server "$ROLLOUT_SERVER" --device "$ROLLOUT_DEVICE" \
     --port "$ROLLOUT_PORT" &
 ROLLOUT_PID=$!
@@ -239,7 +239,7 @@ if [ -z "$STOP_SIGNAL" ]; then
     echo "sparserl job: learners on ${LEARNERS[*]}, rendezvous $MASTER_ADDR:$MASTER_PORT, logs in $LOGS"
     # shellcheck disable=SC2016  # $@ is expanded by the inner bash, on the node
     srun --nodes="$LEARNER_NODES" --nodelist="$(join "${LEARNERS[@]}")" --ntasks-per-node=1 \
-        --kill-on-bad-exit=1 --open-mode=append --output="$LOGS/learner-%N.log" \
+        --ntasks="$LEARNER_NODES" --kill-on-bad-exit=1 --open-mode=append --output="$LOGS/learner-%N.log" \
         bash -c 'trap "" USR1; exec "$@"' torchrun-agent \
         torchrun --nnodes="$LEARNER_NODES" --nproc-per-node="$RANKS_PER_NODE" \
         --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
