@@ -214,9 +214,12 @@ srun --nodes="$ROLLOUT_NODES" --nodelist="$(join "${ROLLOUTS[@]}")" --ntasks-per
     python -m launchers.rollout --config "$CONFIG" --server "$ROLLOUT_SERVER" --device "$ROLLOUT_DEVICE" \
     --port "$ROLLOUT_PORT" &
 ROLLOUT_PID=$!
+healthy() {  # GET <url>/health answers 200 (python: no curl needed on the nodes)
+    python -c 'import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=5)' "$1/health" 2>/dev/null
+}
 deadline=$((SECONDS + SERVER_START_TIMEOUT_S))
 for url in "${URLS[@]}"; do
-    until curl -sf -o /dev/null "$url/health"; do
+    until healthy "$url"; do
         kill -0 "$ROLLOUT_PID" 2>/dev/null || fail "rollout servers exited: see $LOGS/rollout-*.log"
         if [ "$SECONDS" -ge "$deadline" ]; then
             kill "$ROLLOUT_PID" 2>/dev/null || true
