@@ -150,7 +150,7 @@ def _environment() -> str:
 
 
 _COMMON = r"""fail() { echo "sparserl job: $*" >&2; exit 1; }
-for tool in sparserl torchrun python; do
+for tool in torchrun python; do
     command -v "$tool" >/dev/null || fail "$tool is not on PATH: activate the project's environment first"
 done
 [ -f "$CONFIG" ] || fail "$CONFIG is missing: render the job again with sparserl slurm"
@@ -247,7 +247,7 @@ if [ -z "$STOP_SIGNAL" ]; then
         torchrun --nnodes="$LEARNER_NODES" --nproc-per-node="$RANKS_PER_NODE" \
         --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
         --max-restarts=0 --shutdown-timeout="$STOP_BEFORE_S" \
-        --no-python sparserl train --config "$CONFIG" "${TOPOLOGY[@]}" &
+        --module launchers.train --config "$CONFIG" "${TOPOLOGY[@]}" &
     LEARNER_PID=$!
     wait_step "$LEARNER_PID"
 fi
