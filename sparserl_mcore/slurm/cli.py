@@ -59,7 +59,6 @@ class Job:
     config_yaml: str
     script_path: Path
     config_path: Path
-    layout: object
 
 
 def build_job(args: argparse.Namespace) -> Job:
@@ -92,7 +91,7 @@ def build_job(args: argparse.Namespace) -> Job:
     config_path = Path(run_dir) / CONFIG_NAME
     script = render(job_cfg, layout, run_dir=run_dir, config_path=str(config_path), command=_command(args))
     script_path = Path(args.out) if args.out else Path(run_dir) / SCRIPT_NAME
-    return Job(script, to_yaml(cfg), script_path, config_path, layout)
+    return Job(script, to_yaml(cfg), script_path, config_path)
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -142,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     write_job(job)
     print(f"sparserl slurm: wrote {job.script_path} (runs {job.config_path})")
-    if args.dry_run:
+    if args.dry_run or sbatch is None:
         print(f"submit with: sbatch {shlex.quote(str(job.script_path))}")
         return 0
     proc = subprocess.run([sbatch, "--parsable", str(job.script_path)], capture_output=True, text=True)
