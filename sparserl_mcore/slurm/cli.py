@@ -64,11 +64,13 @@ class Job:
 def build_job(args: argparse.Namespace) -> Job:
     """Validate and render without writing anything. Raises ConfigError / LayoutError."""
     from sparserl_mcore.config import load_config, to_yaml
-    from sparserl_mcore.slurm.layout import SlurmLayout, check_layout
+    from sparserl_mcore.slurm.layout import LayoutError, SlurmLayout, check_layout
     from sparserl_mcore.slurm.render import render, topology_overrides
 
     cfg = load_config(args.config, args.overrides)
     run_dir = cfg.telemetry.dir.rstrip("/")
+    if any(c.isspace() for c in run_dir):
+        raise LayoutError(f"telemetry.dir={run_dir!r}: the job's #SBATCH --output cannot hold whitespace")
     ranks = args.ranks_per_node if args.ranks_per_node is not None else max(args.gpus_per_node, 1)
     layout = SlurmLayout(
         learner_nodes=args.learner_nodes,
@@ -95,23 +97,15 @@ def build_job(args: argparse.Namespace) -> Job:
 
 
 def _command(args: argparse.Namespace) -> str:
-    """The command line in canonical form (deterministic: the checked-in examples compare equal)."""
+    """The command line in canonical form, options at their defaults left out (deterministic: the
+    checked-in examples compare equal)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
     words = ["sparserl", "slurm", "--config", args.config, "--learner-nodes", str(args.learner_nodes)]
-    defaults = {
-        "rollout_nodes": 0,
-        "gpus_per_node": 8,
-        "ranks_per_node": None,
-        "partition": None,
-        "time": "24:00:00",
-        "stop_before": 900,
-        "job_name": None,
-        "rollout_server": "auto",
-        "rollout_port": 30000,
-    }
-    for name, default in defaults.items():
-        value = getattr(args, name)
-        if value != default:
-            words += [f"--{name.replace('_', '-')}", str(value)]
+    for name, value in vars(args).items():
+        if name not in ("config", "learner_nodes", "overrides", "out", "dry_run"):
+            if value != parser.get_default(name):
+                words += [f"--{name.replace('_', '-')}", str(value)]
     return shlex.join([*words, *args.overrides])
 
 

@@ -36,15 +36,15 @@ class SlurmLayout:
     """
 
     learner_nodes: int
-    rollout_nodes: int = 0
-    gpus_per_node: int = 8
-    ranks_per_node: int = 8
-    partition: str | None = None
-    time: str = "24:00:00"
-    stop_before_s: int = 900
-    job_name: str = "sparserl"
-    rollout_server: RolloutServer = "auto"
-    rollout_port: int = 30000
+    rollout_nodes: int
+    gpus_per_node: int
+    ranks_per_node: int
+    partition: str | None
+    time: str
+    stop_before_s: int
+    job_name: str
+    rollout_server: RolloutServer
+    rollout_port: int
     server_start_timeout_s: int = 1800
 
     @property

@@ -74,21 +74,23 @@ def _header(cfg: RunConfig, layout: SlurmLayout, command: str) -> str:
         f"{layout.learner_ranks} ranks: TP={par.tensor_model_parallel_size} x "
         f"PP={par.pipeline_model_parallel_size} x CP={par.context_parallel_size}, DP={dp}.",
     ]
-    if layout.rollout_nodes:
-        rtp = cfg.rollout.tensor_parallel_size
-        lines.append(
-            f"# Rollouts: {layout.rollout_nodes} node(s): SGLang servers of TP={rtp} "
-            f"({layout.ranks_per_node // rtp} per node) when sglang imports, else `sparserl serve` "
-            f"({layout.ranks_per_node} per node)."
-        )
-    else:
-        lines.append("# Rollouts: colocated, the embedded engine on learner rank 0.")
+    lines.append(f"# Rollouts: {_rollout_summary(cfg, layout)}.")
     lines += [
         f"# Stops: USR1 {layout.stop_before_s} s before the time limit, or TERM: the trainer "
         "checkpoints at its next",
         "# step boundary and exits 0; after USR1 the job requeues itself and resumes there.",
     ]
     return "\n".join(lines)
+
+
+def _rollout_summary(cfg: RunConfig, layout: SlurmLayout) -> str:
+    if not layout.rollout_nodes:
+        return "colocated, the embedded engine on learner rank 0"
+    rtp, n = cfg.rollout.tensor_parallel_size, layout.ranks_per_node
+    sglang = f"SGLang servers of TP={rtp} ({n // rtp} per node)"
+    embedded = f"`sparserl serve` ({n} per node)"
+    kinds = {"sglang": sglang, "embedded": embedded, "auto": f"{sglang} if sglang imports, else {embedded}"}
+    return f"{layout.rollout_nodes} node(s): {kinds['embedded' if layout.cpu else layout.rollout_server]}"
 
 
 def _sbatch_lines(layout: SlurmLayout, run_dir: str) -> str:
