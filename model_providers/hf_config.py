@@ -210,21 +210,22 @@ def parse_hf_config(source: Mapping[str, Any] | str | Path) -> HFModelConfig:
     hf = load_hf_config(source)
     where = "the HF config" if isinstance(source, Mapping) else str(source)
     try:
-        return _parse(hf)
+        return _parse(hf, source)
     except KeyError as exc:
         raise ValueError(f"{where}: config.json lacks the required field {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
 
 
-def _parse(hf: dict[str, Any]) -> HFModelConfig:
+def _parse(hf: dict[str, Any], source: Mapping[str, Any] | str | Path) -> HFModelConfig:
     arch = resolve_arch(hf)
     traits = ARCHITECTURES[arch]
     _check_unsupported(hf, arch)
     theta, scaling = _rope(hf, arch)
     missing = [k for k in _REQUIRED if k not in hf]
     if missing:
-        raise ValueError(f"HF config ({_where(source)}) lacks {missing}; a {arch} config.json has them")
+        fields = ", ".join(repr(k) for k in missing)
+        raise ValueError(f"config.json lacks the required field{'s' * (len(missing) > 1)} {fields}")
     num_heads = int(hf["num_attention_heads"])
     num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
     if num_heads % num_kv_heads:
@@ -254,7 +255,3 @@ def _parse(hf: dict[str, Any]) -> HFModelConfig:
 
 
 _REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
-
-
-def _where(source: Mapping[str, Any] | str | Path) -> str:
-    return "a dict" if isinstance(source, Mapping) else str(source)

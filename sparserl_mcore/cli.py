@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "run the embedded rollout engine behind an SGLang-style HTTP API",
     ),
     "train": ("sparserl_mcore.trainer.cli", "RL training from a YAML config with dotted overrides"),
+    "slurm": ("sparserl_mcore.slurm.cli", "render (and submit) the sbatch job of a run config"),
     "demo": ("sparserl_mcore.demo", "the small end-to-end CPU run behind `make demo`"),
 }
 

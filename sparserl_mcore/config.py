@@ -249,11 +249,14 @@ class RolloutConfig:
     (or SGLang) servers at `urls` over HTTP. token_env names an environment variable holding the
     servers' bearer token (the token itself never sits in a config file).
     request_timeout_s / max_retries bound how long a dead or hung engine can stall a step.
+    tensor_parallel_size: GPUs per rollout server (SGLang's --tp-size) where servers are started
+    for the run (`sparserl slurm`); the embedded engine runs on one device.
     """
 
     engine: Literal["embedded", "remote"] = "embedded"
     urls: tuple[str, ...] = ()
     token_env: str | None = None
+    tensor_parallel_size: int = 1
     group_size: int = 8
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     kv: KVCompressionConfig = dataclasses.field(default_factory=KVCompressionConfig)
@@ -271,7 +274,7 @@ class RolloutConfig:
             )
         if any(not u.startswith(("http://", "https://")) for u in self.urls):
             raise ValueError(f"urls={list(self.urls)}: each must start with http:// or https://")
-        _positive(self, "request_timeout_s")
+        _positive(self, "request_timeout_s", "tensor_parallel_size")
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries}: must be >= 0")
 

@@ -271,7 +271,7 @@ def test_sigkill_of_sparserl_convert_then_the_next_writer_clears_its_temp(tmp_pa
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _ranks_of(launcher, "launchers.convert", 2)
+        _ranks_of(launcher, "sparserl_mcore.launch.convert", 2)
         everyone = psutil.Process(launcher.pid).children(recursive=True)
         launcher.kill()
         assert _gone([p.pid for p in everyone]) == []

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> tuple[list[str], int]:
     """Validate everything that can be checked without ranks; return the launcher argv and nproc."""
     from sparserl_mcore.ckpt.atomic import check_output_dir
+    from sparserl_mcore.ckpt.preflight import check_mcore_checkpoint
 
     check_output_dir(args.out, overwrite=args.overwrite)
     if args.dtype not in (None, "float32", "bfloat16"):
@@ -74,7 +75,7 @@ def _prepare(args: argparse.Namespace) -> tuple[list[str], int]:
         preflight_hf(args.hf_dir, tp, pp, args.dtype)
         argv = ["hf-to-mcore", "--hf-dir", str(args.hf_dir)]
     else:
-        tp, pp = preflight_mcore(args.mcore_dir, args.tp, args.pp, args.hf_config_dir)
+        tp, pp = check_mcore_checkpoint(args.mcore_dir, args.tp, args.pp, args.hf_config_dir)
         argv = ["mcore-to-hf", "--mcore-dir", str(args.mcore_dir)]
         argv += ["--max-shard-bytes", str(parse_size(args.max_shard_size))]
         if args.hf_config_dir:
@@ -112,35 +113,6 @@ def preflight_hf(hf_dir: str | pathlib.Path, tp: int, pp: int, dtype: str | None
     stored = HFCheckpoint(hf_dir).config_dtype()
     if (dtype or stored or "float32") not in ("float32", "bfloat16"):
         raise ValueError(f"{hf_dir} stores dtype {stored!r}; convert with --dtype float32 or bfloat16")
-
-
-def preflight_mcore(
-    mcore_dir: str | pathlib.Path,
-    tp: int | None,
-    pp: int | None,
-    hf_config_dir: str | None,
-    label: str = "--hf-config-dir",
-) -> tuple[int, int]:
-    """Readable metadata, a layout the model allows, and a matching HF config (`label` names its
-    flag in errors); returns (tp, pp)."""
-    from model_providers.hf_config import parse_hf_config
-    from sparserl_mcore.ckpt.dist_ckpt import HF_SUBDIR, McoreCheckpointMeta
-    from sparserl_mcore.parallel.config import ParallelConfig
-
-    meta = McoreCheckpointMeta.read(mcore_dir)
-    tp, pp = tp or meta.tensor_model_parallel_size, pp or meta.pipeline_model_parallel_size
-    hf = parse_hf_config(pathlib.Path(mcore_dir) / HF_SUBDIR)
-    ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate_model(
-        num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads
-    )
-    if meta.padded_vocab_size % tp:
-        raise ValueError(f"--tp {tp} does not divide the checkpoint's padded vocab {meta.padded_vocab_size}")
-    if hf_config_dir is not None:
-        given = parse_hf_config(hf_config_dir)
-        diff = [f for f in type(hf).__dataclass_fields__ if getattr(hf, f) != getattr(given, f)]
-        if diff:
-            raise ValueError(f"{label} {hf_config_dir} does not match the checkpoint: fields {diff} differ")
-    return tp, pp
 
 
 def parse_size(text: str) -> int:

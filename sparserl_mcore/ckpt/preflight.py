@@ -45,3 +45,30 @@ def check_hf_checkpoint(
     if tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{where}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
     return hf
+
+
+def check_mcore_checkpoint(
+    mcore_dir: str | os.PathLike,
+    tp: int | None,
+    pp: int | None,
+    hf_config_dir: str | None,
+    label: str = "--hf-config-dir",
+) -> tuple[int, int]:
+    """Readable metadata, a layout the model allows, and a matching HF config (`label` names its
+    flag in errors); returns (tp, pp)."""
+    from sparserl_mcore.ckpt.dist_ckpt import HF_SUBDIR, McoreCheckpointMeta
+
+    meta = McoreCheckpointMeta.read(mcore_dir)
+    tp, pp = tp or meta.tensor_model_parallel_size, pp or meta.pipeline_model_parallel_size
+    hf = parse_hf_config(Path(mcore_dir) / HF_SUBDIR)
+    ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate_model(
+        num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads
+    )
+    if meta.padded_vocab_size % tp:
+        raise ValueError(f"--tp {tp} does not divide the checkpoint's padded vocab {meta.padded_vocab_size}")
+    if hf_config_dir is not None:
+        given = parse_hf_config(hf_config_dir)
+        diff = [f for f in type(hf).__dataclass_fields__ if getattr(hf, f) != getattr(given, f)]
+        if diff:
+            raise ValueError(f"{label} {hf_config_dir} does not match the checkpoint: fields {diff} differ")
+    return tp, pp

@@ -42,13 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def preflight(args: argparse.Namespace) -> None:
     """H a complete checkpoint with a tokenizer; M readable, converted from H's model, and loadable
     at (--tp, --pp). Raises ValueError (or OSError) naming the problem."""
-    from sparserl_mcore.ckpt.preflight import check_hf_checkpoint
-    from sparserl_mcore.ckpt.cli import preflight_mcore
+    from sparserl_mcore.ckpt.preflight import check_hf_checkpoint, check_mcore_checkpoint
 
     check_hf_checkpoint(args.hf_dir, label="--hf-dir", tokenizer=True)
     if not pathlib.Path(args.mcore_dir).is_dir():
         raise ValueError(f"--mcore-dir {args.mcore_dir}: no such directory")
-    preflight_mcore(args.mcore_dir, args.tp, args.pp, hf_config_dir=args.hf_dir, label="--hf-dir")
+    check_mcore_checkpoint(args.mcore_dir, args.tp, args.pp, hf_config_dir=args.hf_dir, label="--hf-dir")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,6 +4,9 @@
     -> dense pi_old (+ pi_ref) recompute -> up to K update epochs with DGG -> sparse weight sync
     -> periodic eval (dense and compressed KV) -> metrics -> checkpoint
 
+Before each step the ranks agree whether a stop signal (SIGUSR1 ahead of a Slurm time limit,
+SIGTERM) arrived anywhere; if so they checkpoint and end cleanly (trainer/preemption.py).
+
 Collective discipline: every rank walks the same steps in the same order; whatever only the host
 rank knows (samples, rewards, engine failures, eval scores) reaches the others by broadcast.
 """
@@ -25,6 +28,7 @@ from sparserl_mcore.telemetry import RunProgress
 from sparserl_mcore.trainer import checkpoint
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
+from sparserl_mcore.trainer.preemption import StopRequest
 from sparserl_mcore.trainer.rollouts import generate_and_score
 from sparserl_mcore.trainer.run_record import read_saved_run
 from sparserl_mcore.trainer.setup import Parts, build_parts
@@ -98,6 +102,7 @@ class Trainer:
         self._started = time.monotonic()
         self._first_step = 0
         self._rewards: list[float] = []  # mean reward of this run's first and latest step
+        self._saved_step = -1  # step of the last checkpoint this process wrote
 
     # -- the run -------------------------------------------------------------------------------
     def fit(self) -> RunSummary:
@@ -109,9 +114,10 @@ class Trainer:
             self.progress = bars
             if p.pool is not None:
                 p.pool.on_chunk_done = bars.advance_rollouts
-            return self._fit()
+            with StopRequest() as stop:
+                return self._fit(stop)
 
-    def _fit(self) -> RunSummary:
+    def _fit(self, stop: StopRequest) -> RunSummary:
         self.resume()
         self._first_step = self.state.step
         self.progress.step_done(self.state.step)
@@ -120,6 +126,9 @@ class Trainer:
             self._log_eval()
         try:
             while self.state.step < self.cfg.train.steps:
+                signum = stop.agreed(self.runtime.device)  # collective, at every step boundary
+                if signum is not None:
+                    return self._stopped(signum.name)
                 self.step()
                 if self._checkpoint_due():
                     self.save()
@@ -255,6 +264,16 @@ class Trainer:
             "train/skipped_nonfinite": float(skipped),
         }
 
+    def _stopped(self, reason: str) -> RunSummary:
+        """A stop signal was agreed: checkpoint this step (unless just saved) and end cleanly."""
+        step, ckpt_dir = self.state.step, self.cfg.checkpoint.dir
+        ckpt = None
+        if ckpt_dir:
+            ckpt = self.save() if self._saved_step != step else checkpoint.latest_checkpoint(ckpt_dir)
+        self.parts.telemetry.event("stopped", {"reason": reason, "step": step, "checkpoint": str(ckpt)})
+        then = "rerun the same command to resume" if ckpt else "no checkpoint.dir: nothing saved"
+        return self._summary(EXIT_OK, ckpt, message=f"stopped by {reason} after step {step}; {then}")
+
     def _checkpoint_due(self) -> bool:
         every = self.cfg.checkpoint.every
         return bool(every) and self.state.step % every == 0 and self.state.step < self.cfg.train.steps
@@ -268,6 +287,7 @@ class Trainer:
         self.state.data = p.data.state_dict()
         self.state.dgg = p.learner.dgg_state()
         record = {"config": to_dict(self.cfg), "world_size": self.runtime.world_size, "data": self.state.data}
+        self._saved_step = self.state.step
         return checkpoint.save_checkpoint(
             self.cfg.checkpoint.dir,
             self.state.step,
