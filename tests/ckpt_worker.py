@@ -68,7 +68,7 @@ def reshard(hf_dir: str, work: pathlib.Path) -> None:
     rt = _runtime(1, 1)
     try:
         spec = build_spec(hf_dir, rt.parallel)
-        model = build_model(spec, pre_process=True, post_process=True)
+        model = build_model(spec, device=rt.device, pre_process=True, post_process=True)
         load_hf_weights(model, layout_for(spec), hf_dir, tp_rank=0, pp_rank=0)
         logits = _logits(model, rt, spec.vocab_size)
         if rt.rank == 0:
@@ -80,7 +80,9 @@ def reshard(hf_dir: str, work: pathlib.Path) -> None:
         rt = _runtime(tp, pp)
         try:
             spec = spec_for_checkpoint(mcore, rt.parallel)
-            model = build_model(spec, pre_process=rt.is_first_stage, post_process=rt.is_last_stage)
+            model = build_model(
+                spec, device=rt.device, pre_process=rt.is_first_stage, post_process=rt.is_last_stage
+            )
             load_dist(model, mcore)
             logits = _logits(model, rt, spec.vocab_size)
             if rt.is_last_stage and rt.tp_rank == 0 and rt.dp_rank == 0:

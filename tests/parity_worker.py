@@ -54,7 +54,11 @@ def parity(rt, hf_dir: str) -> dict | None:
 
     spec = build_spec(hf_dir, rt.parallel, params_dtype="float32")
     model = build_model(
-        spec, pre_process=rt.is_first_stage, post_process=rt.is_last_stage, pg_collection=rt.groups
+        spec,
+        device=rt.device,
+        pre_process=rt.is_first_stage,
+        post_process=rt.is_last_stage,
+        pg_collection=rt.groups,
     )
     load_hf_weights(model, layout_for(spec), hf_dir, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank)
     model.eval()

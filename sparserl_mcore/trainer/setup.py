@@ -94,7 +94,7 @@ def build_learner(cfg: RunConfig, runtime: Any) -> Learner:
     spec, model = learner_lib.build_model(cfg.model.hf_path, cfg.model.params_dtype, runtime)
     layout = layout_for(spec)
     load_hf_weights(model, layout, cfg.model.hf_path, tp_rank=runtime.tp_rank, pp_rank=runtime.pp_rank)
-    ddp = learner_lib.wrap_ddp(model, spec, runtime)
+    ddp = learner_lib.wrap_ddp(model, spec, runtime, distributed_optimizer=cfg.optimizer.distributed)
     optimizer, scheduler = learner_lib.build_optimizer(ddp, cfg.optimizer, spec, runtime)
     return Learner(
         model=ddp,
