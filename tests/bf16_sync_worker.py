@@ -1,11 +1,12 @@
 """Multi-rank half of tests/test_trainer_bf16_sync.py: the trainer's own bf16 learner and sync.
 
-    torchrun --nproc_per_node 2 tests/bf16_sync_worker.py CONFIG.yaml OUT_DIR
+    torchrun --nproc_per_node 2 tests/bf16_sync_worker.py CONFIG.yaml OUT_DIR [KEY=VALUE ...]
 
 Builds the learner exactly as `sparserl train` does (`trainer.setup.build_learner`: bf16 params,
 fp32 master weights in megatron's distributed optimizer, TP=2), and the trainer's `WeightSyncer`
-feeding a real embedded engine holding bf16 weights (host rank). After a full sync, two RL updates
-(`loss.megatron_step.train_on_batch`, the trainer's update) are each followed by a sparse sync.
+feeding a real embedded engine holding bf16 weights (host rank, on the rank's device). After a
+full sync, two RL updates (`loss.megatron_step.train_on_batch`, the trainer's update) are each
+followed by a sparse sync.
 Then the learner exports HF safetensors (`Learner.export_hf`, a dense gather independent of the
 sync), and the host compares the engine's weights with that export bit for bit.
 Results: OUT_DIR/result.json (host rank).
@@ -20,46 +21,12 @@ import sys
 import torch
 
 
-def rl_update(learner, rt, seed: int) -> dict:
-    """One trainer update on random tokens; the sampler log-probs are the current policy's."""
-    from sparserl_mcore.loss import megatron_step
-
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(3, 90, (8, 16), generator=g)
-    mask = torch.ones_like(tokens, dtype=torch.float32)
-    mask[:, :4] = 0
-    cfg = learner.update_cfg
-    logp = megatron_step.compute_logprobs(
-        learner.model,
-        tokens,
-        micro_batch_size=cfg.micro_batch_size,
-        temperature=cfg.temperature,
-        vocab_size=cfg.vocab_size,
-        runtime=rt,
-    )
-    batch = megatron_step.UpdateBatch(
-        tokens_BT=tokens,
-        mask_BT=mask,
-        advantages_B=torch.randn(8, generator=g),
-        logp_sparse_BT=(logp.cpu() * mask),
-    )
-    result = megatron_step.train_on_batch(
-        learner.model,
-        learner.optimizer,
-        batch,
-        cfg=cfg,
-        gate=learner.gate,
-        runtime=rt,
-        scheduler=learner.scheduler,
-    )
-    return result.metrics
-
-
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def main() -> int:
+    from learner_support import rl_update
     from safetensors.torch import load_file
 
     from sparserl_mcore.config import load_config
@@ -71,16 +38,17 @@ def main() -> int:
     from sparserl_mcore.trainer.setup import build_learner
     from sparserl_mcore.trainer.weight_sync import WeightSyncer
 
-    cfg = load_config(sys.argv[1], ["model.params_dtype=bf16"])
+    cfg = load_config(sys.argv[1], ["model.params_dtype=bf16", *sys.argv[3:]])
     out = pathlib.Path(sys.argv[2])
     rt = initialize(cfg.parallel, seed=cfg.train.seed)
     try:
         learner = build_learner(cfg, rt)
         dtypes = {str(p.dtype) for p in unwrap_model(learner.model).parameters()}
+        learner_devices = {str(p.device) for p in unwrap_model(learner.model).parameters()}
         events: list = []
         pool = None
         if rt.rank == 0:
-            engine = EmbeddedEngine(cfg.model.hf_path, EngineConfig(device="cpu", dtype="bfloat16"))
+            engine = EmbeddedEngine(cfg.model.hf_path, EngineConfig(device=str(rt.device), dtype="bfloat16"))
             pool = EnginePool({"engine": engine}, PoolConfig(), lambda kind, data: events.append(kind))
         syncer = WeightSyncer(
             learner.model, learner.layout, rt, cfg.sync.codec, lambda k, d: events.append(k)
@@ -99,6 +67,7 @@ def main() -> int:
                 base.update(load_file(f))
             held = engine.model.params
             result = {
+                "devices": sorted({str(rt.device), str(next(iter(held.values())).device), *learner_devices}),
                 "learner_dtypes": sorted(dtypes),
                 "optimizers": sorted({type(o).__name__ for o in leaf_optimizers(learner.optimizer)}),
                 "updates": updates,
@@ -107,7 +76,7 @@ def main() -> int:
                 "engine_version": engine.scheduler.weight_version,
                 "names_equal": sorted(held) == sorted(want),
                 "export_dtypes": sorted({str(t.dtype) for t in want.values()}),
-                "mismatched": [n for n in want if n not in held or not _same_bits(held[n], want[n])],
+                "mismatched": [n for n in want if n not in held or not _same_bits(held[n].cpu(), want[n])],
                 "changed_vs_base": sum(not _same_bits(t, base[n].to(t.dtype)) for n, t in want.items()),
             }
             (out / "result.json").write_text(json.dumps(result))

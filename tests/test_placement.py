@@ -80,3 +80,31 @@ def test_converter_builds_on_the_runtime_device(runtime, checkpoints):
     on_meta = dataclasses.replace(runtime, device=META)
     spec = build_spec(checkpoints["qwen3"], runtime.parallel, params_dtype="bfloat16")
     assert misplaced(convert.build_for_load(spec, on_meta), META, torch.bfloat16) == []
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_the_gpu_model_config_runs_and_matches_hf_on_cpu(runtime, checkpoints, arch):
+    """build_spec(cpu=False), what a GPU run builds (fused bias-SwiGLU and bias-dropout-add, params
+    allocated on the current device), run here under the CPU execution mode: same logits as HF."""
+    from transformers import AutoModelForCausalLM
+
+    from sparserl_mcore.ckpt.hf_io import load_hf_weights
+    from sparserl_mcore.ckpt.layout import layout_for
+    from sparserl_mcore.parallel.forward import forward_logits
+
+    spec = build_spec(checkpoints[arch], runtime.parallel, params_dtype="float32", cpu=False)
+    assert spec.config.bias_activation_fusion and not spec.config.use_cpu_initialization
+    model = build_model(spec, device=runtime.device, pre_process=True, post_process=True)
+    load_hf_weights(model, layout_for(spec), checkpoints[arch], tp_rank=0, pp_rank=0)
+    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    got = forward_logits(
+        model.eval(), tokens, micro_batch_size=1, vocab_size=spec.vocab_size, groups=runtime.groups
+    )
+    want = (
+        AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.float32)
+        .eval()(input_ids=tokens)
+        .logits
+    )
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    model.train()(tokens, torch.arange(12).unsqueeze(0), None).float().square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -9,6 +9,7 @@ itself and streams its output.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sparserl train: {exc}", file=sys.stderr)
         return 2
+    problem = resume_problem(cfg, args.nproc)
+    if problem:
+        print(f"sparserl train: {problem}", file=sys.stderr)
+        return 2
     if args.nproc is not None:
         return launch(args.config, _overrides(args), args.nproc)
     from sparserl_mcore.trainer.loop import train
@@ -45,7 +50,33 @@ def run(args: argparse.Namespace) -> int:
     summary = train(cfg)
     if summary.message:
         print(f"sparserl train: {summary.message}", file=sys.stderr)
+    _arm_exit_watchdog()
     return summary.exit_code
+
+
+EXIT_GRACE_S = 30.0
+
+
+def _arm_exit_watchdog() -> None:
+    """The run is over (engines closed, process groups destroyed): if this process is still alive
+    EXIT_GRACE_S later, something outside the run holds it (a foreign non-daemon thread, a child
+    process, a driver teardown). Then every thread's stack goes to stderr and the process exits
+    with status 1, instead of lingering unseen."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
+
+
+def resume_problem(cfg, nproc: int | None) -> str | None:
+    """Why this run cannot resume its checkpoint directory's latest checkpoint (checked before any
+    rank starts); None when it can or when there is nothing to resume."""
+    from sparserl_mcore.trainer.run_layout import check_resumable, latest_checkpoint, requested_layout
+
+    path = latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.dir and cfg.checkpoint.resume else None
+    if path is None:
+        return None
+    world = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    return check_resumable(path, requested_layout(cfg, world))
 
 
 def launch(config: str, overrides: list[str], nproc: int) -> int:

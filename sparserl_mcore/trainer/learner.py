@@ -26,13 +26,24 @@ PARAMS_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # run config name -> bu
 
 
 def build_model(
-    hf_path: str, params_dtype: str, runtime: Runtime
+    hf_path: str, params_dtype: str, runtime: Runtime, *, padded_vocab_size: int | None = None
 ) -> tuple[model_providers.ModelSpec, torch.nn.Module]:
     """This rank's GPTModel stage on the runtime's device, parameters in `params_dtype` ("fp32" or
-    "bf16", on CPU as on GPU), random weights: the caller loads the HF checkpoint into it."""
+    "bf16", on CPU as on GPU), random weights: the caller loads the HF checkpoint into it.
+    `padded_vocab_size`: keep a checkpoint's padded vocabulary (a resume at another TP size)."""
+    tp = runtime.parallel.tensor_model_parallel_size
     spec = model_providers.build_spec(
-        hf_path, runtime.parallel, params_dtype=PARAMS_DTYPES[params_dtype], cpu=runtime.cpu
+        hf_path,
+        runtime.parallel,
+        params_dtype=PARAMS_DTYPES[params_dtype],
+        cpu=runtime.cpu,
+        vocab_multiple=padded_vocab_size // tp if padded_vocab_size else 128,
     )
+    if padded_vocab_size and spec.padded_vocab_size != padded_vocab_size:
+        raise ValueError(
+            f"padded vocabulary {padded_vocab_size} cannot hold {hf_path}'s vocabulary "
+            f"{spec.vocab_size} at TP={tp}"
+        )
     model = model_providers.build_model(
         spec,
         device=runtime.device,

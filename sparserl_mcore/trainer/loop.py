@@ -22,7 +22,7 @@ from sparserl_mcore import parallel
 from sparserl_mcore.config import RunConfig
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.telemetry import RunProgress
-from sparserl_mcore.trainer import checkpoint
+from sparserl_mcore.trainer import checkpoint, run_layout
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
 from sparserl_mcore.trainer.rollouts import generate_and_score
@@ -54,12 +54,17 @@ class RunSummary:
 
 
 def train(cfg: RunConfig) -> RunSummary:
-    """Initialise this rank, run the loop, tear down (also on error)."""
+    """Initialise this rank, run the loop, tear down (also on error): engines closed, process
+    groups destroyed, so nothing the run started outlives it."""
     runtime = parallel.initialize(cfg.parallel, seed=cfg.train.seed)
     try:
         from sparserl_mcore.trainer.setup import build_trainer
 
-        return build_trainer(cfg, runtime).fit()
+        trainer = build_trainer(cfg, runtime)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
     finally:
         parallel.shutdown()
 
@@ -67,8 +72,9 @@ def train(cfg: RunConfig) -> RunSummary:
 class Trainer:
     """Holds the parts built by `setup.build_trainer`; `fit` drives them step by step."""
 
-    def __init__(self, cfg: RunConfig, runtime: Any, parts: Any):
+    def __init__(self, cfg: RunConfig, runtime: Any, parts: Any, *, layout: Any, resume_from: Path | None):
         self.cfg, self.runtime, self.parts = cfg, runtime, parts
+        self.layout, self.resume_from = layout, resume_from  # run_layout.RunLayout; checkpoint or None
         self.state = LoopState()
         self._weights_changed = False  # an update was applied since the last sync
 
@@ -150,6 +156,12 @@ class Trainer:
         metrics.update(timer.metrics(), **{"train/rollouts": self.state.rollouts})
         p.telemetry.log(metrics, step=step)
         self.progress.step_done(step, info=f"reward {metrics['rollout/reward_mean']:.3f}")
+
+    def close(self) -> None:
+        """Release the engines (HTTP clients); the telemetry closes with the run's summary."""
+        for pool in (self.parts.pool, self.parts.dense_pool):
+            if pool is not None:
+                pool.close()
 
     # -- pieces ---------------------------------------------------------------------------------
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -238,21 +250,37 @@ class Trainer:
             optimizer=p.learner.optimizer,
             scheduler=p.learner.scheduler,
             loop_state=dataclasses.asdict(self.state),
+            layout=self.layout,
             keep=self.cfg.checkpoint.keep_last,
         )
 
     def resume(self) -> None:
         """Continue from the latest checkpoint (if any), then bring every engine to these weights."""
-        p, ckpt_cfg = self.parts, self.cfg.checkpoint
-        path = checkpoint.latest_checkpoint(ckpt_cfg.dir) if ckpt_cfg.dir and ckpt_cfg.resume else None
+        p, path = self.parts, self.resume_from
         if path is not None:
-            loop = checkpoint.load_checkpoint(
-                path, model=p.learner.model, optimizer=p.learner.optimizer, scheduler=p.learner.scheduler
+            loop, same_layout = checkpoint.load_checkpoint(
+                path,
+                model=p.learner.model,
+                optimizer=p.learner.optimizer,
+                scheduler=p.learner.scheduler,
+                layout=self.layout,
+                seed=self.cfg.train.seed,
+                pp_rank=self.runtime.pp_rank,
             )
             self.state = LoopState(**loop)
             p.data.load_state_dict(self.state.data)
             p.learner.load_dgg_state(self.state.dgg)
-            p.telemetry.event("resumed", {"checkpoint": str(path), "step": self.state.step})
+            saved = run_layout.saved_layout(path)
+            p.telemetry.event(
+                "resumed",
+                {
+                    "checkpoint": str(path),
+                    "step": self.state.step,
+                    "saved_layout": saved.describe() if saved else "unrecorded",
+                    "layout": self.layout.describe(),
+                    "rng": "restored" if same_layout else "re-seeded (new layout)",
+                },
+            )
         p.syncer.full_sync([p.pool, p.dense_pool], version=self.state.sync_version)
 
     def _summary(

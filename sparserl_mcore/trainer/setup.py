@@ -29,6 +29,7 @@ from sparserl_mcore.trainer.learner import unwrap_model
 from sparserl_mcore.trainer.loop import Trainer
 from sparserl_mcore.trainer.prompts import PromptData
 from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt
+from sparserl_mcore.trainer.run_layout import latest_checkpoint, requested_layout, saved_layout
 from sparserl_mcore.trainer.weight_sync import WeightSyncer
 
 
@@ -90,8 +91,11 @@ class Learner:
         return out_path
 
 
-def build_learner(cfg: RunConfig, runtime: Any) -> Learner:
-    spec, model = learner_lib.build_model(cfg.model.hf_path, cfg.model.params_dtype, runtime)
+def build_learner(cfg: RunConfig, runtime: Any, *, padded_vocab_size: int | None = None) -> Learner:
+    """The policy loaded from the HF checkpoint; `padded_vocab_size`: a checkpoint's, when resuming."""
+    spec, model = learner_lib.build_model(
+        cfg.model.hf_path, cfg.model.params_dtype, runtime, padded_vocab_size=padded_vocab_size
+    )
     layout = layout_for(spec)
     load_hf_weights(model, layout, cfg.model.hf_path, tp_rank=runtime.tp_rank, pp_rank=runtime.pp_rank)
     ddp = learner_lib.wrap_ddp(model, spec, runtime, distributed_optimizer=cfg.optimizer.distributed)
@@ -174,7 +178,9 @@ def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
     def reward_fn(sample: Any, prompt: Prompt) -> float:
         return float(reward(data.decode(sample.output_ids), prompt.answer))
 
-    learner = build_learner(cfg, runtime)
+    resume_from = resume_checkpoint(cfg)
+    saved = saved_layout(resume_from) if resume_from else None
+    learner = build_learner(cfg, runtime, padded_vocab_size=saved.padded_vocab_size if saved else None)
     syncer = WeightSyncer(
         learner.model,
         learner.layout,
@@ -197,4 +203,11 @@ def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
         telemetry=log,
         kv_bytes_per_token=kv_bytes_per_token(learner.spec, runtime),
     )
-    return Trainer(cfg, runtime, parts)
+    layout = requested_layout(cfg, runtime.world_size, learner.spec.padded_vocab_size)
+    return Trainer(cfg, runtime, parts, layout=layout, resume_from=resume_from)
+
+
+def resume_checkpoint(cfg: RunConfig) -> Path | None:
+    """The checkpoint this run continues from, if any (checkpoint.dir with resume on)."""
+    ckpt = cfg.checkpoint
+    return latest_checkpoint(ckpt.dir) if ckpt.dir and ckpt.resume else None
