@@ -118,7 +118,7 @@ class Trainer:
     def step(self) -> None:
         """One RL step, as a list of named steps."""
         cfg, p, step = self.cfg, self.parts, self.state.step + 1
-        timer = _Timer()
+        timer, started = _Timer(), time.perf_counter()
         prompts = p.data.next_prompts(cfg.train.prompts_per_step)
         self.progress.rollouts(len(prompts) * cfg.rollout.group_size)
         with timer("rollout"):
@@ -154,6 +154,7 @@ class Trainer:
                 metrics.update(self.evaluate())
         self.state.step, self.state.rollouts = step, self.state.rollouts + len(samples)
         metrics.update(timer.metrics(), **{"train/rollouts": self.state.rollouts})
+        metrics["time/step_s"] = time.perf_counter() - started
         p.telemetry.log(metrics, step=step)
         self.progress.step_done(step, info=f"reward {metrics['rollout/reward_mean']:.3f}")
 

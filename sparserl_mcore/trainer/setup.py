@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +123,9 @@ def build_reference(cfg: RunConfig, runtime: Any) -> torch.nn.Module | None:
     return model
 
 
-def build_engines(cfg: RunConfig, *, compressed: bool) -> dict[str, Any]:
-    """Host rank only: the rollout engines (compressed KV as configured) or a dense eval engine."""
+def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str, Any]:
+    """Host rank only: the rollout engines (compressed KV as configured) or a dense eval engine;
+    an embedded engine lives on `device`, the host rank's own (its learner's GPU on a GPU node)."""
     rc = cfg.rollout
     if rc.engine == "remote" and compressed:
         from sparserl_mcore.rollout.client import RemoteEngine
@@ -135,7 +137,8 @@ def build_engines(cfg: RunConfig, *, compressed: bool) -> dict[str, Any]:
 
     kv = rc.kv if compressed else KVCompressionConfig(method="none")
     name = "embedded" if compressed else "embedded-dense"
-    return {name: EmbeddedEngine(cfg.model.hf_path, EngineConfig(kv_compression=kv, seed=cfg.train.seed))}
+    engine_cfg = EngineConfig(device=str(device), kv_compression=kv, seed=cfg.train.seed)
+    return {name: EmbeddedEngine(cfg.model.hf_path, engine_cfg)}
 
 
 @dataclasses.dataclass
@@ -168,10 +171,11 @@ def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
         chunk_timeout_s=cfg.rollout.request_timeout_s,
         max_attempts=cfg.rollout.max_retries + 1,
     )
-    pool = EnginePool(build_engines(cfg, compressed=True), pool_cfg, log.event) if host else None
+    engines = partial(build_engines, cfg, device=runtime.device)
+    pool = EnginePool(engines(compressed=True), pool_cfg, log.event) if host else None
     dense_pool = None
     if host and cfg.eval.dense:
-        dense_pool = EnginePool(build_engines(cfg, compressed=False), pool_cfg, log.event)
+        dense_pool = EnginePool(engines(compressed=False), pool_cfg, log.event)
     data = PromptData(cfg.data, cfg.model.hf_path, seed=cfg.train.seed)
     reward = build_reward(cfg.reward.name, cfg.reward.kwargs)
 
