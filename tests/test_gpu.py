@@ -115,7 +115,7 @@ def test_three_steps_with_everything_on_then_resume(tmp_path):
         loss={"correction": {"mode": "sparse_rl"}},
         dgg={"enabled": True, "max_reuse": 2, "window": 2},
         checkpoint={"every": 1, "save_hf": None},
-        eval={"every": 0, "at_start": False},
+        eval={"every": 1, "at_start": False},  # inside each step: only the final save follows its line
     )
     _, first_exit = _train(cfg, 2)
     _, exit_s = _train(cfg, 3)

@@ -32,6 +32,12 @@ SMOKE: dict[str, Any] = {
     "vocab_size": 512,
 }
 
+
+def model_shape(smoke: bool) -> dict[str, Any]:
+    """The HF config (dict) every GPU benchmark uses: Qwen2.5-0.5B, or the smoke shape."""
+    return SMOKE if smoke else dict(QWEN25_05B)
+
+
 # Dense BF16 tensor-core peaks (no sparsity), FLOP/s, by a substring of the device name. Override
 # with --peak-tflops for other parts or clocks.
 PEAK_BF16_FLOPS = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ def _checkpoint(args, root: Path) -> Path:
 
     if args.hf_dir is not None:
         return args.hf_dir
-    hf = common.SMOKE if args.smoke else common.QWEN25_05B
+    hf = common.model_shape(args.smoke)
     cfg = TinyModelConfig(
         arch="qwen2",
         layers=hf["num_hidden_layers"],
@@ -77,7 +78,7 @@ def _engine_run(engine, prompts: list[list[int]], gen: int, temperature: float):
     from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
 
     params = SamplingParams(temperature=temperature, max_new_tokens=gen, ignore_eos=True)
-    requests = [GenerateRequest(input_ids=p, sampling=params) for p in prompts]
+    requests = [GenerateRequest(input_ids=tuple(p), sampling=params) for p in prompts]
 
     def run() -> int:
         engine.flush_cache()  # every timed run prefills, as HF does
@@ -93,7 +94,7 @@ def _hf_run(model, prompts: list[list[int]], gen: int, *, group: int = 1, device
     pads = torch.tensor([width - len(p) for p in prompts], device=device)
     mask = (torch.arange(width, device=device)[None, :] >= pads[:, None]).long()
     sample = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=group)
-    kw = dict(max_new_tokens=gen, min_new_tokens=gen, eos_token_id=None, pad_token_id=0, use_cache=True)
+    kw: dict[str, Any] = dict(max_new_tokens=gen, min_new_tokens=gen, eos_token_id=None, pad_token_id=0)
     kw |= sample if group > 1 else dict(do_sample=False)
 
     def run() -> int:
@@ -122,7 +123,7 @@ def _throughput_rows(args, path: Path, device: torch.device, dtype: torch.dtype,
         max_running_requests=max(args.batch, args.rl_prompts * args.group),
     )
     engine = EmbeddedEngine(path, cfg)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    hf: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     hf = hf.to(device).eval()
     greedy = _prompts(args.batch, args.prompt_len, vocab, seed=1)
     rl = _prompts(args.rl_prompts, args.prompt_len, vocab, seed=2)
@@ -190,7 +191,7 @@ def main(argv: list[str]) -> int:
     device = common.device_for(args.smoke)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     env = common.environment(device)
-    vocab = (common.SMOKE if args.smoke else common.QWEN25_05B)["vocab_size"]
+    vocab = int(common.model_shape(args.smoke)["vocab_size"])
     with tempfile.TemporaryDirectory() as tmp:
         path = _checkpoint(args, Path(tmp))
         rows = _throughput_rows(args, path, device, dtype, vocab)

@@ -104,6 +104,7 @@ def _rl_update(ddp, optimizer, scheduler, tokens: torch.Tensor, rt, micro_batch:
     logp = megatron_step.compute_logprobs(
         ddp, tokens, micro_batch_size=micro_batch, temperature=1.0, vocab_size=vocab, runtime=rt
     )
+    assert logp is not None  # one pipeline stage: it is the last
     mask = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
     mask[:, 0] = 0
     batch = megatron_step.UpdateBatch(
@@ -164,7 +165,7 @@ def main(argv: list[str]) -> int:
     args = _args(argv)
     device = common.device_for(args.smoke)
     env = common.environment(device)
-    hf = common.SMOKE if args.smoke else common.QWEN25_05B
+    hf = common.model_shape(args.smoke)
     peak = common.peak_bf16_flops(env.get("device", ""), args.peak_tflops) if device.type == "cuda" else None
     rows, notes = [], [f"seq {args.seq}, {args.micro_batches} x {args.micro_batch} sequences per step"]
     rt = initialize(ParallelConfig(), seed=0)

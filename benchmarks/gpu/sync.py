@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
     args = _args(argv)
     device = common.device_for(args.smoke)
     env = common.environment(device)
-    hf = common.SMOKE if args.smoke else common.QWEN25_05B
+    hf = common.model_shape(args.smoke)
     rows: list[dict] = []
     rt = initialize(ParallelConfig(), seed=0)
     try:

@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     env = common.environment(device)
     work = args.work.resolve()
     prepare(work, Console())
-    runs = {}
+    runs: dict[str, tuple[Path, int, dict[str, str]]] = {}
     if device.type == "cuda":
         runs["gpu (1 rank, TP=1, bf16)"] = (_config(work, "gpu", args.steps, 1, "bf16"), 1, {})
     if not args.skip_cpu:

@@ -87,13 +87,14 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        layout.write(tmp)
     dist.barrier()
     state = _sharded_state(model, optimizer, is_loading=False)
     state["scheduler"] = scheduler.state_dict()
     state["loop"] = dict(loop_state)
     dist_checkpointing.save(state, str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{rank:05d}.pt")
+    if rank == 0:
+        layout.write(tmp)  # after megatron's save, which warns about any file already there
     dist.barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
