@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from model_providers.hf_config import HFModelConfig, Llama3RopeScaling, parse_hf_config
 from model_providers.layer_specs import TRANSFORMER_IMPLS, layer_spec, te_available
+from model_providers.placement import place
 from sparserl_mcore.parallel.config import ParallelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -143,12 +144,15 @@ def build_spec(
 def build_model(
     spec: ModelSpec,
     *,
+    device: torch.device | str,
     pre_process: bool,
     post_process: bool,
     pg_collection: Any | None = None,
     parallel_output: bool = True,
 ) -> GPTModel:
-    """The GPTModel part of one pipeline stage (needs `parallel.initialize` to have run).
+    """The GPTModel part of one pipeline stage (needs `parallel.initialize` to have run), with every
+    parameter, buffer and tensor attribute on `device` (the runtime's) and parameters in
+    `spec.params_dtype` (`placement.place`).
 
     `parallel_output=True` keeps logits vocab-sharded over TP ([s, b, padded_vocab / TP]), which is
     what vocab-parallel log-prob code wants. Weights are random; load them with `sparserl_mcore.ckpt`.
@@ -169,7 +173,7 @@ def build_model(
     )
     if hf.rope_scaling is not None:
         _apply_llama3_rope_scaling(model, hf.rope_scaling)
-    return model
+    return place(model, device, spec.params_dtype)
 
 
 def _apply_llama3_rope_scaling(model: GPTModel, scaling: Llama3RopeScaling) -> None:

@@ -386,7 +386,12 @@ class TelemetryConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """Adam(W) for the learner (megatron-core optimizer). Defaults: Sparse-RL's setup."""
+    """Adam(W) for the learner (megatron-core optimizer). Defaults: Sparse-RL's setup.
+
+    distributed: megatron's distributed optimizer (fp32 master weights and Adam state sharded over
+    the data-parallel ranks; with bf16 params, megatron's standard mixed precision). It runs on CPU
+    too (parallel/cpu_mode.py); false: megatron's replicated optimizer.
+    """
 
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.98)
@@ -394,6 +399,7 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     clip_grad: float = 1.0
     lr_warmup_steps: int = 0
+    distributed: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "lr", "eps")

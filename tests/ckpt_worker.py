@@ -63,7 +63,7 @@ def save_hf_twice(case: dict) -> None:
     rt = _runtime(1, 1)
     try:
         spec = build_spec(case["hf"], rt.parallel, params_dtype="bfloat16")
-        model = build_model(spec, pre_process=True, post_process=True)
+        model = build_model(spec, device=rt.device, pre_process=True, post_process=True)
         load_hf_weights(model, layout_for(spec), case["hf"], tp_rank=0, pp_rank=0)
         for _ in range(2):
             convert.save_hf(model, spec, rt, case["out"], hf_config_dir=case["hf"], max_shard_bytes=100_000)
@@ -89,7 +89,7 @@ def reshard(hf_dir: str, work: pathlib.Path) -> None:
     rt = _runtime(1, 1)
     try:
         spec = build_spec(hf_dir, rt.parallel)
-        model = build_model(spec, pre_process=True, post_process=True)
+        model = build_model(spec, device=rt.device, pre_process=True, post_process=True)
         load_hf_weights(model, layout_for(spec), hf_dir, tp_rank=0, pp_rank=0)
         logits = _logits(model, rt, spec.vocab_size)
         if rt.rank == 0:
@@ -101,7 +101,9 @@ def reshard(hf_dir: str, work: pathlib.Path) -> None:
         rt = _runtime(tp, pp)
         try:
             spec = spec_for_checkpoint(mcore, rt.parallel)
-            model = build_model(spec, pre_process=rt.is_first_stage, post_process=rt.is_last_stage)
+            model = build_model(
+                spec, device=rt.device, pre_process=rt.is_first_stage, post_process=rt.is_last_stage
+            )
             load_dist(model, mcore)
             logits = _logits(model, rt, spec.vocab_size)
             if rt.is_last_stage and rt.tp_rank == 0 and rt.dp_rank == 0:

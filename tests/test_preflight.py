@@ -19,7 +19,8 @@ from e2e_support import make_assets, subprocess_env, write_config
 from sparserl_mcore.cli import main
 from sparserl_mcore.config import load_config, to_dict
 from sparserl_mcore.trainer.preflight import PreflightError, check_run
-from sparserl_mcore.trainer.run_record import LATEST, write_record
+from sparserl_mcore.trainer.run_layout import requested_layout
+from sparserl_mcore.trainer.run_record import LATEST, rng_file, write_record
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,10 @@ def _saved(root: pathlib.Path, hf: pathlib.Path, name: str, step: int, **changes
     step_dir.mkdir(parents=True)
     (step_dir / "metadata.json").write_text("{}")
     data = {"n": 56, "seed": cfg.train.seed, "shuffle": True, "epoch": 0, "offset": 8}
-    write_record(step_dir, step=step, config=to_dict(cfg), world_size=2, data=data)
+    layout = requested_layout(cfg, 2, padded_vocab_size=256)
+    write_record(step_dir, step=step, config=to_dict(cfg), world_size=2, data=data, layout=layout)
+    for rank in range(2):
+        rng_file(step_dir, rank).write_bytes(b"")
     (step_dir.parent / LATEST).write_text(step_dir.name + "\n")
     raw = yaml.safe_load(cfg_path.read_text())
     for section, values in changes.items():
@@ -188,3 +192,13 @@ def test_a_complete_run_does_nothing_and_another_dataset_is_refused(assets, tmp_
     )
     with pytest.raises(PreflightError, match="cannot resume .*step_00000002: its prompt sampler ran over"):
         check_run(load_config(path), world_size=2)
+
+
+def test_a_layout_that_cannot_load_is_refused_naming_both_layouts(assets):
+    root, hf = assets
+    path = _saved(root, hf, "optim", 2, optimizer={"distributed": False}, train={"steps": 6})
+    with pytest.raises(PreflightError) as refused:
+        check_run(load_config(path), world_size=2)
+    line = str(refused.value)
+    assert "step_00000002: cannot resume: saved at TP=2 PP=1 CP=1 DP=1" in line
+    assert "distributed optimizer, requested TP=2" in line and "optimizer.distributed=true" in line

@@ -23,11 +23,19 @@ if TYPE_CHECKING:
     from sparserl_mcore.parallel.runtime import Runtime
 
 
-def _build(spec: ModelSpec, rt: Runtime):
+def build_for_load(spec: ModelSpec, rt: Runtime):
+    """This rank's pipeline stage of `spec` on the runtime's device, without random init (a load
+    overwrites every weight): what the conversions, `verify` and the parity checks load into."""
     from model_providers.gpt import build_model
 
     spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, perform_initialization=False))
-    return build_model(spec, pre_process=rt.is_first_stage, post_process=rt.is_last_stage)
+    return build_model(
+        spec,
+        device=rt.device,
+        pre_process=rt.is_first_stage,
+        post_process=rt.is_last_stage,
+        pg_collection=rt.groups,
+    )
 
 
 def hf_to_mcore(
@@ -41,7 +49,7 @@ def hf_to_mcore(
 
     dtype = dtype or HFCheckpoint(hf_dir).config_dtype() or "float32"
     spec = build_spec(hf_dir, rt.parallel, params_dtype=dtype)
-    model = _build(spec, rt)
+    model = build_for_load(spec, rt)
     load_hf_weights(model, layout_for(spec), hf_dir, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank)
     save_dist(model, out_dir)
     if rt.rank == 0:
@@ -64,7 +72,7 @@ def mcore_to_hf(
 
     dtype = dtype or McoreCheckpointMeta.read(mcore_dir).params_dtype
     spec = spec_for_checkpoint(mcore_dir, rt.parallel, params_dtype=dtype)
-    model = _build(spec, rt)
+    model = build_for_load(spec, rt)
     load_dist(model, mcore_dir)
     source = hf_config_dir or pathlib.Path(mcore_dir) / HF_SUBDIR
     export_hf(model, spec, rt, out_dir, hf_config_dir=source, dtype=dtype, max_shard_bytes=max_shard_bytes)

@@ -79,7 +79,7 @@ def compare(got, want, lengths) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from model_providers.gpt import build_model
+    from sparserl_mcore.ckpt.convert import build_for_load
     from sparserl_mcore.ckpt.dist_ckpt import load_dist, spec_for_checkpoint
     from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
     from sparserl_mcore.parallel.forward import forward_logits
@@ -88,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     rt = initialize(parallel, seed=0)
     try:
         spec = spec_for_checkpoint(args.mcore_dir, parallel, params_dtype="float32")
-        model = build_model(
-            spec, pre_process=rt.is_first_stage, post_process=rt.is_last_stage, pg_collection=rt.groups
-        )
+        model = build_for_load(spec, rt)
         load_dist(model, args.mcore_dir)
         model.eval()
         tokens, lengths = prompt_token_ids(args.hf_dir, spec.vocab_size)

@@ -87,7 +87,7 @@ def _init_process_group(launch: LaunchEnv, backend: str, device: torch.device) -
     )
 
 
-def _seed_everything(seed: int, pp_rank: int) -> None:
+def seed_everything(seed: int, *, pp_rank: int) -> None:
     """Megatron's convention: stages differ (seed + 100 * pp_rank); TP ranks share the default
     stream and get distinct model-parallel streams from `model_parallel_cuda_manual_seed`."""
     stage_seed = seed + 100 * pp_rank
@@ -122,7 +122,7 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
             context_parallel_size=cfg.context_parallel_size,
             create_gloo_process_groups=use_cuda,
         )
-        _seed_everything(seed, parallel_state.get_pipeline_model_parallel_rank())
+        seed_everything(seed, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
         return _describe(launch, device, cfg)
     except BaseException:
         shutdown()

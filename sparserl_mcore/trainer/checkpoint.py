@@ -5,15 +5,18 @@ Layout of `<save_dir>/`:
     step_00000012/          megatron dist checkpoint (torch_dist) of model + optimizer, whose
                             common part holds the LR scheduler and the loop state (data position,
                             DGG window, synced weight version, ...)
-        run.json            step, config, world size, data position (`run_record`: read by the
-                            launcher before any rank starts)
+        run.json            step, config, world size, the layout it was saved at, data position
+                            (`run_record`: read by the launcher before any rank starts)
         rng_rank00003.safetensors   per-rank RNG streams (torch, CUDA, python, numpy, megatron
                             tracker) as plain tensors + JSON metadata: nothing is unpickled
 A checkpoint is written under `.step_N.tmp/` by all ranks and renamed by rank 0 after a barrier,
 so a run killed mid-save leaves the previous checkpoint as `latest` (the stale temp dir is removed
-on the next save). Model and optimizer are saved through their `sharded_state_dict`, so a
-checkpoint taken at one TP/PP layout loads at another (the optimizer state included); the
-per-rank RNG streams are restored only at the layout they were saved at.
+on the next save). Model and optimizer are saved through their `sharded_state_dict` (the
+distributed optimizer as `fully_reshardable`: fp32 master weights and Adam moments in model
+space), so a checkpoint taken at one TP/PP/DP layout and params dtype loads at another; what
+cannot change is refused before loading (`run_layout.resume_problem`). At the same layout every
+rank gets its RNG streams back (a bit-identical continuation); at another they are re-seeded from
+(seed, step), since no rank of the new layout plays an old rank's role.
 """
 
 from __future__ import annotations
@@ -29,11 +32,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from sparserl_mcore.loss.lm_head_grad import leaf_optimizers
+from sparserl_mcore.parallel.runtime import seed_everything
 from sparserl_mcore.trainer.learner import unwrap_model
-from sparserl_mcore.trainer.run_record import LATEST, latest_checkpoint, write_record
+from sparserl_mcore.trainer.run_layout import RunLayout
+from sparserl_mcore.trainer.run_record import (
+    LATEST,
+    check_resumable,
+    latest_checkpoint,
+    read_saved_run,
+    rng_file,
+    write_record,
+)
 
 __all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 _OPTIM_META = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -47,10 +61,6 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any, *, is_loading: bool) 
     model_sd = unwrap_model(model).sharded_state_dict()
     optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_META)
     return {"model": model_sd, "optimizer": optim_sd}
-
-
-def _rng_file(path: Path, rank: int) -> Path:
-    return path / f"rng_rank{rank:05d}.safetensors"
 
 
 def _save_rng(path: Path) -> None:
@@ -99,7 +109,7 @@ def save_checkpoint(
 ) -> Path:
     """Collective: every rank calls it. Returns the final directory once it is complete.
 
-    `record`: config, world_size and data of `run_record.write_record` (rank 0 writes it)."""
+    `record`: config, world_size, data and layout of `run_record.write_record` (rank 0 writes it)."""
     root = Path(root)
     rank = dist.get_rank()
     final, tmp = _step_dir(root, step), root / f".step_{step:08d}.tmp"
@@ -112,7 +122,7 @@ def save_checkpoint(
     state["scheduler"] = scheduler.state_dict()
     state["loop"] = dict(loop_state)
     dist_checkpointing.save(state, str(tmp))
-    _save_rng(_rng_file(tmp, rank))
+    _save_rng(rng_file(tmp, rank))
     dist.barrier()
     if rank == 0:
         write_record(tmp, step=step, **record)
@@ -135,18 +145,74 @@ def _prune(root: Path, keep: int) -> None:
 
 
 def load_checkpoint(
-    path: Path, *, model: torch.nn.Module, optimizer: Any, scheduler: Any, restore_rng: bool = True
-) -> dict[str, Any]:
-    """Collective: restore model, optimizer, scheduler and (`restore_rng`: the run's layout is the
-    saved one) this rank's RNG streams; return the loop state."""
+    path: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    layout: RunLayout,
+    seed: int,
+    pp_rank: int,
+) -> tuple[dict[str, Any], bool]:
+    """Collective: restore model, optimizer and scheduler (resharded to `layout` if it differs).
+
+    Returns the loop state and whether each rank's RNG streams were restored (same layout);
+    otherwise they are re-seeded from (`seed`, saved step), identically on every rerun.
+    """
+    saved = read_saved_run(path)
+    problem = check_resumable(saved, layout)
+    if problem:
+        raise ValueError(problem)
     template = _sharded_state(model, optimizer, is_loading=True)
     state = dist_checkpointing.load(template, str(path))
     unwrap_model(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    if restore_rng:
-        rng_file = _rng_file(path, dist.get_rank())
-        if not rng_file.is_file():
-            raise FileNotFoundError(f"{rng_file} missing: the checkpoint is incomplete")
-        _load_rng(rng_file)
-    return state["loop"]
+    if saved.layout is None or saved.layout.same_ranks(layout):
+        _load_rng(rng_file(path, dist.get_rank()))
+        return state["loop"], True
+    seed_everything(seed + int(state["loop"]["step"]), pp_rank=pp_rank)
+    return state["loop"], False
+
+
+def load_optimizer_state(optimizer: Any, state: Any) -> None:
+    """`optimizer.load_state_dict(state)`, around a megatron-core 0.16 bug without Apex/TE.
+
+    With torch's Adam every parameter's state holds a 'step' tensor, which megatron's
+    `DistributedOptimizer.load_state_dict` sets from the saved param groups and then expects among
+    the loaded per-parameter tensors, which never carry it (`_set_main_param_and_optimizer_states`:
+    KeyError 'step'); and it sets ONE tensor for all parameters, which torch's foreach Adam then
+    increments once per parameter per step (wrong bias correction after a resume). So the
+    parameter state is loaded here with the steps held aside, through megatron's own loader for
+    the saved sharding type, and every parameter gets its own step back; the rest is megatron's.
+    """
+    leaves = leaf_optimizers(optimizer)
+    parts = [state] if len(leaves) == 1 else [v for _, v in sorted(state.items())]
+    for leaf, part in zip(leaves, parts, strict=True):
+        if isinstance(leaf, DistributedOptimizer) and isinstance(leaf.optimizer, torch.optim.Adam):
+            _load_distributed_adam(leaf, dict(part))
+        else:
+            leaf.load_state_dict(part)
+    if len(leaves) > 1:
+        optimizer._synchronize_steps()
+
+
+def _load_distributed_adam(leaf: DistributedOptimizer, state: dict[str, Any]) -> None:
+    param_state, sharding = state.pop("param_state"), state.pop("param_state_sharding_type")
+    loaders = {
+        "fully_reshardable": leaf.load_parameter_state_from_fully_reshardable,
+        "fully_sharded_model_space": leaf.load_parameter_state_from_fs_model_space,
+        "dp_reshardable": leaf.load_parameter_state_from_dp_reshardable,
+    }
+    if sharding not in loaders:
+        raise ValueError(
+            f"distributed optimizer state saved as {sharding!r}; this code loads {sorted(loaders)}"
+        )
+    leaf.load_state_dict(state)  # param groups (lr, step, ...); allocates the per-parameter state
+    per_param = leaf.optimizer.state
+    steps = {p: st.pop("step") for p, st in per_param.items() if "step" in st}
+    try:
+        loaders[sharding](param_state)
+    finally:
+        for p, step in steps.items():
+            per_param[p]["step"] = step.clone()

@@ -88,7 +88,21 @@ def _train_here(cfg) -> int:
         head, *paths = summary.report()
         _say(head)
         print("\n".join(paths), flush=True)
+    _arm_exit_watchdog()
     return summary.exit_code
+
+
+EXIT_GRACE_S = 30.0
+
+
+def _arm_exit_watchdog() -> None:
+    """The run is over (engines closed, process groups destroyed): if this process is still alive
+    EXIT_GRACE_S later, something outside the run holds it (a foreign non-daemon thread, a child
+    process, a driver teardown). Then every thread's stack goes to stderr and the process exits
+    with status 1, instead of lingering unseen."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
 
 
 def _backend_note() -> str | None:

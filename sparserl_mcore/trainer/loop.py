@@ -25,13 +25,14 @@ from sparserl_mcore import parallel
 from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.telemetry import RunProgress
-from sparserl_mcore.trainer import checkpoint
+from sparserl_mcore.trainer import checkpoint, run_layout
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
 from sparserl_mcore.trainer.preemption import StopRequest
 from sparserl_mcore.trainer.rollouts import generate_and_score
+from sparserl_mcore.trainer.run_layout import RunLayout
 from sparserl_mcore.trainer.run_record import read_saved_run
-from sparserl_mcore.trainer.setup import Parts, build_parts
+from sparserl_mcore.trainer.setup import Parts, build_parts, resume_checkpoint
 
 EXIT_OK, EXIT_NO_ENGINE = 0, 3
 
@@ -84,10 +85,18 @@ def _duration(seconds: float) -> str:
 
 
 def train(cfg: RunConfig) -> RunSummary:
-    """Initialise this rank, run the loop, tear down (also on error)."""
+    """Initialise this rank, run the loop, tear down (also on error): engines closed, process
+    groups destroyed, so nothing the run started outlives it."""
     runtime = parallel.initialize(cfg.parallel, seed=cfg.train.seed)
     try:
-        return Trainer(cfg, runtime, build_parts(cfg, runtime)).fit()
+        resume_from = resume_checkpoint(cfg)
+        parts = build_parts(cfg, runtime, resume_from=resume_from)
+        layout = run_layout.requested_layout(cfg, runtime.world_size, parts.learner.spec.padded_vocab_size)
+        trainer = Trainer(cfg, runtime, parts, layout=layout, resume_from=resume_from)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
     finally:
         parallel.shutdown()
 
@@ -95,8 +104,11 @@ def train(cfg: RunConfig) -> RunSummary:
 class Trainer:
     """Holds the parts built by `setup.build_parts`; `fit` drives them step by step."""
 
-    def __init__(self, cfg: RunConfig, runtime: Any, parts: Parts):
+    def __init__(
+        self, cfg: RunConfig, runtime: Any, parts: Parts, *, layout: RunLayout, resume_from: Path | None
+    ):
         self.cfg, self.runtime, self.parts = cfg, runtime, parts
+        self.layout, self.resume_from = layout, resume_from  # this run's layout; checkpoint or None
         self.state = LoopState()
         self._weights_changed = False  # an update was applied since the last sync
         self._started = time.monotonic()
@@ -149,7 +161,7 @@ class Trainer:
     def step(self) -> None:
         """One RL step, as a list of named steps."""
         cfg, p, step = self.cfg, self.parts, self.state.step + 1
-        timer = _Timer()
+        timer, started = _Timer(), time.perf_counter()
         prompts = p.data.next_prompts(cfg.train.prompts_per_step)
         self.progress.rollouts(len(prompts) * cfg.rollout.group_size)
         with timer("rollout"):
@@ -186,9 +198,16 @@ class Trainer:
                 metrics.update(self.evaluate())
         self.state.step, self.state.rollouts = step, self.state.rollouts + len(samples)
         metrics.update(timer.metrics(), **{"train/rollouts": self.state.rollouts})
+        metrics["time/step_s"] = time.perf_counter() - started
         p.telemetry.log(metrics, step=step)
         self._rewards[1:] = [metrics["rollout/reward_mean"]]
         self.progress.step_done(step, info=f"reward {metrics['rollout/reward_mean']:.3f}")
+
+    def close(self) -> None:
+        """Release the engines (HTTP clients); the telemetry closes with the run's summary."""
+        for pool in (self.parts.pool, self.parts.dense_pool):
+            if pool is not None:
+                pool.close()
 
     # -- pieces ---------------------------------------------------------------------------------
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -286,7 +305,12 @@ class Trainer:
             self.sync_weights(self.state.step)
         self.state.data = p.data.state_dict()
         self.state.dgg = p.learner.dgg_state()
-        record = {"config": to_dict(self.cfg), "world_size": self.runtime.world_size, "data": self.state.data}
+        record = {
+            "config": to_dict(self.cfg),
+            "world_size": self.runtime.world_size,
+            "data": self.state.data,
+            "layout": self.layout,
+        }
         self._saved_step = self.state.step
         return checkpoint.save_checkpoint(
             self.cfg.checkpoint.dir,
@@ -301,25 +325,31 @@ class Trainer:
 
     def resume(self) -> None:
         """Continue from the latest checkpoint (if any), then bring every engine to these weights."""
-        p, ckpt_cfg = self.parts, self.cfg.checkpoint
-        path = checkpoint.latest_checkpoint(ckpt_cfg.dir) if ckpt_cfg.dir and ckpt_cfg.resume else None
+        p, path = self.parts, self.resume_from
         if path is not None:
-            saved = read_saved_run(path)
-            same_layout = saved.world_size == self.runtime.world_size and (saved.config or {}).get(
-                "parallel"
-            ) == to_dict(self.cfg.parallel)
-            loop = checkpoint.load_checkpoint(
+            loop, same_layout = checkpoint.load_checkpoint(
                 path,
                 model=p.learner.model,
                 optimizer=p.learner.optimizer,
                 scheduler=p.learner.scheduler,
-                restore_rng=same_layout,
+                layout=self.layout,
+                seed=self.cfg.train.seed,
+                pp_rank=self.runtime.pp_rank,
             )
             self.state = LoopState(**loop)
             p.data.load_state_dict(self.state.data)
             p.learner.load_dgg_state(self.state.dgg)
-            fields = {"checkpoint": str(path), "step": self.state.step, "rng_restored": same_layout}
-            p.telemetry.event("resumed", fields)
+            saved = read_saved_run(path).layout
+            p.telemetry.event(
+                "resumed",
+                {
+                    "checkpoint": str(path),
+                    "step": self.state.step,
+                    "saved_layout": saved.describe() if saved else "unrecorded",
+                    "layout": self.layout.describe(),
+                    "rng": "restored" if same_layout else "re-seeded (new layout)",
+                },
+            )
         p.syncer.full_sync([p.pool, p.dense_pool], version=self.state.sync_version)
 
     def _summary(

@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from sparserl_mcore.config import RunConfig, to_dict
-from sparserl_mcore.trainer.run_record import SavedRun, config_changes, latest_checkpoint, read_saved_run
+from sparserl_mcore.trainer.run_layout import requested_layout
+from sparserl_mcore.trainer.run_record import (
+    SavedRun,
+    check_resumable,
+    config_changes,
+    latest_checkpoint,
+    read_saved_run,
+)
 
 
 class PreflightError(ValueError):
@@ -149,6 +156,9 @@ def _resume_plan(cfg: RunConfig, world_size: int, n_train: int) -> RunPlan:
             complete=True,
         )
     _check_same_data(cfg, saved, n_train)
+    problem = check_resumable(saved, requested_layout(cfg, world_size))
+    if problem:
+        raise PreflightError(problem)
     return RunPlan(_resume_notes(cfg, saved, world_size))
 
 
@@ -174,7 +184,7 @@ def _short(value: Any) -> str:
 def _resume_notes(cfg: RunConfig, saved: SavedRun, world_size: int) -> tuple[str, ...]:
     notes = [f"resuming from {saved.path} at step {saved.step} of {cfg.train.steps}"]
     if saved.config is None:
-        return (*notes, "the checkpoint has no run record: changed settings are unknown, RNG streams restart")
+        return (*notes, "the checkpoint has no run record: changed settings are unknown")
     changes = config_changes(saved.config, to_dict(cfg))
     settings = [f"{k} {_short(a)} -> {_short(b)}" for k, a, b in changes if not k.startswith("parallel.")]
     if settings:

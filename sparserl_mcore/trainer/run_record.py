@@ -1,10 +1,11 @@
 """What a training checkpoint says about the run that saved it, readable without torch or megatron.
 
 Beside megatron's files every checkpoint directory holds `run.json` (written by rank 0 before the
-directory is renamed into place): the step, the full run config, the world size and parallel layout,
-and the prompt sampler's position. The launching process reads it before any rank starts, to say
-what a resumed run continues from and what changed since, to refuse a resume that cannot continue
-(another dataset), and to stop a run that is already complete before it writes anything.
+directory is renamed into place): the step, the full run config, the world size, the layout it was
+saved at (`run_layout.RunLayout`) and the prompt sampler's position. The launching process reads it
+before any rank starts, to say what a resumed run continues from and what changed since, to refuse a
+resume that cannot continue (another dataset, a layout that cannot load), and to stop a run that is
+already complete before it writes anything.
 
     path = latest_checkpoint("runs/x/checkpoints")          # None: nothing to resume
     saved = read_saved_run(path)                              # SavedRun(step=20, config={...}, ...)
@@ -19,7 +20,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-LATEST = "latest"
+from sparserl_mcore.trainer.run_layout import RunLayout, resume_problem
+
+LATEST = "latest"  # text file in the checkpoint root naming the newest complete checkpoint
 RECORD = "run.json"
 
 
@@ -33,6 +36,7 @@ class SavedRun:
     config: dict[str, Any] | None = None
     world_size: int | None = None
     data: dict[str, Any] | None = None
+    layout: RunLayout | None = None
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -46,10 +50,27 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return path
 
 
+def rng_file(checkpoint: Path, rank: int) -> Path:
+    """Where rank `rank`'s RNG streams are saved in a checkpoint directory."""
+    return checkpoint / f"rng_rank{rank:05d}.safetensors"
+
+
 def write_record(
-    directory: Path, *, step: int, config: dict[str, Any], world_size: int, data: dict[str, Any]
+    directory: Path,
+    *,
+    step: int,
+    config: dict[str, Any],
+    world_size: int,
+    data: dict[str, Any],
+    layout: RunLayout,
 ) -> None:
-    record = {"step": step, "world_size": world_size, "data": data, "config": config}
+    record = {
+        "step": step,
+        "world_size": world_size,
+        "layout": layout.to_dict(),
+        "data": data,
+        "config": config,
+    }
     (directory / RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -66,9 +87,18 @@ def read_saved_run(path: Path) -> SavedRun:
             config=record.get("config"),
             world_size=record.get("world_size"),
             data=record.get("data"),
+            layout=RunLayout.from_dict(record["layout"]) if record.get("layout") else None,
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{record_file} is not a valid run record ({exc})") from None
+
+
+def check_resumable(saved: SavedRun, requested: RunLayout) -> str | None:
+    """One line naming the checkpoint, its layout and `requested` when a run at `requested` cannot
+    load it; None when it can."""
+    rng_files = all(rng_file(saved.path, r).is_file() for r in range(requested.world_size))
+    problem = resume_problem(saved.layout, requested, same_world_files=rng_files)
+    return f"{saved.path}: {problem}" if problem else None
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
