@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from types import ModuleType
 from unittest.mock import MagicMock
@@ -52,6 +53,8 @@ def require_sglang() -> None:
         return
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang is not installed (make setup installs sglang==0.5.23 --no-deps)")
+    # SGLang's supported CPU backend: its CPU code paths (rotary embedding, loaders) instead of CUDA's
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     import torch._inductor.compile_fx  # noqa: F401 - and here (SGLang calls torch.compile at import)
     import torch.utils.flop_counter  # noqa: F401 - torch probes triton here: before the stub
 

@@ -225,9 +225,8 @@ class EmbeddedEngine:
         with self._step_lock:
             if self._receiver is None:
                 self._receiver = HFReceiver(self._wire_state(), version=self.scheduler.weight_version)
-            before = dict(self._receiver.digests)
             result = self._receiver.apply(patch_bytes)
-            changed = {n: t for n, t in self._receiver.state.items() if result.digests[n] != before[n]}
+            changed = {n: self._receiver.state[n] for n in result.touched}
             if self._receiver.state is not self.model.params:
                 self.model.update(changed)
             self._set_version(result.version)

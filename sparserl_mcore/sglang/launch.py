@@ -33,8 +33,8 @@ import httpx
 
 from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
 from sparserl_mcore.rollout.server import is_loopback
+from sparserl_mcore.sglang.loader import LOADER_PATH
 
-LOADER_PATH = "sparserl_mcore.sglang.loader.load_patch_fragments"
 PLUGIN_NAME = "sparserl"  # the entry point name in pyproject.toml (group sglang.srt.plugins)
 PLUGIN_ENV = "SPARSERL_SGLANG"  # JSON settings of the plugin; unset: the plugin stays inert
 SGLANG_MODULE = "sglang.launch_server"

@@ -51,6 +51,7 @@ _WIDE_GAP_SHARE = 1 / 8
 # "base": magnitude classes of the base values where the encoder estimates a saving (receivers must
 # hold each touched tensor whole); "plain": one class, decodable without the base
 POSITION_MODELS = ("base", "plain")
+DIGEST_SCOPES = ("tensor", "touched")
 
 
 class PatchError(ValueError):
@@ -160,6 +161,10 @@ class Patch:
     tensors: tuple[TensorChange, ...]
     # (index, count): a version may travel as several fragments (one per PP stage), applied together
     fragment: tuple[int, int] = (0, 1)
+    # "tensor": each digest covers the whole tensor after the patch (and model_digest the model);
+    # "touched": each digest covers only the new values at the fragment's positions and
+    # model_digest is unused: per-rank fragments, made without any rank holding whole tensors
+    digest_scope: str = "tensor"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +206,7 @@ class DecodedPatch:
     model_numel: int
     tensors: tuple[DecodedTensor, ...]
     fragment: tuple[int, int] = (0, 1)
+    digest_scope: str = "tensor"
 
     @property
     def full(self) -> bool:
@@ -362,6 +368,7 @@ def encode_patch(patch: Patch, config: CodecConfig = CodecConfig()) -> bytes:
         "model_tensors": patch.model_tensors,
         "model_numel": patch.model_numel,
         "fragment": list(patch.fragment),
+        **({"digest_scope": patch.digest_scope} if patch.digest_scope != "tensor" else {}),
         "tensors": [entry for entry, _ in encoded],
         "streams": {
             key: [raw.size, len(st)] for key, raw, st in zip(STREAMS, streams, stored_streams, strict=True)
@@ -552,6 +559,11 @@ def decode_patch(data: bytes) -> DecodedPatch:
     base = header.get("base_version")
     if base is not None and not isinstance(base, int) or isinstance(base, bool):
         raise PatchError("patch header: base_version must be an integer or null")
+    scope = header.get("digest_scope", "tensor")
+    if scope not in DIGEST_SCOPES:
+        raise PatchError(f"patch header: digest_scope {scope!r} unknown; known: {', '.join(DIGEST_SCOPES)}")
+    if scope == "touched" and base is None and encoding != "overwrite":
+        raise PatchError("a full fragment with touched digests must use the overwrite encoding")
     raw_streams = _streams(compression, _field(header, "streams", dict, "header"), body, raw_len)
     gaps_all = np.frombuffer(raw_streams[0], np.uint8)
     escapes_all = raw_streams[1]
@@ -566,7 +578,7 @@ def decode_patch(data: bytes) -> DecodedPatch:
         if entry.name in seen:
             raise PatchError(f"patch lists tensor {entry.name!r} twice")
         seen.add(entry.name)
-        if base is None and not entry.dense:
+        if base is None and not entry.dense and scope == "tensor":
             raise PatchError(f"full patch (no base version) has a sparse tensor {entry.name!r}")
         ranks = []
         for k, (nnz, gap_width, width, n_escape) in enumerate(entry.runs):
@@ -614,6 +626,7 @@ def decode_patch(data: bytes) -> DecodedPatch:
         model_numel=_field(header, "model_numel", int, "header"),
         tensors=tuple(tensors),
         fragment=_fragment(header),
+        digest_scope=scope,
     )
 
 
@@ -681,6 +694,8 @@ def merge_fragments(fragments: list[DecodedPatch]) -> DecodedPatch:
     """Join the fragments of one version into one patch; every fragment exactly once, names disjoint."""
     if not fragments:
         raise PatchError("no patch fragments given")
+    if any(f.digest_scope != "tensor" for f in fragments):
+        raise PatchError("fragments with touched digests are applied one by one, not merged")
     first = fragments[0]
     count = first.fragment[1]
     if sorted(f.fragment[0] for f in fragments) != list(range(count)) or any(
