@@ -62,7 +62,7 @@ def parsed_launch_argv() -> dict:
 
     cfg = LaunchConfig(
         model_path="/models/qwen", host="0.0.0.0", port=30001, tp_size=2, token="secret-token",
-        kv=KVCompressionConfig(method="snapkv"), extra_args=("--page-size", "1"),
+        kv=KVCompressionConfig(method="none"), extra_args=("--page-size", "1"),
     )  # fmt: skip
     argv = sglang_argv(cfg)
     args = prepare_server_args(argv[3:])  # after `python -m sglang.launch_server`
@@ -74,6 +74,32 @@ def parsed_launch_argv() -> dict:
     }
 
 
+def sglang_route(model, rank: int):
+    """What /update_weights_from_tensor runs on this TP rank, from the payload list on: SGLang's
+    `tp_worker.deserialize_own_rank` step (SafeUnpickler on payload[rank]) and SGLang's real
+    `WeightUpdater.update_weights_from_tensor`, which imports and calls our loader through
+    `--custom-weight-loader`, wrapped by our plugin's hook (loaded by SGLang's `load_plugins`)."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    from sparserl_mcore.sglang.launch import PLUGIN_ENV, LaunchConfig, plugin_settings
+    from sparserl_mcore.sglang.loader import LOADER_PATH
+
+    os.environ[PLUGIN_ENV] = json.dumps(plugin_settings(LaunchConfig(model_path="x")))
+    load_plugins()  # discovers our `sglang.srt.plugins` entry point, applies its hook
+    updater = WeightUpdater(
+        tp_rank=rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders=[LOADER_PATH],
+        get_model=lambda: model, update_model_fields=None, recapture_cuda_graph=None, get_model_runner=None,
+    )  # fmt: skip
+
+    def send(payloads: list) -> tuple:
+        named = MultiprocessingSerializer.deserialize(payloads[rank])
+        return updater.update_weights_from_tensor(named_tensors=named, load_format=LOADER_PATH)
+
+    return send
+
+
 def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     hf_dir, out = Path(sys.argv[4]), Path(sys.argv[5])
@@ -83,13 +109,11 @@ def main() -> None:
 
     import torch
     from safetensors.torch import load_file
-    from sglang.srt.runtime_context import get_parallel
-    from sglang.srt.utils.common import MultiprocessingSerializer
 
     from model_providers.hf_config import parse_hf_config
     from sparserl_mcore.sglang.client import patch_payloads, version_payloads
     from sparserl_mcore.sglang.layout import SGLangLayout
-    from sparserl_mcore.sglang.loader import SyncRejected, apply_named_tensors
+    from sparserl_mcore.sglang.plugin import WEIGHT_UPDATER, missing_targets
     from sparserl_mcore.sync.hashing import bits_view, dtype_name
     from sparserl_mcore.sync.per_rank import ModelMeta, encode_fragment, split_by_receiver
 
@@ -105,12 +129,10 @@ def main() -> None:
         flat[idx] = old_bits + 1  # one ulp up (never NaN: tiny-model weights are small)
         b[name] = new
         changes.append((name, idx, old_bits, flat[idx].copy()))
-    par = get_parallel()
-    group = par.tp_group.cpu_group
     model, ref = sglang_model(hf_dir, a), sglang_model(hf_dir, b)
+    send = sglang_route(model, rank)
     # the base the trainer declares after a dense sync, then a sparse patch 1 -> 2 from two learner ranks
-    named = MultiprocessingSerializer.deserialize(version_payloads(1, world)[rank])
-    apply_named_tensors(model, named, tp_rank=rank, tp_size=world, group=group)
+    assert send(version_payloads(1, world)) == (True, "Success")
     layout = SGLangLayout(parse_hf_config(hf_dir), tp_size=world)
     meta = ModelMeta(dtype_name(torch.bfloat16), layout.hf_shapes)
     halves = [[(n, i[k::2], o[k::2], w[k::2]) for n, i, o, w in changes] for k in (0, 1)]
@@ -121,8 +143,8 @@ def main() -> None:
             encode_fragment(c, meta, version=2, base_version=1, fragment=(learner, 2)) for c in per_receiver
         ]
         sent += len(frags[rank])
-        named = MultiprocessingSerializer.deserialize(patch_payloads(frags)[rank])  # the route's decode
-        version = apply_named_tensors(model, named, tp_rank=rank, tp_size=world, group=group)
+        assert send(patch_payloads(frags)) == (True, "Success")
+    version = model._sparserl_receiver.version
     params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
     mismatched = [
         n for n, p in ref_params.items() if not torch.equal(params[n].view(torch.int16), p.view(torch.int16))
@@ -131,22 +153,15 @@ def main() -> None:
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
     if rank == 0:
         params[qkv].data += 1.0  # every touched position of this tensor now has a wrong base
-    rejected = []
     change3 = [(n, i, w, w + 1) for n, i, _, w in changes]
     frags = [
         encode_fragment(c, meta, version=3, base_version=2, fragment=(0, 1))
         for c in split_by_receiver(change3, layout)
     ]
-    try:
-        apply_named_tensors(
-            model, MultiprocessingSerializer.deserialize(patch_payloads(frags)[rank]),
-            tp_rank=rank, tp_size=world, group=group,
-        )  # fmt: skip
-    except SyncRejected as exc:
-        rejected.append(str(exc))
+    rejected = send(patch_payloads(frags))
     after_reject = model._sparserl_receiver.ledger.broken is not None
-    named = MultiprocessingSerializer.deserialize(version_payloads(5, world)[rank])
-    cleared = apply_named_tensors(model, named, tp_rank=rank, tp_size=world, group=group)
+    assert send(version_payloads(5, world)) == (True, "Success")
+    cleared = model._sparserl_receiver.version
     out.write_text(
         json.dumps(
             {
@@ -155,7 +170,10 @@ def main() -> None:
                 "mismatched": mismatched,
                 "params": len(ref_params),
                 "fragment_bytes": sent,
-                "rejected": rejected,
+                "rejected": list(rejected),
+                "missing_targets": missing_targets(
+                    [WEIGHT_UPDATER, "sglang.srt.models.qwen2.NoSuchClass.forward"]
+                ),
                 "broken_after_reject": after_reject,
                 "version_after_marker": cleared,
             }

@@ -4,9 +4,12 @@ Each rank (tests/sglang_tp_worker.py) builds SGLang's `Qwen2ForCausalLM` under S
 parallel state, loads checkpoint A with SGLang's `load_weights`, applies per-rank fragments A -> B
 through our custom weight loader (payloads decoded by SGLang's SafeUnpickler), and compares every
 parameter bit for bit with a second SGLang model that loaded B through SGLang's own weight_loaders
-(fused qkv_proj / gate_up_proj, vocab padded 130 -> 192 and split per rank). A corrupt base on one
-rank must make every rank reject. The TP=1 process also parses `sparserl sglang-serve`'s command
-line with SGLang's own `prepare_server_args`.
+(fused qkv_proj / gate_up_proj, vocab padded 130 -> 192 and split per rank). Every update goes
+through SGLang's real `WeightUpdater.update_weights_from_tensor` (custom-loader dispatch) with our
+plugin loaded by SGLang's `load_plugins`. A corrupt base on one rank must make every rank answer
+(False, message). Not exercised: the HTTP server and scheduler processes (`sglang.srt.managers.
+scheduler` does not import with the CPU stubs, tests/sglang_cpu.py). The TP=1 process also
+parses `sparserl sglang-serve`'s command line with SGLang's own `prepare_server_args`.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ def test_patch_is_bit_identical_to_sglang_loading_the_new_checkpoint(results, tp
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_rejection_on_one_rank_is_reported_by_every_rank(results, tp):
     for rank in results[tp]:
-        assert len(rank["rejected"]) == 1 and rank["rejected"][0].startswith("tp rank 0: digest mismatch")
+        ok, message = rank["rejected"]  # SGLang's (success, message): HTTP 400 with this message
+        assert not ok and message.startswith("sparserl patch rejected: tp rank 0: digest mismatch")
         assert rank["broken_after_reject"]  # sparse patches refused until a full sync
         assert rank["version_after_marker"] == 5  # the dense sync's version marker clears it
 
@@ -76,6 +80,10 @@ def test_tp2_fragments_are_split_per_rank(results):
     one = results[1][0]["fragment_bytes"]
     two = [r["fragment_bytes"] for r in results[2]]
     assert all(b < one for b in two)  # each TP rank got its own rows, not the whole patch
+
+
+def test_plugin_finds_missing_hook_targets(results):
+    assert results[1][0]["missing_targets"] == ["sglang.srt.models.qwen2.NoSuchClass.forward"]
 
 
 def test_launch_argv_is_accepted_by_sglangs_parser(results):
@@ -89,5 +97,5 @@ def test_launch_argv_is_accepted_by_sglangs_parser(results):
         "custom_weight_loader": ["sparserl_mcore.sglang.loader.load_patch_fragments"],
         "admin_api_key": "secret-token",
         "page_size": 1,
-        "decode_graph": "disabled",
+        "decode_graph": None,
     }

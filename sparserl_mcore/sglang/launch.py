@@ -68,6 +68,11 @@ class LaunchConfig:
             )
         if self.token is not None and len(self.token) < 8:
             raise ValueError("token is shorter than 8 characters; use a long random string")
+        if self.kv.enabled:
+            raise ValueError(
+                f"kv method {self.kv.method!r}: KV compression inside SGLang is not implemented yet "
+                "(docs/sglang.md); use --kv-method none, or `sparserl serve` for compressed rollouts"
+            )
         if self.startup_timeout_s <= 0 or self.grace_s <= 0:
             raise ValueError("startup_timeout_s and grace_s must be > 0 seconds")
 
