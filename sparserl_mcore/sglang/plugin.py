@@ -26,7 +26,12 @@ from typing import Any
 
 from sparserl_mcore.sglang.launch import PLUGIN_ENV
 
-WEIGHT_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.update_weights_from_tensor"
+WEIGHT_UPDATER = ".".join(
+    (
+        "sglang.srt.model_executor.model_runner_components.weight_updater",
+        "WeightUpdater.update_weights_from_tensor",
+    )
+)
 
 
 def settings() -> dict[str, Any] | None:

@@ -175,12 +175,16 @@ def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
         return float(reward(data.decode(sample.output_ids), prompt.answer))
 
     learner = build_learner(cfg, runtime)
+    remote = cfg.rollout.engine == "remote"
     syncer = WeightSyncer(
         learner.model,
         learner.layout,
         runtime,
         cfg.sync.codec,
         log.event,
+        remote_urls=cfg.rollout.urls if remote else (),  # every learner rank sends its own fragment
+        token=os.environ.get(cfg.rollout.token_env) if remote and cfg.rollout.token_env else None,
+        timeout_s=cfg.rollout.request_timeout_s,
     )
     evaluator = Evaluator(
         cfg.eval, data.eval_prompts(cfg.eval.num_prompts), reward_fn, cfg.rollout, seed=cfg.train.seed
