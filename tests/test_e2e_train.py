@@ -88,7 +88,7 @@ def test_tp2_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path):
         "done: steps 2 -> 4" in rerun.stdout and f"HF export:  {tmp_path / 'killed' / 'hf'}" in rerun.stdout
     )
     events = [r for r in metrics(tmp_path, "killed") if r.get("event") == "resumed"]
-    assert [(e["step"], e["rng_restored"]) for e in events] == [(2, True)]
+    assert [(e["step"], e["rng"]) for e in events] == [(2, "restored")]
 
     a, b = _weights(tmp_path / "full" / "hf"), _weights(tmp_path / "killed" / "hf")
     assert a.keys() == b.keys()
