@@ -84,3 +84,9 @@ def nan_reward(completion: str, answer: str) -> float:
     """A broken verifier: every reward NaN, so every loss and gradient is NaN."""
     del completion, answer
     return float("nan")
+
+
+def zero_reward(completion: str, answer: str) -> float:
+    """Every completion scores 0: no group has reward variance, so no optimizer step happens."""
+    del completion, answer
+    return 0.0

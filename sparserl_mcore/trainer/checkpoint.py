@@ -63,6 +63,30 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any, *, is_loading: bool) 
     return {"model": model_sd, "optimizer": optim_sd}
 
 
+def _materialize_adam_state(optimizer: Any) -> None:
+    """Give every parameter of a torch Adam that has not stepped yet its state: step 0, zero moments.
+
+    Megatron saves the per-parameter state that exists, so a checkpoint taken before the first
+    optimizer step (every update so far filtered or skipped, a stop signal at step 0) would lack it
+    and fail to load (torch's Adam needs `step` beside the moments megatron's loader creates).
+    Zero moments at step 0 are exactly what Adam starts from, so the next step is unchanged.
+    """
+    for leaf in leaf_optimizers(optimizer):
+        inner = getattr(leaf, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if state:
+                    continue
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
 def _save_rng(path: Path) -> None:
     """This rank's RNG streams as tensors (safetensors) and scalars (its JSON metadata)."""
     py_version, py_state, py_gauss = random.getstate()
@@ -118,6 +142,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
+    _materialize_adam_state(optimizer)
     state = _sharded_state(model, optimizer, is_loading=False)
     state["scheduler"] = scheduler.state_dict()
     state["loop"] = dict(loop_state)
@@ -192,9 +217,22 @@ def load_optimizer_state(optimizer: Any, state: Any) -> None:
         if isinstance(leaf, DistributedOptimizer) and isinstance(leaf.optimizer, torch.optim.Adam):
             _load_distributed_adam(leaf, dict(part))
         else:
-            leaf.load_state_dict(part)
+            leaf.load_state_dict(_with_zero_steps(part))
     if len(leaves) > 1:
         optimizer._synchronize_steps()
+
+
+def _with_zero_steps(state: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's FP32/Float16 optimizers save Adam's step once (`common_step`) and drop it when it
+    is 0 (`if step:`), so the state of an Adam that has not stepped loads as moments without a step,
+    which torch's Adam refuses (KeyError 'step'). Step 0 is what was saved."""
+    inner = state.get("optimizer", state)  # Float16Optimizer nests the torch state one level down
+    per_param = inner.get("state", {}) if isinstance(inner, dict) else {}
+    if "common_step" not in per_param:
+        for entry in per_param.values():
+            if isinstance(entry, dict) and "exp_avg" in entry:
+                entry.setdefault("step", torch.tensor(0.0))
+    return state
 
 
 def _load_distributed_adam(leaf: DistributedOptimizer, state: dict[str, Any]) -> None:
