@@ -22,6 +22,7 @@ from sparserl_mcore.sync.codec import (
     resolve_positions,
 )
 from sparserl_mcore.sync.diff import full_patch, make_patch
+from sparserl_mcore.sync.per_rank import ModelMeta, encode_fragment
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -199,6 +200,30 @@ def test_fragments_apply_together_only(weights):
         receiver.apply(good)
         assert _equal(receiver.state, new)
     assert inspect_patch(b"".join(parts))["fragments"] == 2
+
+
+def test_per_rank_fragments_report_every_tensor_they_wrote(weights):
+    """Per-rank fragments of disjoint tensors (PP stages) applied in one call: the result names
+    every tensor written, not only the last fragment's (an engine refreshes exactly those)."""
+    new = _adam_like_step(weights, 1e-3, seed=7)
+    meta = ModelMeta(dtype="bfloat16", shapes={n: tuple(t.shape) for n, t in weights.items()})
+    stages = [["embed.weight", "layer.0.weight"], ["layer.0.bias", "norm.weight", "odd.weight"]]
+    fragments = []
+    for rank, names in enumerate(stages):
+        changes = []
+        for name in names:
+            old_bits, new_bits = _bits(weights[name]).view(-1).numpy(), _bits(new[name]).view(-1).numpy()
+            idx = np.flatnonzero(old_bits != new_bits)
+            changes.append((name, idx, old_bits[idx].view(np.uint16), new_bits[idx].view(np.uint16)))
+        fragments.append(
+            encode_fragment(changes, meta, version=1, base_version=0, fragment=(rank, len(stages)))
+        )
+    receiver = HFReceiver({k: v.clone() for k, v in weights.items()}, version=0)
+    result = receiver.apply(fragments)
+    assert _equal(receiver.state, new) and receiver.version == 1
+    changed = {n for n in weights if not torch.equal(_bits(weights[n]), _bits(new[n]))}
+    assert set(result.touched) == set(weights)  # every tensor of both fragments
+    assert result.changed_elements == sum(int((_bits(weights[n]) != _bits(new[n])).sum()) for n in changed)
 
 
 def test_class_ranks_read_only_unchanged_positions_of_base_bits():

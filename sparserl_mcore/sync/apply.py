@@ -299,12 +299,21 @@ class HFReceiver:
         return self.ledger.version
 
     def apply(self, data: bytes | list[bytes]) -> ApplyResult:
-        """A whole patch (all-or-nothing), or touched-scope fragments one by one (each all-or-nothing)."""
-        result = None
-        for patch in decode_parts(data):
-            result = self._apply_one(patch)
-        assert result is not None
-        return result
+        """A whole patch (all-or-nothing), or touched-scope fragments one by one (each all-or-nothing).
+
+        The result covers every part applied: per-rank fragments (one per learner rank) write
+        disjoint tensors under PP, and a caller refreshing what changed needs all of them.
+        """
+        results = [self._apply_one(patch) for patch in decode_parts(data)]
+        if len(results) == 1:
+            return results[0]
+        touched = tuple(dict.fromkeys(name for r in results for name in r.touched))
+        return dataclasses.replace(
+            results[-1],
+            changed_elements=sum(r.changed_elements for r in results),
+            changed_tensors=len(touched),
+            touched=touched,
+        )
 
     def _apply_one(self, patch: DecodedPatch) -> ApplyResult:
         if patch.digest_scope == "touched":
