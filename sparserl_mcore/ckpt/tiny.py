@@ -140,6 +140,7 @@ def make_tiny(cfg: TinyModelConfig, out: str | os.PathLike, *, overwrite: bool =
     import torch
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()  # one tiny shard: no "Writing model shards" bar
     config = hf_config(cfg)
     torch.manual_seed(cfg.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
