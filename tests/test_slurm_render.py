@@ -63,7 +63,7 @@ LAYOUTS = {
     "colocated-cpu": "--learner-nodes 1 --gpus-per-node 0 --ranks-per-node 2",
     "disaggregated-cpu": "--learner-nodes 1 --rollout-nodes 1 --gpus-per-node 0 --ranks-per-node 2",
     "partition-time-sglang": "--learner-nodes 1 --rollout-nodes 1 --gpus-per-node 4 --partition h100 "
-    "--time 2-00:00:00 --stop-before 1800 --rollout-server sglang",
+    "--time 2-00:00:00 --stop-before 1800 --rollout-server sglang rollout.kv.method=none",
 }
 
 
@@ -134,8 +134,13 @@ REFUSED = {
     ),
     "gpu-ranks": ("--learner-nodes 1 --ranks-per-node 4", "every GPU runs one learner rank"),
     "sglang-cpu": (
-        "--learner-nodes 1 --rollout-nodes 1 --gpus-per-node 0 --ranks-per-node 2 --rollout-server sglang",
+        "--learner-nodes 1 --rollout-nodes 1 --gpus-per-node 0 --ranks-per-node 2 --rollout-server sglang "
+        "rollout.kv.method=none",
         "--rollout-server sglang needs GPU nodes",
+    ),
+    "sglang-kv": (
+        "--learner-nodes 1 --rollout-nodes 1 --rollout-server sglang",
+        "rollout.kv.method=snapkv: KV compression inside SGLang is not implemented yet",
     ),
     "partition": ("--learner-nodes 1 --partition 'gpu;rm'", "--partition 'gpu;rm'"),
     "kv-heads": (

@@ -15,6 +15,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sparserl_mcore.config import RunConfig
 
 SCRIPT_NAME, CONFIG_NAME = "job.sbatch", "job-config.yaml"
 
@@ -61,6 +65,22 @@ class Job:
     config_path: Path
 
 
+def _rollout_server(asked: str, cfg: RunConfig) -> str:
+    """SGLang serves compressed rollouts only once its KV plugin exists (docs/sglang.md): a run
+    with rollout.kv.method set gets the embedded servers under `auto`, and is refused under `sglang`."""
+    from sparserl_mcore.slurm.layout import LayoutError
+
+    if not cfg.rollout.kv.enabled or asked == "embedded":
+        return asked
+    if asked == "sglang":
+        raise LayoutError(
+            f"--rollout-server sglang with rollout.kv.method={cfg.rollout.kv.method}: KV compression "
+            "inside SGLang is not implemented yet (docs/sglang.md); use --rollout-server embedded "
+            "or rollout.kv.method=none"
+        )
+    return "embedded"
+
+
 def build_job(args: argparse.Namespace) -> Job:
     """Validate and render without writing anything. Raises ConfigError / LayoutError."""
     from sparserl_mcore.config import load_config, to_yaml
@@ -81,7 +101,7 @@ def build_job(args: argparse.Namespace) -> Job:
         time=args.time,
         stop_before_s=args.stop_before,
         job_name=args.job_name or f"sparserl-{Path(run_dir).name}",
-        rollout_server=args.rollout_server,
+        rollout_server=_rollout_server(args.rollout_server, cfg),
         rollout_port=args.rollout_port,
     )
     # What the learners will run: the config plus the job's own servers (placeholder addresses).
