@@ -26,9 +26,9 @@ ARMS: dict[str, dict[str, list[str]]] = {
         "compressed + Sparse-RL": ["loss.correction.mode=sparse_rl"],
     },
     "reuse": {
-        "single-use GRPO (K=1)": ["dgg.max_reuse=1", "dgg.enabled=false"],
-        "fixed reuse K=4": ["dgg.max_reuse=4", "dgg.enabled=false"],
-        "DGG (K<=4)": ["dgg.max_reuse=4", "dgg.enabled=true"],
+        "single-use GRPO (K=1)": ["train.reuse_epochs=1", "dgg.enabled=false"],
+        "fixed reuse K=4": ["train.reuse_epochs=4", "dgg.enabled=false"],
+        "DGG (K<=4)": ["train.reuse_epochs=4", "dgg.enabled=true"],
     },
 }
 

@@ -198,7 +198,7 @@ class Trainer:
             logp_ref_BT=logp_ref,
         )
         cfg = dataclasses.replace(learner.update_cfg, minibatches_per_epoch=updates_per_epoch)
-        self.progress.updates(updates_per_epoch * learner.gate.cfg.max_reuse)
+        self.progress.updates(updates_per_epoch * cfg.epochs)
         result = megatron_step.train_on_batch(
             learner.model,
             learner.optimizer,
