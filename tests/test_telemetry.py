@@ -14,10 +14,15 @@ from sparserl_mcore.telemetry import (
     plot_metrics,
     read_metrics,
 )
+from sparserl_mcore.telemetry.console import human_bytes, times
+from sparserl_mcore.telemetry.logger import step_line
+from sparserl_mcore.telemetry.plot import drawable_panels
 
 
 def _write_jsonl(path: Path) -> None:
-    keys = [key for _, series, _ in PANELS for key, _ in series]
+    keys = {
+        k for _, series, _ in PANELS for key, _ in series for k in ([key] if isinstance(key, str) else key)
+    }
     lines = [json.dumps({"step": s, "time": 0.0, **{k: 1.0 + s * 0.1 for k in keys}}) for s in range(1, 6)]
     lines.insert(2, json.dumps({"event": "engine_failed", "url": "http://x"}))
     lines.append(json.dumps({"step": 6, "rollout/reward_mean": None}))  # NaN written as null
@@ -34,6 +39,51 @@ def test_plot_from_a_small_jsonl(tmp_path: Path) -> None:
     assert [p.name for p in out.parent.iterdir()] == ["summary.png"]  # no temp file left
 
 
+def test_only_logged_panels_are_drawn_and_ratios_divide_their_two_metrics() -> None:
+    records = [
+        {
+            "step": s,
+            "rollout/reward_mean": 0.1 * s,
+            "rollout/peak_kv_bytes": 16384.0,
+            "rollout/dense_kv_bytes": 28672.0,
+        }
+        for s in (1, 2)
+    ]
+    records[1]["sync/patch_bytes"], records[1]["sync/dense_bytes"] = 4.0, 20.0
+    panels = {title: curves for title, curves, _ in drawable_panels(records)}
+    assert set(panels) == {
+        "train reward (mean)",
+        "saved vs dense (x less)",
+        "peak KV bytes / request",
+        "weight sync bytes / step",
+    }  # no eval, KL, mismatch, DGG or correction panel: never logged
+    saved = {label: data for data, label in panels["saved vs dense (x less)"]}
+    assert saved == {"peak KV / request": ([1, 2], [1.75, 1.75]), "weight sync bytes": ([2], [5.0])}
+
+
+def test_step_lines_are_short_and_human() -> None:
+    line = step_line(
+        12,
+        {
+            "rollout/reward_mean": 0.2134,
+            "rollout/peak_kv_bytes": 16384.0,
+            "rollout/dense_kv_bytes": 28672.0,
+            "sync/patch_bytes": 83968.0,
+            "sync/dense_bytes": 430080.0,
+            "dgg/gates": 1.0,
+            "correction/vetoed_sequences": 0.0,
+            "time/rollout_s": 1.0,
+            "time/update_s": 3.1,
+        },
+    )
+    assert line == "step 12  reward 0.213  KV 16.4 KB (1.8x less)  sync 84.0 KB (5.1x less)  gated 1  4.1 s"
+    assert step_line(0, {"eval/pass1_compressed": 0.0625, "eval/pass1_dense": 0.5}) == (
+        "step 0  eval 0.062 compressed KV / 0.500 dense KV"
+    )
+    assert human_bytes(999) == "999 B" and human_bytes(1.5e6) == "1.5 MB" and human_bytes(250_000) == "250 KB"
+    assert times(3.21) == "3.2x" and times(41.7) == "42x"
+
+
 def test_logger_writes_jsonl_tensorboard_and_plot(tmp_path: Path) -> None:
     cfg = TelemetryConfig(dir=str(tmp_path / "run"), tensorboard=True, progress=False)
     logger = MetricsLogger(cfg, run_config={"train": {"steps": 2}})
@@ -46,7 +96,7 @@ def test_logger_writes_jsonl_tensorboard_and_plot(tmp_path: Path) -> None:
     assert [(r.get("event"), r.get("step")) for r in records] == [(None, 1), ("nonfinite_step", 1), (None, 2)]
     assert records[0]["policy/kl"] is None and records[1]["path"] == str(tmp_path)
     assert [r["step"] for r in read_metrics(paths["metrics"])] == [1, 2]  # events are not steps
-    assert paths["plot"].is_file()  # most panels were never logged: drawn as "not logged"
+    assert paths["plot"].is_file()  # only the reward panel has data: one panel
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -57,8 +107,7 @@ def test_disabled_logger_and_progress_do_nothing(tmp_path: Path) -> None:
     with RunProgress(3, enabled=False) as progress:
         progress.rollouts(8)
         progress.advance_rollouts(8)
-        progress.updates(4)
-        progress.advance_updates(info="gated")
+        progress.phase("update")
         progress.step_done(1)
 
 
