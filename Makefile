@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 TORCH  := torch==2.13.0
 
-.PHONY: setup test demo bench lint
+.PHONY: setup test demo bench lint slurm-test apt-shellcheck gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -17,8 +17,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]' $(TORCH)
 	touch $@
 
-test: setup
+test: setup apt-shellcheck
 	$(BIN)/python -m pytest -q tests
+
+# Debian packages some tests need, installed where that is possible (root with apt-get).
+APT_INSTALL := apt-get install -y -q --no-install-recommends
+CAN_APT     := { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }
+
+# shellcheck lints the rendered sbatch scripts; without it those tests skip (and say why).
+apt-shellcheck:
+	@command -v shellcheck >/dev/null 2>&1 || ! $(CAN_APT) || \
+		(apt-get update -q && $(APT_INSTALL) shellcheck) >/dev/null || echo "could not install shellcheck"
+
+# Rendered sbatch jobs through a real Slurm started on this machine (slurmctld + two slurmd, CPU
+# nodes, private config and ports; stopped at the end). Root only; about 5 minutes on 2 cores.
+slurm-test: setup apt-shellcheck
+	@command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || \
+		(apt-get update -q && $(APT_INSTALL) slurm-wlm munge)
+	SPARSERL_SLURM_TEST=1 $(BIN)/python -m pytest -q -s tests/test_slurm_cluster.py
 
 demo: setup
 	$(BIN)/sparserl demo
@@ -29,3 +45,24 @@ bench: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# ---- GPU box without a package index (README "On a GPU") ------------------------------------
+GPU_PYTHON ?= python3
+GPU_PYVER  ?= 3.12
+GPU_WHEELS ?= .gpu-wheels
+GPU_SITE   ?= .gpu-site
+GPU_OUT    ?= gpu-results
+GPU_ENV    := PYTHONPATH=$(CURDIR)/$(GPU_SITE):$(CURDIR)
+
+# Here, where an index is reachable: binary wheels of what the GPU image lacks, for its Python.
+gpu-wheels: setup
+	$(BIN)/python tools/gpu_wheels.py download --python-version $(GPU_PYVER) --dest $(GPU_WHEELS)
+
+# There: install the carried wheels (no index, no resolution), check the imports, then the GPU
+# tests (marker gpu) and the GPU benchmarks (results and summary.md in $(GPU_OUT)/).
+gpu-check:
+	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device visible')"
+	if [ -d $(GPU_WHEELS) ]; then $(GPU_PYTHON) tools/gpu_wheels.py install --wheels $(GPU_WHEELS) --target $(GPU_SITE); fi
+	$(GPU_ENV) $(GPU_PYTHON) tools/gpu_wheels.py check --target $(GPU_SITE)
+	$(GPU_ENV) $(GPU_PYTHON) -m pytest -q -m gpu tests
+	$(GPU_ENV) $(GPU_PYTHON) -m benchmarks.gpu --out $(GPU_OUT)

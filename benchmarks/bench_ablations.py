@@ -35,7 +35,7 @@ ARMS: dict[str, dict[str, list[str]]] = {
 
 def _run(out: Path, name: str, steps: int, overrides: list[str]) -> list[dict]:
     """One training run through `sparserl train --nproc 2`; returns its metrics records."""
-    from sparserl_mcore.trainer.cli import launch
+    from sparserl_mcore.trainer.cli import main as train
 
     run_dir = out / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "").replace("=", "")
     args = [
@@ -49,7 +49,7 @@ def _run(out: Path, name: str, steps: int, overrides: list[str]) -> list[dict]:
         *overrides,
     ]
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    if launch(str(out / "demo.yaml"), args, 2) != 0:
+    if train(str(out / "demo.yaml"), args, nproc=2) != 0:
         raise RuntimeError(f"ablation run {name!r} failed")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

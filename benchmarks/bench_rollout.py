@@ -19,8 +19,9 @@ load; a ratio is the median over rounds of the same-round ratio, with its min-ma
 5. decode attention alone at this model's shape: the native kernel (rollout/native.py, pages read in
    place) vs the torch path (page gather + SDPA), with each one's max error vs a float64 reference.
 
-`python -m benchmarks bench_rollout` (defaults) or `python -m benchmarks.bench_rollout --device cuda ...`;
-results are recorded in docs/benchmarks.md ("## Rollout engine").
+`python -m benchmarks bench_rollout` (defaults); results are recorded in docs/benchmarks.md ("## Rollout
+engine"). On a GPU, CPU seconds are the wrong unit: `python -m benchmarks.gpu.engine` measures wall
+tokens/s there.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
         help=f"comma-separated subset of {','.join(TABLES)} (default: all)",
     )
     a = p.parse_args(argv)
+    if a.device != "cpu":
+        p.error("--device: this counts tokens per CPU second; on a GPU: python -m benchmarks.gpu.engine")
     unknown = set(a.tables.split(",")) - set(TABLES)
     if unknown:
         p.error(f"--tables: unknown {sorted(unknown)}; known: {', '.join(TABLES)}")

@@ -1,16 +1,9 @@
-"""torchrun / srun entry for RL training: `torchrun ... launchers/train.py --config X.yaml [k=v ...]`.
+"""`torchrun ... launchers/train.py --config X.yaml [key=value ...]`: the RL training rank entry
+(`sparserl_mcore.launch.train`) as a script path, for torchrun/srun command lines and Slurm."""
 
-Every rank runs this; the trainer reads its rank from the launcher's environment.
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
 
-from sparserl_mcore.trainer import cli
+from sparserl_mcore.launch.train import main
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="launchers/train.py", description=__doc__.splitlines()[0])
-    cli.add_arguments(parser)
-    sys.exit(cli.run(parser.parse_args()))
+    sys.exit(main())

@@ -3,7 +3,7 @@
 - `ARCHITECTURES` (hf_config.py): the explicit registry, keyed by HF `model_type`.
 - `parse_hf_config(dict | path) -> HFModelConfig` (pure Python).
 - `build_spec(hf_config, parallel_cfg, *, params_dtype, vocab_multiple=128) -> ModelSpec` and
-  `build_model(spec, *, pre_process, post_process) -> GPTModel` (gpt.py; import megatron-core).
+  `build_model(spec, *, device, pre_process, post_process) -> GPTModel` (gpt.py; import megatron-core).
 
 The megatron-importing names load lazily, so reading configs stays cheap.
 """

@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from model_providers.hf_config import HFModelConfig, Llama3RopeScaling, parse_hf_config
 from model_providers.layer_specs import TRANSFORMER_IMPLS, layer_spec, te_available
+from model_providers.placement import place
 from sparserl_mcore.parallel.config import ParallelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -41,10 +42,7 @@ class ModelSpec:
     padded_vocab_size: int
     tie_embeddings: bool
     max_sequence_length: int
-
-    @property
-    def layers_per_stage(self) -> int:
-        return self.hf.num_layers // self.parallel.pipeline_model_parallel_size
+    stage_layers: tuple[int, ...]  # decoder layers per pipeline stage (`ParallelConfig.stage_layers`)
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
@@ -58,6 +56,8 @@ def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int
 def _transformer_config(
     hf: HFModelConfig, parallel: ParallelConfig, dtype: torch.dtype, cpu: bool
 ) -> TransformerConfig:
+    stages = parallel.stage_layers(hf.num_layers)
+    uneven = len(set(stages)) > 1  # megatron's own default is equal stages
     return TransformerConfig(
         num_layers=hf.num_layers,
         hidden_size=hf.hidden_size,
@@ -77,6 +77,8 @@ def _transformer_config(
         init_method_std=hf.initializer_range,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=stages[0] if uneven else None,
+        num_layers_in_last_pipeline_stage=stages[-1] if uneven else None,
         context_parallel_size=parallel.context_parallel_size,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -108,9 +110,10 @@ def build_spec(
     """
     hf = parse_hf_config(hf_config)
     parallel.validate_model(num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads)
-    dtype = _DTYPES.get(params_dtype, params_dtype) if isinstance(params_dtype, str) else params_dtype
+    dtype = _DTYPES.get(params_dtype) if isinstance(params_dtype, str) else params_dtype
     if dtype not in _DTYPES.values():
         raise ValueError(f"params_dtype={params_dtype!r}; choose one of {sorted(_DTYPES)}")
+    assert dtype is not None  # for the type checker: one of _DTYPES' values
     cpu = (not torch.cuda.is_available()) if cpu is None else cpu
     impl = transformer_impl or ("transformer_engine" if not cpu and te_available() else "local")
     if impl not in TRANSFORMER_IMPLS:
@@ -134,18 +137,22 @@ def build_spec(
         ),
         tie_embeddings=hf.tie_embeddings,
         max_sequence_length=hf.max_position_embeddings,
+        stage_layers=parallel.stage_layers(hf.num_layers),
     )
 
 
 def build_model(
     spec: ModelSpec,
     *,
+    device: torch.device | str,
     pre_process: bool,
     post_process: bool,
     pg_collection: Any | None = None,
     parallel_output: bool = True,
 ) -> GPTModel:
-    """The GPTModel part of one pipeline stage (needs `parallel.initialize` to have run).
+    """The GPTModel part of one pipeline stage (needs `parallel.initialize` to have run), with every
+    parameter, buffer and tensor attribute on `device` (the runtime's) and parameters in
+    `spec.params_dtype` (`placement.place`).
 
     `parallel_output=True` keeps logits vocab-sharded over TP ([s, b, padded_vocab / TP]), which is
     what vocab-parallel log-prob code wants. Weights are random; load them with `sparserl_mcore.ckpt`.
@@ -166,7 +173,7 @@ def build_model(
     )
     if hf.rope_scaling is not None:
         _apply_llama3_rope_scaling(model, hf.rope_scaling)
-    return model
+    return place(model, device, spec.params_dtype)
 
 
 def _apply_llama3_rope_scaling(model: GPTModel, scaling: Llama3RopeScaling) -> None:

@@ -1,15 +1,18 @@
-"""Read an HF config.json into the few numbers a megatron GPT needs, for the registered architectures.
+"""THE reader of HF config.json files and THE registry of supported architectures.
 
-Pure Python (no torch): the converter, the sync and config validation read `HFModelConfig` before
-building anything. The registry `ARCHITECTURES` is explicit and keyed by HF `model_type`;
-`architectures` class names (e.g. "Qwen2ForCausalLM") resolve through `HF_CLASS_TO_ARCH`.
+Pure Python (no torch): the megatron model (`build_spec`), the Megatron <-> HF layout, the
+converter, the sparse sync and the rollout engine's own forward (`rollout.hf_model.CausalLM`) all
+read one `HFModelConfig`. The registry `ARCHITECTURES` is explicit and keyed by HF `model_type`;
+`architectures` class names (e.g. "Qwen2ForCausalLM") resolve through `HF_CLASS_TO_ARCH`; tiny
+test checkpoints (`ckpt.tiny`) take their transformers config class from it too.
+`HFModelConfig.tensor_shapes()` lists the HF checkpoint's tensors (names and shapes).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +21,44 @@ from typing import Any
 class ArchTraits:
     """What distinguishes one registered family from another inside a Llama-style decoder."""
 
-    hf_class: str
+    hf_class: str  # the transformers model class named in config.json's `architectures`
+    config_class: str  # the transformers config class (tiny checkpoints are built from it)
     qkv_bias_always: bool = False  # Qwen2: q/k/v projections always carry a bias; others: attention_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     rope_scaling_types: tuple[str, ...] = ()  # accepted rope_type values besides "default"
+    # config fields a tiny test checkpoint of the family sets, so tests exercise what is distinctive
+    tiny_fields: Mapping[str, Any] = field(default_factory=dict)
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
-    "qwen2": ArchTraits(hf_class="Qwen2ForCausalLM", qkv_bias_always=True),
-    "qwen3": ArchTraits(hf_class="Qwen3ForCausalLM", qk_norm=True),
-    "llama": ArchTraits(hf_class="LlamaForCausalLM", rope_scaling_types=("llama3",)),
+    "qwen2": ArchTraits(
+        hf_class="Qwen2ForCausalLM",
+        config_class="Qwen2Config",
+        qkv_bias_always=True,
+        tiny_fields={"rope_theta": 1000000.0},
+    ),
+    "qwen3": ArchTraits(
+        hf_class="Qwen3ForCausalLM",
+        config_class="Qwen3Config",
+        qk_norm=True,
+        tiny_fields={"rope_theta": 1000000.0, "attention_bias": False},
+    ),
+    "llama": ArchTraits(
+        hf_class="LlamaForCausalLM",
+        config_class="LlamaConfig",
+        rope_scaling_types=("llama3",),
+        tiny_fields={
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 512,
+            },
+            "max_position_embeddings": 4096,
+        },
+    ),
 }
 HF_CLASS_TO_ARCH: dict[str, str] = {traits.hf_class: name for name, traits in ARCHITECTURES.items()}
 
@@ -62,6 +93,36 @@ class HFModelConfig:
     qkv_bias: bool
     qk_norm: bool
     initializer_range: float
+    # generation_config.json's eos_token_id when reading a directory that has one, else config.json's
+    eos_token_ids: tuple[int, ...] = ()
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the HF checkpoint, by name (a tied lm_head is not one)."""
+        h, d, f = self.hidden_size, self.head_dim, self.ffn_hidden_size
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        for i in range(self.num_layers):
+            a = f"model.layers.{i}."
+            shapes[a + "input_layernorm.weight"] = (h,)
+            for proj, rows in (
+                ("q_proj", self.num_heads * d),
+                ("k_proj", self.num_kv_heads * d),
+                ("v_proj", self.num_kv_heads * d),
+            ):
+                shapes[f"{a}self_attn.{proj}.weight"] = (rows, h)
+                if self.qkv_bias:
+                    shapes[f"{a}self_attn.{proj}.bias"] = (rows,)
+            if self.qk_norm:
+                shapes[a + "self_attn.q_norm.weight"] = (d,)
+                shapes[a + "self_attn.k_norm.weight"] = (d,)
+            shapes[a + "self_attn.o_proj.weight"] = (h, self.num_heads * d)
+            shapes[a + "post_attention_layernorm.weight"] = (h,)
+            shapes[a + "mlp.gate_proj.weight"] = (f, h)
+            shapes[a + "mlp.up_proj.weight"] = (f, h)
+            shapes[a + "mlp.down_proj.weight"] = (h, f)
+        shapes["model.norm.weight"] = (h,)
+        if not self.tie_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        return shapes
 
 
 def resolve_arch(hf: Mapping[str, Any]) -> str:
@@ -88,7 +149,13 @@ def load_hf_config(source: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"HF config not found: {path}")
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return data
 
 
 def _rope(hf: Mapping[str, Any], arch: str) -> tuple[float, Llama3RopeScaling | None]:
@@ -115,6 +182,17 @@ def _rope(hf: Mapping[str, Any], arch: str) -> tuple[float, Llama3RopeScaling | 
     )
 
 
+def _eos_token_ids(hf: Mapping[str, Any], source: Mapping[str, Any] | str | Path) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    if not isinstance(source, Mapping):
+        generation = Path(source) / "generation_config.json"
+        if generation.is_file():
+            eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
 def _check_unsupported(hf: Mapping[str, Any], arch: str) -> None:
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
@@ -125,13 +203,35 @@ def _check_unsupported(hf: Mapping[str, Any], arch: str) -> None:
 
 
 def parse_hf_config(source: Mapping[str, Any] | str | Path) -> HFModelConfig:
-    """Normalise an HF config (dict, config.json path or checkpoint dir) of a registered family."""
+    """Normalise an HF config (dict, config.json path or checkpoint dir) of a registered family.
+
+    A missing required field or a malformed value is a ValueError naming the field and the source.
+    """
     hf = load_hf_config(source)
+    where = "the HF config" if isinstance(source, Mapping) else str(source)
+    try:
+        return _parse(hf, source)
+    except KeyError as exc:
+        raise ValueError(f"{where}: config.json lacks the required field {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _parse(hf: dict[str, Any], source: Mapping[str, Any] | str | Path) -> HFModelConfig:
     arch = resolve_arch(hf)
     traits = ARCHITECTURES[arch]
     _check_unsupported(hf, arch)
     theta, scaling = _rope(hf, arch)
+    missing = [k for k in _REQUIRED if k not in hf]
+    if missing:
+        fields = ", ".join(repr(k) for k in missing)
+        raise ValueError(f"config.json lacks the required field{'s' * (len(missing) > 1)} {fields}")
     num_heads = int(hf["num_attention_heads"])
+    num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+        )
     hidden = int(hf["hidden_size"])
     return HFModelConfig(
         arch=arch,
@@ -139,7 +239,7 @@ def parse_hf_config(source: Mapping[str, Any] | str | Path) -> HFModelConfig:
         hidden_size=hidden,
         ffn_hidden_size=int(hf["intermediate_size"]),
         num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        num_kv_heads=num_kv_heads,
         head_dim=int(hf.get("head_dim") or hidden // num_heads),
         vocab_size=int(hf["vocab_size"]),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
@@ -150,4 +250,8 @@ def parse_hf_config(source: Mapping[str, Any] | str | Path) -> HFModelConfig:
         qkv_bias=traits.qkv_bias_always or bool(hf.get("attention_bias", False)),
         qk_norm=traits.qk_norm,
         initializer_range=float(hf.get("initializer_range", 0.02)),
+        eos_token_ids=_eos_token_ids(hf, source),
     )
+
+
+_REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")

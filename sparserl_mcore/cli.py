@@ -13,14 +13,18 @@ import sys
 
 # name -> (module, one-line help). Exhaustive: a new command is added here.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "model": ("tools.model", "make tiny random-weight HF checkpoints (tests, demos)"),
-    "convert": ("tools.convert", "HF safetensors <-> Megatron dist checkpoints, and logit parity checks"),
+    "model": ("sparserl_mcore.ckpt.model_cli", "make tiny random-weight HF checkpoints (tests, demos)"),
+    "convert": (
+        "sparserl_mcore.ckpt.cli",
+        "HF safetensors <-> Megatron dist checkpoints, and logit parity checks",
+    ),
     "sync": ("sparserl_mcore.sync.cli", "sparse BF16 weight patches: diff, apply, inspect, bench"),
     "serve": (
         "sparserl_mcore.rollout.cli",
         "run the embedded rollout engine behind an SGLang-style HTTP API",
     ),
     "train": ("sparserl_mcore.trainer.cli", "RL training from a YAML config with dotted overrides"),
+    "slurm": ("sparserl_mcore.slurm.cli", "render (and submit) the sbatch job of a run config"),
     "demo": ("sparserl_mcore.demo", "the small end-to-end CPU run behind `make demo`"),
 }
 

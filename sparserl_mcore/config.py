@@ -262,11 +262,14 @@ class RolloutConfig:
     (or SGLang) servers at `urls` over HTTP. token_env names an environment variable holding the
     servers' bearer token (the token itself never sits in a config file).
     request_timeout_s / max_retries bound how long a dead or hung engine can stall a step.
+    tensor_parallel_size: GPUs per rollout server (SGLang's --tp-size) where servers are started
+    for the run (`sparserl slurm`); the embedded engine runs on one device.
     """
 
     engine: Literal["embedded", "remote"] = "embedded"
     urls: tuple[str, ...] = ()
     token_env: str | None = None
+    tensor_parallel_size: int = 1
     group_size: int = 8
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     kv: KVCompressionConfig = dataclasses.field(default_factory=KVCompressionConfig)
@@ -284,7 +287,7 @@ class RolloutConfig:
             )
         if any(not u.startswith(("http://", "https://")) for u in self.urls):
             raise ValueError(f"urls={list(self.urls)}: each must start with http:// or https://")
-        _positive(self, "request_timeout_s")
+        _positive(self, "request_timeout_s", "tensor_parallel_size")
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries}: must be >= 0")
 
@@ -396,7 +399,12 @@ class TelemetryConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """Adam(W) for the learner (megatron-core optimizer). Defaults: Sparse-RL's setup."""
+    """Adam(W) for the learner (megatron-core optimizer). Defaults: Sparse-RL's setup.
+
+    distributed: megatron's distributed optimizer (fp32 master weights and Adam state sharded over
+    the data-parallel ranks; with bf16 params, megatron's standard mixed precision). It runs on CPU
+    too (parallel/cpu_mode.py); false: megatron's replicated optimizer.
+    """
 
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.98)
@@ -404,6 +412,7 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     clip_grad: float = 1.0
     lr_warmup_steps: int = 0
+    distributed: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "lr", "eps")
@@ -452,13 +461,12 @@ class SyncConfig:
     """Sparse BF16 weight sync from the learner to every rollout engine.
 
     codec: the sync engineer's patch encoding (value encoding, zstd level); every: steps between
-    syncs; transport: how patches travel, "inproc" to the embedded engine or "http" to remote
-    servers (the shared-filesystem transport of sparserl_mcore.sync is not wired into the loop).
+    syncs. How patches travel follows rollout.engine: in process to the embedded engine, over the
+    weight route to remote servers.
     """
 
     codec: CodecConfig = dataclasses.field(default_factory=CodecConfig)
     every: int = 1
-    transport: Literal["inproc", "http"] = "inproc"
 
     def __post_init__(self) -> None:
         _positive(self, "every")
@@ -490,12 +498,11 @@ class RunConfig:
                 f"{self.rollout.group_size} = {rollout_seqs} sequences per step is not a multiple of "
                 f"train.global_batch_size={self.train.global_batch_size}"
             )
-        if self.rollout.engine == "remote" and self.sync.transport == "inproc":
+        if self.rollout.sampling.seed is not None:
             raise ValueError(
-                "rollout.engine='remote' cannot use sync.transport='inproc'; set sync.transport=http"
+                f"rollout.sampling.seed={self.rollout.sampling.seed}: training seeds every request "
+                "from train.seed (so a resumed run draws the same samples); leave it null"
             )
-        if self.rollout.engine == "embedded" and self.sync.transport == "http":
-            raise ValueError("rollout.engine='embedded' syncs in process; set sync.transport=inproc")
 
 
 def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunConfig:

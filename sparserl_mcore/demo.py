@@ -7,7 +7,8 @@
    source of the run's settings: StreamingLLM-compressed rollouts with a KV budget under half the
    generation length, full Sparse-RL correction, DGG with K=4, sparse weight sync every step, eval
    pass@1 under dense and compressed KV;
-4. a table of what happened, and the paths of the plot and the final checkpoint.
+4. the trainer's summary with the paths it wrote (metrics, plot, checkpoint, HF export), and a
+   table of what happened.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
     from rich.console import Console
 
-    from sparserl_mcore.trainer.cli import launch
+    from sparserl_mcore.trainer.cli import main as train
 
     console = Console()
     out = Path(args.out).resolve()
@@ -130,13 +131,10 @@ def run(args: argparse.Namespace) -> int:
     cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
     metrics.unlink(missing_ok=True)
     console.print(f"GRPO: TP={args.nproc} over {args.nproc} gloo processes, {DEMO_YAML} -> {cfg_path}")
-    code = launch(str(cfg_path), ["checkpoint.resume=false"], args.nproc)
+    code = train(str(cfg_path), ["checkpoint.resume=false"], nproc=args.nproc)
     if code != 0:
         console.print(f"[red]training failed with exit code {code}[/]")
         return code
     console.print(summary_table(metrics))
-    console.print(f"plot: {metrics.parent / 'summary.png'}")
-    ckpt = config["checkpoint"]
-    console.print(f"final checkpoint: {ckpt['dir']} (HF safetensors: {ckpt['save_hf']})")
     console.print(f"total time {time.perf_counter() - start:.0f} s")
     return 0

@@ -1,10 +1,13 @@
-"""Multi-rank half of tests/test_ckpt_convert.py, run once under torchrun with 2 ranks.
+"""Multi-rank half of tests/test_ckpt_convert.py (2 ranks) and tests/test_uneven_pipeline.py.
 
 Reads WORK/plan.json and, re-initialising the parallel runtime for each layout (the runtime keys
 each initialisation apart in torchrun's store, so no per-round rendezvous is needed here):
 - "roundtrips": HF -> dist checkpoint at (tp, pp) -> HF at (tp2, pp2), files left for the test
   process to compare bit for bit with the source;
-- "reshard": load HF at TP=1, keep logits, save a dist checkpoint; load that at TP=2 and at PP=2
+- "save_hf": load a bf16 HF checkpoint at TP=1 PP=1 (DP=2: only DP rank 0 may write) and export
+  it twice into the same directory with `convert.save_hf` (the trainer's export; the second
+  replaces the first), for the test process to compare bit for bit;
+- "reshard" (optional): load HF at TP=1, keep logits, save a dist checkpoint; load that at TP=2 and at PP=2
   and save their logits (WORK/logits_*.pt) for the test process to compare.
 """
 
@@ -50,6 +53,24 @@ def roundtrip(case: dict) -> None:
         shutdown()
 
 
+def save_hf_twice(case: dict) -> None:
+    from model_providers.gpt import build_model, build_spec
+    from sparserl_mcore.ckpt import convert
+    from sparserl_mcore.ckpt.hf_io import load_hf_weights
+    from sparserl_mcore.ckpt.layout import layout_for
+    from sparserl_mcore.parallel import shutdown
+
+    rt = _runtime(1, 1)
+    try:
+        spec = build_spec(case["hf"], rt.parallel, params_dtype="bfloat16")
+        model = build_model(spec, device=rt.device, pre_process=True, post_process=True)
+        load_hf_weights(model, layout_for(spec), case["hf"], tp_rank=0, pp_rank=0)
+        for _ in range(2):
+            convert.save_hf(model, spec, rt, case["out"], hf_config_dir=case["hf"], max_shard_bytes=100_000)
+    finally:
+        shutdown()
+
+
 def _logits(model, rt, vocab: int) -> torch.Tensor | None:
     from sparserl_mcore.parallel.forward import forward_logits
 
@@ -68,7 +89,7 @@ def reshard(hf_dir: str, work: pathlib.Path) -> None:
     rt = _runtime(1, 1)
     try:
         spec = build_spec(hf_dir, rt.parallel)
-        model = build_model(spec, pre_process=True, post_process=True)
+        model = build_model(spec, device=rt.device, pre_process=True, post_process=True)
         load_hf_weights(model, layout_for(spec), hf_dir, tp_rank=0, pp_rank=0)
         logits = _logits(model, rt, spec.vocab_size)
         if rt.rank == 0:
@@ -80,7 +101,9 @@ def reshard(hf_dir: str, work: pathlib.Path) -> None:
         rt = _runtime(tp, pp)
         try:
             spec = spec_for_checkpoint(mcore, rt.parallel)
-            model = build_model(spec, pre_process=rt.is_first_stage, post_process=rt.is_last_stage)
+            model = build_model(
+                spec, device=rt.device, pre_process=rt.is_first_stage, post_process=rt.is_last_stage
+            )
             load_dist(model, mcore)
             logits = _logits(model, rt, spec.vocab_size)
             if rt.is_last_stage and rt.tp_rank == 0 and rt.dp_rank == 0:
@@ -93,7 +116,10 @@ def main(work: pathlib.Path) -> int:
     plan = json.loads((work / "plan.json").read_text())
     for case in plan["roundtrips"]:
         roundtrip(case)
-    reshard(plan["reshard_hf"], work)
+    if "save_hf" in plan:
+        save_hf_twice(plan["save_hf"])
+    if "reshard_hf" in plan:
+        reshard(plan["reshard_hf"], work)
     return 0
 
 

@@ -53,7 +53,9 @@ def build(hf_dir: str, rt, *, distributed: bool):
     from sparserl_mcore.ckpt.layout import layout_for
 
     spec = model_providers.build_spec(hf_dir, rt.parallel, params_dtype="bfloat16", cpu=True)
-    gpt = model_providers.build_model(spec, pre_process=True, post_process=True, pg_collection=rt.groups)
+    gpt = model_providers.build_model(
+        spec, device=rt.device, pre_process=True, post_process=True, pg_collection=rt.groups
+    )
     layout = layout_for(spec)
     load_hf_weights(gpt, layout, hf_dir, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank)
     ddp_cfg = DistributedDataParallelConfig(

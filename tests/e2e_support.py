@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -76,12 +75,6 @@ def write_config(root: Path, hf: Path, name: str, **sections: dict) -> Path:
 def metrics(root: Path, name: str) -> list[dict]:
     path = root / name / "metrics" / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def nan_reward(completion: str, answer: str) -> float:

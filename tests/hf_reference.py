@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import torch
 
 
-def hf_greedy(model, prompt: Sequence[int], n: int) -> list[int]:
-    """`n` greedy tokens after `prompt` from an HF causal LM, never stopping at EOS."""
-    ids = torch.tensor([list(prompt)])
+def hf_greedy(model, prompt: Sequence[int], n: int, device: str = "cpu") -> list[int]:
+    """`n` greedy tokens after `prompt` from an HF causal LM (on `device`), never stopping at EOS."""
+    ids = torch.tensor([list(prompt)], device=device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),

@@ -95,6 +95,7 @@ def build(hf_dir: str, runtime):
     spec = model_providers.build_spec(hf_dir, runtime.parallel, params_dtype="float32", cpu=True)
     gpt = model_providers.build_model(
         spec,
+        device=runtime.device,
         pre_process=runtime.is_first_stage,
         post_process=runtime.is_last_stage,
         pg_collection=runtime.groups,

@@ -46,7 +46,11 @@ def _learner(case: dict, hf_dir: str, rt):
 
     spec = build_spec(hf_dir, rt.parallel, params_dtype="bfloat16", cpu=True)
     model = build_model(
-        spec, pre_process=rt.is_first_stage, post_process=rt.is_last_stage, pg_collection=rt.groups
+        spec,
+        device=rt.device,
+        pre_process=rt.is_first_stage,
+        post_process=rt.is_last_stage,
+        pg_collection=rt.groups,
     )
     layout = layout_for(spec)
     load_hf_weights(model, layout, hf_dir, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank)

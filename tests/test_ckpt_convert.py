@@ -10,15 +10,16 @@ import argparse
 import json
 import pathlib
 import re
+import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from sparserl_mcore.ckpt import cli as convert_cli
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.parallel.launch import launch_local
-from tools import convert as convert_cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # name -> (tiny config, (tp, pp) of hf-to-mcore, (tp, pp) of mcore-to-hf): every arch tied and
@@ -30,6 +31,9 @@ ROUNDTRIPS = {
     "qwen3_tied_bf16": (TinyModelConfig(arch="qwen3", tie_embeddings=True, dtype="bfloat16"), (1, 2), (1, 2)),
     "llama": (TinyModelConfig(arch="llama", vocab=200), (1, 2), (2, 1)),
     "llama_tied": (TinyModelConfig(arch="llama", tie_embeddings=True), (2, 1), (1, 2)),
+    # 5 layers on PP=2: uneven stages (3, 2) both ways, tied (the last stage's copy); PP=3 is in
+    # tests/test_uneven_pipeline.py
+    "qwen2_5layers_tied": (TinyModelConfig(arch="qwen2", layers=5, tie_embeddings=True), (1, 2), (1, 2)),
 }
 
 
@@ -72,6 +76,7 @@ def converted(tmp_path_factory) -> pathlib.Path:
             }
         )
     plan["reshard_hf"] = str(work / "qwen2")
+    plan["save_hf"] = {"hf": str(work / "qwen3_tied_bf16"), "out": str(work / "exports" / "qwen3_tied_bf16")}
     (work / "plan.json").write_text(json.dumps(plan))
     launch_local([str(ROOT / "tests" / "ckpt_worker.py"), str(work)], 2, timeout=400)
     return work
@@ -84,14 +89,22 @@ def test_roundtrip_is_bit_exact(converted, name):
     assert_bit_exact(converted / name, out)
 
 
+def test_save_hf_from_the_ranks_is_atomic_bit_exact_and_keeps_the_dtype(converted):
+    """The trainer's export: DP=2 (one writer per stage), bf16 kept, a repeat replaces the first."""
+    out = converted / "exports" / "qwen3_tied_bf16"
+    assert_bit_exact(converted / "qwen3_tied_bf16", out)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["qwen3_tied_bf16"]  # no temp dirs left
+
+
 def test_dist_checkpoint_reshards_with_same_logits(converted):
-    reference = torch.load(converted / "logits_tp1.pt")
+    reference = torch.load(converted / "logits_tp1.pt", weights_only=True)
     assert reference.shape == (2, 8, 128)
-    assert torch.equal(torch.load(converted / "logits_reload_tp1_pp1.pt"), reference)
-    assert torch.equal(torch.load(converted / "logits_reload_tp1_pp2.pt"), reference)
+    assert torch.equal(torch.load(converted / "logits_reload_tp1_pp1.pt", weights_only=True), reference)
+    assert torch.equal(torch.load(converted / "logits_reload_tp1_pp2.pt", weights_only=True), reference)
     # TP=2 sums the row-parallel matmuls in a different order: equal up to fp32 rounding.
     torch.testing.assert_close(
-        torch.load(converted / "logits_reload_tp2_pp1.pt"), reference, rtol=1e-5, atol=1e-6
+        torch.load(converted / "logits_reload_tp2_pp1.pt", weights_only=True), reference, rtol=1e-5, atol=1e-6
     )
 
 
@@ -118,7 +131,12 @@ def test_cli_roundtrip_and_failed_ranks_leave_nothing(tmp_path, capsys):
     # The ranks fail (a data file of the dist checkpoint is gone): no output, no temp directory.
     next((tmp_path / "m").glob("*.distcp")).unlink()
     assert _cli("mcore-to-hf", "--mcore-dir", str(tmp_path / "m"), "--out", str(tmp_path / "h3")) == 1
-    assert "conversion ranks failed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "conversion ranks failed" in err and "Traceback" not in err
+    line = r"^ranks? [0-9, -]+: CheckpointException: FileNotFoundError: .*\(log: (.*)rank\d\.log\)$"
+    found = re.search(line, err, re.M)
+    assert found, err
+    shutil.rmtree(found.group(1))  # the logs a failed conversion keeps for its user
     assert not (tmp_path / "h3").exists() and _leftovers(tmp_path) == []
 
 
@@ -157,6 +175,9 @@ def _edit_config(src: pathlib.Path, dst: pathlib.Path, **changes) -> pathlib.Pat
         ("arch", 1, "unsupported architecture: model_type='gpt2'.*supported model_type values"),
         ("tp", 3, "tensor_model_parallel_size=3 does not divide num_attention_heads=4"),
         ("fp16", 1, "stores dtype 'float16'; convert with --dtype float32 or bfloat16"),
+        ("no_hidden", 1, "config.json lacks the required field 'hidden_size'"),
+        ("truncated", 1, "model.safetensors is not a readable safetensors file"),
+        ("not_json", 1, "config.json is not valid JSON"),
     ],
 )
 def test_bad_input_names_the_problem_and_writes_nothing(tiny_hf, tmp_path, capsys, case, tp, message):
@@ -171,11 +192,24 @@ def test_bad_input_names_the_problem_and_writes_nothing(tiny_hf, tmp_path, capsy
         _edit_config(tiny_hf, bad, model_type="gpt2", architectures=["GPT2LMHeadModel"])
     elif case == "fp16":
         _edit_config(tiny_hf, bad, dtype="float16")
+    elif case == "no_hidden":
+        _edit_config(tiny_hf, bad)
+        config = json.loads((bad / "config.json").read_text())
+        del config["hidden_size"]
+        (bad / "config.json").write_text(json.dumps(config))
+    elif case == "truncated":
+        _edit_config(tiny_hf, bad)
+        weights = (bad / "model.safetensors").read_bytes()
+        (bad / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    elif case == "not_json":
+        _edit_config(tiny_hf, bad)
+        (bad / "config.json").write_text("{ not json")
     else:
         bad = tiny_hf
     out = tmp_path / "out"
     assert _cli("hf-to-mcore", "--hf-dir", str(bad), "--out", str(out), "--tp", str(tp)) == 2
-    assert re.search(message, capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert re.search(message, err) and len(err.strip().splitlines()) == 1, err
     assert not out.exists() and _leftovers(tmp_path) == []
 
 

@@ -12,20 +12,24 @@ from model_providers.hf_config import parse_hf_config
 from sparserl_mcore.ckpt.layout import ModelLayout
 
 CASES = [
-    # arch, tie, tp, pp
-    ("qwen2", False, 1, 1),
-    ("qwen2", True, 2, 2),
-    ("qwen3", False, 2, 1),
-    ("qwen3", True, 1, 2),
-    ("llama", False, 2, 2),
-    ("llama", True, 2, 1),
+    # arch, tie, tp, pp, layers
+    ("qwen2", False, 1, 1, 2),
+    ("qwen2", True, 2, 2, 2),
+    ("qwen3", False, 2, 1, 2),
+    ("qwen3", True, 1, 2, 2),
+    ("llama", False, 2, 2, 2),
+    ("llama", True, 2, 1, 2),
+    # uneven pipeline stages: 5 layers split (3, 2) and (2, 2, 1)
+    ("qwen2", True, 2, 2, 5),
+    ("llama", False, 1, 3, 5),
+    ("qwen3", True, 2, 3, 5),
 ]
 
 
-def _hf_config(arch: str, tie: bool) -> dict:
+def _hf_config(arch: str, tie: bool, layers: int = 2) -> dict:
     return {
         "model_type": arch,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": layers,
         "hidden_size": 12,
         "intermediate_size": 10,
         "num_attention_heads": 4,
@@ -36,8 +40,8 @@ def _hf_config(arch: str, tie: bool) -> dict:
     }
 
 
-def _setup(arch: str, tie: bool, tp: int, pp: int):
-    hf_cfg = parse_hf_config(_hf_config(arch, tie))
+def _setup(arch: str, tie: bool, tp: int, pp: int, layers: int = 2):
+    hf_cfg = parse_hf_config(_hf_config(arch, tie, layers))
     layout = ModelLayout(hf_cfg, tp_size=tp, pp_size=pp, padded_vocab_size=32)
     gen = torch.Generator().manual_seed(0)
     hf = {name: torch.randn(shape, generator=gen) for name, shape in layout.hf_shapes.items()}
@@ -74,15 +78,26 @@ def _reference_local(hf_cfg, hf: dict, tp: int, tp_rank: int, layer: int) -> dic
     }
 
 
-@pytest.mark.parametrize(("arch", "tie", "tp", "pp"), CASES)
-def test_whole_shard_matches_reference(arch, tie, tp, pp):
-    hf_cfg, layout, hf, shards = _setup(arch, tie, tp, pp)
-    per_stage = hf_cfg.num_layers // pp
+PARAMS = ("arch", "tie", "tp", "pp", "layers")
+
+
+def _stage_layers(layers: int, pp: int) -> list[range]:
+    """Global layers of each stage, the default (balanced) split written out by hand."""
+    counts = {(2, 1): [2], (2, 2): [1, 1], (5, 2): [3, 2], (5, 3): [2, 2, 1]}[layers, pp]
+    starts = [sum(counts[:i]) for i in range(pp)]
+    return [range(start, start + n) for start, n in zip(starts, counts, strict=True)]
+
+
+@pytest.mark.parametrize(PARAMS, CASES)
+def test_whole_shard_matches_reference(arch, tie, tp, pp, layers):
+    hf_cfg, layout, hf, shards = _setup(arch, tie, tp, pp, layers)
     for (tp_rank, pp_rank), local in shards.items():
         for name, tensor in local.items():
             assert not tensor.isnan().any(), f"{name} not fully written on shard {(tp_rank, pp_rank)}"
-        for i in range(per_stage):
-            ref = _reference_local(hf_cfg, hf, tp, tp_rank, pp_rank * per_stage + i)
+        stage = _stage_layers(layers, pp)[pp_rank]
+        assert not any(f"decoder.layers.{len(stage)}." in name for name in local), "an extra layer"
+        for i, layer in enumerate(stage):
+            ref = _reference_local(hf_cfg, hf, tp, tp_rank, layer)
             for suffix, expected in ref.items():
                 assert torch.equal(local[f"decoder.layers.{i}.{suffix}"], expected), suffix
         vocab_rows = 32 // tp
@@ -97,9 +112,9 @@ def test_whole_shard_matches_reference(arch, tie, tp, pp):
             )
 
 
-@pytest.mark.parametrize(("arch", "tie", "tp", "pp"), CASES)
-def test_export_covers_every_hf_element_once(arch, tie, tp, pp):
-    _, layout, hf, shards = _setup(arch, tie, tp, pp)
+@pytest.mark.parametrize(PARAMS, CASES)
+def test_export_covers_every_hf_element_once(arch, tie, tp, pp, layers):
+    _, layout, hf, shards = _setup(arch, tie, tp, pp, layers)
     rebuilt = {n: torch.zeros(s) for n, s in layout.hf_shapes.items()}
     count = {n: torch.zeros(s, dtype=torch.int64) for n, s in layout.hf_shapes.items()}
     for (tp_rank, pp_rank), local in shards.items():
@@ -113,9 +128,9 @@ def test_export_covers_every_hf_element_once(arch, tie, tp, pp):
         assert torch.equal(rebuilt[name], hf[name]), name
 
 
-@pytest.mark.parametrize(("arch", "tie", "tp", "pp"), CASES)
-def test_to_hf_index_agrees_with_whole_shard(arch, tie, tp, pp):
-    _, layout, hf, shards = _setup(arch, tie, tp, pp)
+@pytest.mark.parametrize(PARAMS, CASES)
+def test_to_hf_index_agrees_with_whole_shard(arch, tie, tp, pp, layers):
+    _, layout, hf, shards = _setup(arch, tie, tp, pp, layers)
     count = {n: torch.zeros(s, dtype=torch.int64).flatten() for n, s in layout.hf_shapes.items()}
     gen = torch.Generator().manual_seed(1)
     for (tp_rank, pp_rank), local in shards.items():
@@ -131,9 +146,9 @@ def test_to_hf_index_agrees_with_whole_shard(arch, tie, tp, pp):
         assert torch.equal(c, torch.ones_like(c)), f"{name}: HF elements not reported exactly once"
 
 
-@pytest.mark.parametrize(("arch", "tie", "tp", "pp"), CASES)
-def test_to_local_index_agrees_with_whole_shard(arch, tie, tp, pp):
-    _, layout, hf, shards = _setup(arch, tie, tp, pp)
+@pytest.mark.parametrize(PARAMS, CASES)
+def test_to_local_index_agrees_with_whole_shard(arch, tie, tp, pp, layers):
+    _, layout, hf, shards = _setup(arch, tie, tp, pp, layers)
     gen = torch.Generator().manual_seed(2)
     for (tp_rank, pp_rank), local in shards.items():
         hit = {n: torch.zeros(t.numel(), dtype=torch.int64) for n, t in local.items()}
@@ -172,7 +187,7 @@ def test_pipeline_offsets_and_tied_copy():
     ("change", "tp", "pp", "match"),
     [
         ({"num_key_value_heads": 1}, 2, 1, "num_key_value_heads=1 is not divisible by tp_size=2"),
-        ({"num_hidden_layers": 3}, 1, 2, "num_hidden_layers=3 is not divisible by pp_size=2"),
+        ({"num_hidden_layers": 2}, 1, 3, "pp_size=3 is larger than num_hidden_layers=2"),
         ({"intermediate_size": 9}, 2, 1, "intermediate_size=9 is not divisible by tp_size=2"),
     ],
 )
@@ -188,3 +203,13 @@ def test_unknown_names_are_key_errors():
         layout.to_hf_index("decoder.layers.7.mlp.linear_fc1.weight", torch.arange(3), 0, 0)
     with pytest.raises(KeyError, match="model.layers.0.self_attn.q_norm.weight"):
         layout.to_local_index("model.layers.0.self_attn.q_norm.weight", torch.arange(3), 0, 0)
+
+
+def test_explicit_stage_split_is_checked_and_used():
+    hf_cfg = parse_hf_config(_hf_config("qwen2", False, 5))
+    layout = ModelLayout(hf_cfg, tp_size=1, pp_size=2, padded_vocab_size=32, stage_layers=(1, 4))
+    assert [layout.layer_offset(p) for p in (0, 1)] == [0, 1]
+    assert "decoder.layers.3.mlp.linear_fc1.weight" in layout.shard(0, 1)
+    assert "stage_layers=(1, 4)" in repr(layout)
+    with pytest.raises(ValueError, match=r"stage_layers=\(2, 2\) does not split num_hidden_layers=5"):
+        ModelLayout(hf_cfg, tp_size=1, pp_size=2, padded_vocab_size=32, stage_layers=(2, 2))

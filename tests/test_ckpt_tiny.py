@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
+from sparserl_mcore.ckpt import model_cli
 from sparserl_mcore.ckpt.atomic import atomic_output_dir
 from sparserl_mcore.ckpt.tiny import TOKENIZER_SIZE, TinyModelConfig, make_tiny
-from tools import model as model_cli
 
 TEXT = "Q: 12+(34*5)=?\nA: 182. Hello, World! x_y/z-1 [a] {b} <c> ~`'\"#$%&;:|\\^@\t end"
 
@@ -76,3 +76,25 @@ def test_atomic_output_dir_is_all_or_nothing(tmp_path):
         (tmp / "v2").write_text("2")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert sorted(p.name for p in target.iterdir()) == ["v2"]
+
+
+def test_a_dead_writers_temp_goes_at_the_next_start_a_live_ones_stays(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from sparserl_mcore.ckpt.atomic import _host
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)  # exited and reaped: no such process now
+    stale = tmp_path / f".out.tmp-{_host()}-{dead_pid}-abc123"
+    live = tmp_path / f".out.tmp-{_host()}-{os.getpid()}-def456"  # a writer still running (this one)
+    other = tmp_path / f".other.tmp-{_host()}-{dead_pid}-ghi789"  # another target's temp: not ours
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "half.bin").write_bytes(b"x")
+    with atomic_output_dir(tmp_path / "out") as tmp:
+        (tmp / "v1").write_text("1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, "out"])

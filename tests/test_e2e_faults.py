@@ -9,62 +9,53 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 
 import httpx
-from e2e_support import PY, free_port, make_assets, metrics, subprocess_env, write_config
+from e2e_support import PY, make_assets, metrics, subprocess_env, write_config
+from waiting import wait_until
 
 
-def _serve(hf, port: int, env: dict) -> subprocess.Popen:
-    cmd = [
-        PY,
-        "-m",
-        "sparserl_mcore",
-        "serve",
-        "--hf-dir",
-        str(hf),
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _serve(hf, env: dict) -> subprocess.Popen:
+    """`sparserl serve` on a port the OS picks (--port 0); `_url` reads it from its first line."""
+    cmd = [PY, "-m", "sparserl_mcore", "serve", "--hf-dir", str(hf), "--port", "0", "--log-level", "warning"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def _url(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline()  # "sparserl serve: listening on http://127.0.0.1:PORT"
+    assert "listening on http://" in line, f"server exited with {proc.poll()}: {line!r}"
+    return line.rsplit(" ", 1)[1].strip()
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         assert proc.poll() is None, f"server {url} exited with {proc.returncode}"
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not healthy after {timeout} s")
+            return False
+
+    wait_until(healthy, timeout=timeout, what=f"{url}/health", interval=0.3)
 
 
 def _wait_step(root, name: str, step: int, trainer: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def logged() -> bool:
         assert trainer.poll() is None, "trainer ended early"
         try:
-            if any(r.get("step") == step and "rollout/reward_mean" in r for r in metrics(root, name)):
-                return
+            return any(r.get("step") == step and "rollout/reward_mean" in r for r in metrics(root, name))
         except FileNotFoundError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"step {step} not logged after {timeout} s")
+            return False
+
+    wait_until(logged, timeout=timeout, what=f"step {step} in metrics.jsonl")
 
 
 def test_dead_engines_fail_over_then_checkpoint_and_stop(tmp_path):
     hf = make_assets(tmp_path)
     env = subprocess_env()
-    ports = [free_port(), free_port()]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    servers = [_serve(hf, p, env) for p in ports]
+    servers = [_serve(hf, env) for _ in range(2)]
     trainer = None
     try:
+        urls = [_url(proc) for proc in servers]
         for url, proc in zip(urls, servers, strict=True):
             _wait_healthy(url, proc)
         cfg = write_config(
@@ -73,7 +64,6 @@ def test_dead_engines_fail_over_then_checkpoint_and_stop(tmp_path):
             "faults",
             parallel={"tensor_model_parallel_size": 1},
             rollout={"engine": "remote", "urls": urls, "request_timeout_s": 60.0, "max_retries": 2},
-            sync={"transport": "http"},
             eval={"dense": False, "compressed": False, "at_start": False},
             train={"steps": 6},
         )

@@ -1,13 +1,14 @@
 """End to end on CPU: `sparserl train` with TP=2 over 2 gloo processes on a random tiny Qwen2.
 
-One uninterrupted run (reward must rise on an easy task) and one run killed with SIGKILL right
-after its step-2 checkpoint, then resumed: both end with bit-identical HF weights.
+One uninterrupted run (reward must rise on an easy task) and one `sparserl train --nproc 2` run
+whose rank 1 is SIGKILLed right after its step-2 checkpoint: the run comes down within seconds,
+naming the rank, and the rerun resumes and ends with bit-identical HF weights; a third start finds
+the run complete and writes nothing.
 """
 
 from __future__ import annotations
 
-import os
-import signal
+import re
 import subprocess
 import time
 
@@ -16,8 +17,9 @@ import pytest
 import torch
 from e2e_support import PY, REPO, make_assets, metrics, subprocess_env, write_config
 from safetensors.torch import load_file
+from waiting import wait_until
 
-from sparserl_mcore.parallel.launch import launch_local, torchrun_command
+from sparserl_mcore.parallel.launch import launch_local
 
 TRAIN = str(REPO / "launchers" / "train.py")
 
@@ -43,7 +45,7 @@ def test_train_rejects_a_bad_override_naming_the_key(tmp_path):
     assert "unknown key rollout.kv.metod" in proc.stderr and "method" in proc.stderr
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_tp2_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path):
     hf = make_assets(tmp_path)
     env = subprocess_env()
@@ -54,36 +56,61 @@ def test_tp2_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path):
     assert sum(rewards[2:]) > sum(rewards[:2]), rewards
     assert (tmp_path / "full" / "hf" / "model.safetensors.index.json").is_file()
 
+    # The same run under `sparserl train --nproc 2`; rank 1 is SIGKILLed mid step 3, after the
+    # step-2 checkpoint: the launcher ends the run within seconds, naming the rank.
     killed = write_config(tmp_path, hf, "killed")
+    cmd = [PY, "-m", "sparserl_mcore", "train", "--config", str(killed), "--nproc", "2"]
     latest = tmp_path / "killed" / "ckpt" / "latest"
-    proc = subprocess.Popen(
-        torchrun_command([TRAIN, "--config", str(killed)], 2),
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (latest.is_file() and "step_00000002" in latest.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, (
-                "run ended before its step-2 checkpoint"
-            )
-            time.sleep(0.2)
-        # mid step 3: torchrun starts each rank in its own session, so kill the ranks by pid too
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.send_signal(signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
+        wait_until(lambda: _checkpointed(latest, 2, proc), timeout=240, what="the step-2 checkpoint")
+        rank1 = next(p for p in psutil.Process(proc.pid).children(recursive=True) if _rank(p) == "1")
+        everyone = psutil.Process(proc.pid).children(recursive=True)
+        rank1.kill()
+        killed_at = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        down_s = time.monotonic() - killed_at
     finally:
-        proc.wait(timeout=60)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and down_s < 15, (down_s, err)
+    assert re.search(r"^  rank 1: killed by SIGKILL \(log: .*rank1\.log\)$", err, re.M), err
+    assert "Traceback" not in err
+    assert psutil.wait_procs(everyone, timeout=10)[1] == []
     assert not (tmp_path / "killed" / "hf").exists()
-    launch_local([TRAIN, "--config", str(killed)], 2, env=env, timeout=300)
+
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert rerun.stdout.startswith(
+        f"sparserl train: resuming from {latest.parent / 'step_00000002'} at step 2 of 4"
+    )
+    assert (
+        "done: steps 2 -> 4" in rerun.stdout and f"HF export:  {tmp_path / 'killed' / 'hf'}" in rerun.stdout
+    )
     events = [r for r in metrics(tmp_path, "killed") if r.get("event") == "resumed"]
-    assert events and events[0]["step"] == 2
+    assert [(e["step"], e["rng"]) for e in events] == [(2, "restored")]
 
     a, b = _weights(tmp_path / "full" / "hf"), _weights(tmp_path / "killed" / "hf")
     assert a.keys() == b.keys()
     assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+    # Run again: already at train.steps, it says so and writes nothing.
+    written = {p: p.stat().st_mtime_ns for p in (tmp_path / "killed").rglob("*")}
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout.startswith("sparserl train: already complete"), again
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "killed").rglob("*")} == written
+
+
+def _rank(proc: psutil.Process) -> str | None:
+    try:
+        return proc.environ().get("RANK")
+    except psutil.Error:
+        return None
+
+
+def _checkpointed(latest, step: int, proc: subprocess.Popen) -> bool:
+    assert proc.poll() is None, proc.communicate()
+    return latest.is_file() and latest.read_text().strip() == f"step_{step:08d}"
 
 
 def test_nonfinite_loss_skips_every_update_and_leaves_weights_and_sync_untouched(tmp_path):

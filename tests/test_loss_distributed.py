@@ -44,14 +44,13 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         capture_output=True,
     )
     out = {
-        f"ref_tied{tied}": torch.load(tmp / f"ref_tied{tied}.pt", weights_only=False)
-        for tied in (False, True)
+        f"ref_tied{tied}": torch.load(tmp / f"ref_tied{tied}.pt", weights_only=True) for tied in (False, True)
     }
     for name, (tp, pp, tied) in LAYOUTS.items():
         path = tmp / f"{name}.pt"
         extra = ["--spike"] if name == "pp2" else []
         launch_local([WORKER, str(tp), str(pp), f"{hf[tied]}={path}", *extra], 2, timeout=240)
-        out[name] = torch.load(path, weights_only=False)
+        out[name] = torch.load(path, weights_only=True)
     return out
 
 

@@ -3,6 +3,7 @@ vocab padding, and the megatron config/spec built from it (no process group need
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -113,3 +114,95 @@ def test_build_spec_rejects_impossible_layouts_and_dtypes():
         build_spec(tiny("llama"), ParallelConfig(context_parallel_size=2), cpu=True)
     with pytest.raises(ValueError, match="transformer_impl='apex'"):
         build_spec(tiny("llama"), ParallelConfig(), transformer_impl="apex")
+
+
+def _megatron_stages(spec) -> list[tuple[int, int]]:
+    """(layer offset, layers built) of every stage, as megatron-core itself computes them."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    pp = spec.parallel.pipeline_model_parallel_size
+    return [
+        (
+            get_transformer_layer_offset(spec.config, pp_rank=p),
+            get_num_layers_to_build(spec.config, pp_rank=p),
+        )
+        for p in range(pp)
+    ]
+
+
+def _splits_megatron_allows(layers: int, pp: int) -> list[tuple[int, ...]]:
+    """Every split into `pp` stages of >= 1 layer whose middle stages are equal (megatron's rule)."""
+    splits = []
+    for cuts in itertools.combinations(range(1, layers), pp - 1):
+        bounds = (0, *cuts, layers)
+        counts = tuple(b - a for a, b in itertools.pairwise(bounds))
+        if len(set(counts[1:-1])) <= 1:
+            splits.append(counts)
+    return splits
+
+
+def test_default_stage_split_is_balanced_and_is_megatrons_for_every_pp():
+    for layers in range(1, 11):
+        for pp in range(1, layers + 1):
+            spec = build_spec(tiny("qwen2", layers=layers), ParallelConfig(pipeline_model_parallel_size=pp))
+            counts = spec.stage_layers
+            allowed = _splits_megatron_allows(layers, pp)
+            assert counts in allowed, (layers, pp, counts)
+            assert max(counts) == min(max(c) for c in allowed), (layers, pp, counts)  # least busiest stage
+            if layers % pp == 0:  # equal stages stay megatron's plain (even) split
+                assert spec.config.num_layers_in_first_pipeline_stage is None
+            offsets = [sum(counts[:p]) for p in range(pp)]
+            assert _megatron_stages(spec) == list(zip(offsets, counts, strict=True)), (layers, pp)
+    # the common real shapes: 28 layers on PP=3, 36 on PP=5, 5 on PP=2 / PP=3
+    for layers, pp, want in (
+        (28, 3, (9, 10, 9)),
+        (36, 5, (8, 7, 7, 7, 7)),
+        (5, 2, (3, 2)),
+        (5, 3, (2, 2, 1)),
+    ):
+        assert ParallelConfig(pipeline_model_parallel_size=pp).stage_layers(layers) == want
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "want"),
+    [(1, None, (1, 2, 2)), (None, 3, (1, 1, 3)), (3, 1, (3, 1, 1)), (1, 1, (1, 3, 1))],
+)
+def test_stage_split_overrides_follow_megatron(first, last, want):
+    parallel = ParallelConfig(
+        pipeline_model_parallel_size=3,
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
+    )
+    spec = build_spec(tiny("llama", layers=5), parallel)
+    assert spec.stage_layers == want
+    assert _megatron_stages(spec) == [(sum(want[:p]), n) for p, n in enumerate(want)]
+
+
+@pytest.mark.parametrize(
+    ("pp", "first", "last", "message"),
+    [
+        (
+            4,
+            1,
+            None,
+            r"num_layers_in_first_pipeline_stage=1: 4 of num_hidden_layers=5 remain for 3 middle",
+        ),
+        (
+            2,
+            2,
+            2,
+            r"=2: 1 of num_hidden_layers=5 remain for the other 0 of pipeline_model_parallel_size=2 stages",
+        ),
+        (3, 4, None, r"stage=4: 1 of num_hidden_layers=5 remain for the other 2 of"),
+        (1, 2, None, r"num_layers_in_first_pipeline_stage=2 needs pipeline_model_parallel_size > 1"),
+        (2, 0, None, r"num_layers_in_first_pipeline_stage=0: must be an integer >= 1"),
+    ],
+)
+def test_impossible_stage_splits_name_the_numbers(pp, first, last, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(
+            pipeline_model_parallel_size=pp,
+            num_layers_in_first_pipeline_stage=first,
+            num_layers_in_last_pipeline_stage=last,
+        ).stage_layers(5)

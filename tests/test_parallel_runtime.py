@@ -24,11 +24,16 @@ cpu_only = pytest.mark.skipif(
         (4, 1, 4, 2, 8, 2, r"tensor_model_parallel_size=4 does not divide num_key_value_heads=2"),
         (2, 2, 6, 4, 4, 2, r"world size 6 is not divisible by TP\*PP\*CP = 2\*2\*1 = 4"),
         (1, 4, 4, 2, 4, 2, r"pipeline_model_parallel_size=4 is larger than num_hidden_layers=2"),
-        (1, 2, 2, 3, 4, 2, r"pipeline_model_parallel_size=2 does not divide num_hidden_layers=3"),
+        (1, 4, 4, 6, 4, 2, r"num_layers_in_first_pipeline_stage=1: 5 of num_hidden_layers=6 remain"),
     ],
 )
 def test_layout_errors_name_the_numbers(tp, pp, world, layers, heads, kv_heads, message):
-    cfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    first = 1 if layers == 6 else None  # 1 + 5 layers cannot split equally over 3 later stages
+    cfg = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        num_layers_in_first_pipeline_stage=first,
+    )
     with pytest.raises(ValueError, match=message):
         cfg.validate_world(world)
         cfg.validate_model(num_layers=layers, num_heads=heads, num_kv_heads=kv_heads)
@@ -38,6 +43,7 @@ def test_valid_layout_passes():
     cfg = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     cfg.validate_world(8)
     cfg.validate_model(num_layers=4, num_heads=4, num_kv_heads=2)
+    cfg.validate_model(num_layers=3, num_heads=4, num_kv_heads=2)  # uneven stages (2, 1)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
@@ -134,9 +140,9 @@ def test_launch_local_runs_ranks_and_reports_failures(tmp_path):
 def test_launch_local_timeout_kills_every_rank(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(
-        "import os, pathlib, sys, time\n"
+        "import os, pathlib, sys, threading\n"
         "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text(str(os.getpid()))\n"
-        "time.sleep(600)\n"
+        "threading.Event().wait()  # hangs until killed\n"
     )
     with pytest.raises(LaunchError, match="timed out") as failure:
         launch_local([str(script), str(tmp_path)], 2, timeout=20)

@@ -13,7 +13,12 @@ from hf_reference import hf_greedy
 
 from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
 from sparserl_mcore.rollout.kvcompress import METHODS, KVCompressionConfig
-from sparserl_mcore.rollout.protocol import GenerateRequest, RolloutEngine, SamplingParams
+from sparserl_mcore.rollout.protocol import (
+    GenerateRequest,
+    RolloutEngine,
+    SamplingParams,
+    WeightVersionConflict,
+)
 
 VOCAB = 160
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -223,7 +228,7 @@ def test_stops_abort_and_pool_exhaustion(hf_model):
     with pytest.raises(ValueError, match="vocab_size"):
         engine.generate([GenerateRequest(input_ids=[VOCAB], sampling=GREEDY)])
     tiny = _engine(path, capacity_pages=2)
-    with pytest.raises(RuntimeError, match="raise capacity"):
+    with pytest.raises(ValueError, match="more than the whole KV pool"):  # refused before it runs
         tiny.generate([GenerateRequest(input_ids=list(range(20)), sampling=GREEDY)])
     assert tiny.pool.num_free == 2  # the oversized prompt failed alone; the engine still serves
     fits = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
@@ -281,7 +286,7 @@ def test_weight_updates_flush_cache_and_apply_sync_patches(hf_model):
 def test_bf16_engine_applies_sparse_patch_in_place_and_rejects_bad_one(hf_model):
     """bf16 parameters ARE the sync target (fused q/k/v and gate/up rows are views): a sparse patch
     lands in place, verifies, and changes generation; a patch against the wrong base changes nothing."""
-    from sparserl_mcore.sync.codec import PatchError, encode_patch
+    from sparserl_mcore.sync.codec import encode_patch
     from sparserl_mcore.sync.diff import make_patch
 
     _, path = hf_model
@@ -300,7 +305,7 @@ def test_bf16_engine_applies_sparse_patch_in_place_and_rejects_bad_one(hf_model)
         assert torch.equal(engine.model.params[name], new[name]), name
     after = engine.generate([GenerateRequest(input_ids=prompt, sampling=GREEDY)])[0]
     assert after.output_ids != before.output_ids and after.cached_prompt_tokens == 0
-    with pytest.raises(PatchError, match="based on version 0"):
+    with pytest.raises(WeightVersionConflict, match="based on version 0"):
         engine.apply_patch(patch)
     for name in new:
         assert torch.equal(engine.model.params[name], new[name]), name

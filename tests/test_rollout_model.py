@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
 
-from sparserl_mcore.rollout.hf_model import CausalLM, ModelConfig
+from model_providers.hf_config import parse_hf_config
+from sparserl_mcore.rollout.hf_model import CausalLM
 
 COMMON = dict(
     hidden_size=64,
@@ -62,8 +65,10 @@ def test_update_in_place_and_bad_weights(tmp_path):
     live = model.params["model.norm.weight"]
     model.update({"model.norm.weight": torch.full_like(live, 2.0)})
     assert model.params["model.norm.weight"] is live and bool((live == 2.0).all())
-    with pytest.raises(KeyError, match="not a parameter"):
+    with pytest.raises(ValueError, match="not a parameter"):
         model.update({"model.nope": live})
+    with pytest.raises(ValueError, match="floating-point"):
+        model.update({"model.norm.weight": torch.ones_like(live, dtype=torch.int32)})
     with pytest.raises(ValueError, match="shape"):
         model.update({"model.norm.weight": torch.zeros(3)})
     params = dict(model.params)
@@ -72,11 +77,15 @@ def test_update_in_place_and_bad_weights(tmp_path):
         CausalLM(model.cfg, params, device="cpu", dtype=torch.float32)
 
 
-def test_config_rejects_unsupported():
+def test_config_rejects_unsupported(tmp_path):
+    """The engine reads the project's one HF config reader: unsupported models never load."""
     base = {**COMMON, "model_type": "qwen2", "num_hidden_layers": 2}
     with pytest.raises(ValueError, match="model_type='mistral'"):
-        ModelConfig.from_hf({**base, "model_type": "mistral"})
-    with pytest.raises(ValueError, match="rope type 'yarn'"):
-        ModelConfig.from_hf({**base, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+        parse_hf_config({**base, "model_type": "mistral"})
+    with pytest.raises(ValueError, match="rope_type='yarn' is not supported for qwen2"):
+        parse_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 2.0}})
     with pytest.raises(ValueError, match="sliding-window"):
-        ModelConfig.from_hf({**base, "use_sliding_window": True})
+        parse_hf_config({**base, "use_sliding_window": True})
+    (tmp_path / "config.json").write_text(json.dumps({**base, "num_key_value_heads": 3}))
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not a multiple of num_key_value_heads=3"):
+        CausalLM.from_pretrained(tmp_path)

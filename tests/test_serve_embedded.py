@@ -4,6 +4,7 @@ weight update -> continue). References: HF transformers greedy decoding on the s
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import queue
@@ -20,6 +21,7 @@ import torch
 import transformers
 from hf_reference import hf_greedy
 from safetensors.torch import load_file
+from waiting import event_after_call, wait_until
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.cli import main
@@ -38,7 +40,10 @@ BUDGET = 32
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> pathlib.Path:
-    return make_tiny(TinyModelConfig(dtype="bfloat16", seed=5), tmp_path_factory.mktemp("m") / "tiny")
+    path = make_tiny(TinyModelConfig(dtype="bfloat16", seed=5), tmp_path_factory.mktemp("m") / "tiny")
+    config = json.loads((path / "config.json").read_text())  # room for the 20000-token requests below
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    return path
 
 
 def _weights(hf_dir: pathlib.Path) -> dict[str, torch.Tensor]:
@@ -162,7 +167,7 @@ def test_disconnect_aborts_in_engine_and_frees_pages(embedded):
     fast: dict = {}
 
     def other_client():
-        time.sleep(0.3)  # joins while the endless request is decoding
+        wait_until(lambda: engine.scheduler.running, timeout=20, what="the endless request decoding")
         fast["info"] = httpx.get(f"{url}/get_model_info", timeout=5)
         fast["r"] = httpx.post(f"{url}/generate", json={"input_ids": [1, 2, 3], "sampling_params":
                                {"max_new_tokens": 5, "ignore_eos": True}}, timeout=60)  # fmt: skip
@@ -174,17 +179,22 @@ def test_disconnect_aborts_in_engine_and_frees_pages(embedded):
     t.join(60)
     assert fast["info"].status_code == 200  # read-only routes answer while a batch decodes
     assert fast["r"].status_code == 200 and fast["r"].json()["meta_info"]["completion_tokens"] == 5
-    deadline = time.monotonic() + 20
-    while not engine.scheduler.idle:  # 20000 tokens would take far longer: it was aborted
-        assert time.monotonic() < deadline, "the disconnected request is still running"
-        time.sleep(0.05)
+    # 20000 tokens would take far longer: it was aborted
+    wait_until(lambda: engine.scheduler.idle, timeout=20, what="the disconnected request aborted")
     engine.flush_cache()
     assert engine.stats()["pool_free_pages"] == total
     assert httpx.get(f"{url}/health").text == "ok"
 
 
-def test_pause_update_continue(embedded, hf_dir):
-    url, engine = embedded
+def test_pause_update_continue(hf_dir, monkeypatch):
+    engine = EmbeddedEngine(hf_dir, EngineConfig(device="cpu", page_size=8, capacity_pages=4096))
+    app = create_app(engine, ServerConfig(token=TOKEN, max_concurrent_batches=4))
+    queued = event_after_call(monkeypatch, app.state.worker, "submit_generate")
+    with BackgroundServer(app) as server:
+        _pause_update_continue(server.url, engine, hf_dir, queued)
+
+
+def _pause_update_continue(url: str, engine: EmbeddedEngine, hf_dir, queued: threading.Event) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     old = _weights(hf_dir)
     first = engine.generate([GenerateRequest(input_ids=PROMPT, sampling=_greedy(4))])[0].output_ids[0]
@@ -196,7 +206,7 @@ def test_pause_update_continue(embedded, hf_dir):
             "ignore_eos": True}}  # fmt: skip
     t = threading.Thread(target=lambda: result.update(r=httpx.post(f"{url}/generate", json=body, timeout=60)))
     t.start()
-    time.sleep(0.5)
+    assert queued.wait(30), "the request never reached the worker"
     assert "r" not in result  # held while paused
     r = httpx.post(f"{url}/update_weights_from_patch", content=patch, headers={**auth,
                    "Content-Type": "application/octet-stream"}, timeout=60)  # fmt: skip
@@ -246,14 +256,10 @@ def test_shutdown_aborts_a_running_generation(hf_dir):
     with BackgroundServer(create_app(engine, ServerConfig(max_concurrent_batches=2))) as server:
         t = threading.Thread(target=client, args=(server.url,))
         t.start()
-        deadline = time.monotonic() + 20
-        while not engine.scheduler.running:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda: engine.scheduler.running, timeout=20, what="the generation running")
         start = time.monotonic()
     assert time.monotonic() - start < 20, "shutdown waited for the generation"
     t.join(30)
     assert "r" in outcome
-    while not engine.scheduler.idle:  # the abort lands at the engine's next step
-        assert time.monotonic() - start < 20, "the generation was not aborted"
-        time.sleep(0.02)
+    # the abort lands at the engine's next step
+    wait_until(lambda: engine.scheduler.idle, timeout=20, what="the generation aborted")

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 from hf_reference import hf_greedy
+from waiting import event_after_call, wait_until
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, build_tokenizer, make_tiny
 from sparserl_mcore.rollout.client import RemoteEngine, RemoteEngineError, RemoteValueError
@@ -44,9 +45,14 @@ class HFReferenceEngine:
         self.receiver = HFReceiver(weights, version=0)
         self.version = 0
         self.aborted: set[str] = set()
+        self.decoding: set[str] = set()  # rids that reached the decode loop
         self.flushes = 0
+        self.pauses: list[str] = []
         self._running = threading.Event()
         self._running.set()
+        self._step = threading.Lock()  # held while a token is computed: pause() waits for it
+        self._inflight: set[str] = set()
+        self._epoch = 0  # bumped by a "retract" pause: requests restart from their prompts
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
         return [self._one(r) for r in requests]
@@ -55,20 +61,30 @@ class HFReferenceEngine:
     def _one(self, req: GenerateRequest) -> Sample:
         sp, ids, logps = req.sampling, list(req.input_ids), []
         gen = torch.Generator().manual_seed(sp.seed or 0)
-        reason = "length"
-        for _ in range(sp.max_new_tokens):
+        reason, epoch = "length", self._epoch
+        self._inflight.add(req.rid)
+        while len(ids) - len(req.input_ids) < sp.max_new_tokens:
+            self.decoding.add(req.rid)
             self._running.wait()
-            if req.rid in self.aborted:
-                reason = "abort"
-                break
-            logits = self.model(torch.tensor([ids])).logits[0, -1]
-            logp = torch.log_softmax(logits / (sp.temperature or 1.0), dim=-1)
-            tok = int(logp.argmax()) if sp.greedy else int(torch.multinomial(logp.exp(), 1, generator=gen))
-            ids.append(tok)
-            logps.append(float(logp[tok]))
-            if tok in sp.stop_token_ids:
-                reason = "stop"
-                break
+            with self._step:
+                if epoch != self._epoch:  # retracted: start over
+                    ids, logps, epoch = list(req.input_ids), [], self._epoch
+                    gen.manual_seed(sp.seed or 0)
+                if req.rid in self.aborted:
+                    reason = "abort"
+                    break
+                logits = self.model(torch.tensor([ids])).logits[0, -1]
+                logp = torch.log_softmax(logits / (sp.temperature or 1.0), dim=-1)
+                if sp.greedy:
+                    tok = int(logp.argmax())
+                else:
+                    tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                ids.append(tok)
+                logps.append(float(logp[tok]))
+                if tok in sp.stop_token_ids:
+                    reason = "stop"
+                    break
+        self._inflight.discard(req.rid)
         n = len(req.input_ids)
         return Sample(
             rid=req.rid,
@@ -98,8 +114,14 @@ class HFReferenceEngine:
     def flush_cache(self) -> None:
         self.flushes += 1
 
-    def pause(self) -> None:
+    def pause(self, mode: str = "in_place") -> None:
+        self.pauses.append(mode)
         self._running.clear()
+        with self._step:  # no token is being computed once this returns
+            if mode == "abort":
+                self.aborted |= self._inflight
+            elif mode == "retract":
+                self._epoch += 1
 
     def resume(self) -> None:
         self._running.set()
@@ -293,7 +315,7 @@ def test_disk_update_route(served, hf_dir):
         json={"model_path": "/nonexistent", "weight_version": 4},
         headers=auth,
     )
-    assert r.status_code == 400 and "no .safetensors" in r.json()["error"]
+    assert r.status_code == 400 and "no such file" in r.json()["error"]
     assert engine.version == 3
 
 
@@ -316,22 +338,28 @@ def test_remote_abort_finishes_a_running_request(served):
         result: dict = {}
         thread = threading.Thread(target=lambda: result.update(s=client.generate([req])[0]))
         thread.start()
-        time.sleep(0.5)
+        wait_until(lambda: "remote-abort" in engine.decoding, timeout=30, what="the request decoding")
         client.abort("remote-abort")
         thread.join(30)
         assert not thread.is_alive(), "the aborted request should not have run to 4000 tokens"
     assert result["s"].finish_reason == "abort" and len(result["s"].output_ids) < 4000
 
 
-def test_pause_holds_generation_until_continue(served):
-    url, _ = served
+def test_pause_holds_generation_until_continue(hf_dir, monkeypatch):
+    app = create_app(HFReferenceEngine(hf_dir), ServerConfig(token=TOKEN))
+    queued = event_after_call(monkeypatch, app.state.worker, "submit_generate")
+    with BackgroundServer(app) as server:
+        _pause_holds_generation_until_continue(server.url, queued)
+
+
+def _pause_holds_generation_until_continue(url: str, queued: threading.Event) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert httpx.post(f"{url}/pause_generation", headers=auth).status_code == 200
     result: dict = {}
     body = {"input_ids": PROMPT, "sampling_params": _greedy(3)}
     t = threading.Thread(target=lambda: result.update(r=httpx.post(f"{url}/generate", json=body, timeout=60)))
     t.start()
-    time.sleep(0.5)
+    assert queued.wait(30), "the request never reached the worker"
     assert "r" not in result and httpx.get(f"{url}/get_model_info").json()["paused"] is True
     assert httpx.post(f"{url}/flush_cache", headers=auth).status_code == 200  # control ops run while paused
     assert httpx.post(f"{url}/continue_generation", headers=auth).status_code == 200

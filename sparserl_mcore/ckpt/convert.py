@@ -1,13 +1,17 @@
 """The conversions as collective functions over an initialised runtime (one shard per rank).
 
-`launchers.convert` (torchrun / srun entry) and the tests call `hf_to_mcore` / `mcore_to_hf`; a
-trainer calls `export_hf` to save a live model as HF. `sparserl convert` wraps the launcher with
-input checks and an atomic output directory. All write into an existing empty `out_dir`; the
+`sparserl_mcore.launch.convert` (torchrun / srun entry) and the tests call `hf_to_mcore` / `mcore_to_hf`.
+`export_hf` is THE way a megatron model becomes an HF checkpoint (mcore_to_hf and the trainer both
+use it): data-parallel rank 0 of each stage writes the weights, global rank 0 the index and
+config, in the model's own dtype unless told otherwise (config.json says which). It writes into an
+existing empty `out_dir` (`sparserl convert` wraps the launcher with an atomic output directory);
+`save_hf` is the same from inside the ranks, into a temp directory renamed when complete. The
 conversions build the model without random init (every weight is overwritten by the load).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 from typing import TYPE_CHECKING
@@ -19,11 +23,19 @@ if TYPE_CHECKING:
     from sparserl_mcore.parallel.runtime import Runtime
 
 
-def _build(spec: ModelSpec, rt: Runtime):
+def build_for_load(spec: ModelSpec, rt: Runtime):
+    """This rank's pipeline stage of `spec` on the runtime's device, without random init (a load
+    overwrites every weight): what the conversions, `verify` and the parity checks load into."""
     from model_providers.gpt import build_model
 
     spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, perform_initialization=False))
-    return build_model(spec, pre_process=rt.is_first_stage, post_process=rt.is_last_stage)
+    return build_model(
+        spec,
+        device=rt.device,
+        pre_process=rt.is_first_stage,
+        post_process=rt.is_last_stage,
+        pg_collection=rt.groups,
+    )
 
 
 def hf_to_mcore(
@@ -37,7 +49,7 @@ def hf_to_mcore(
 
     dtype = dtype or HFCheckpoint(hf_dir).config_dtype() or "float32"
     spec = build_spec(hf_dir, rt.parallel, params_dtype=dtype)
-    model = _build(spec, rt)
+    model = build_for_load(spec, rt)
     load_hf_weights(model, layout_for(spec), hf_dir, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank)
     save_dist(model, out_dir)
     if rt.rank == 0:
@@ -60,7 +72,7 @@ def mcore_to_hf(
 
     dtype = dtype or McoreCheckpointMeta.read(mcore_dir).params_dtype
     spec = spec_for_checkpoint(mcore_dir, rt.parallel, params_dtype=dtype)
-    model = _build(spec, rt)
+    model = build_for_load(spec, rt)
     load_dist(model, mcore_dir)
     source = hf_config_dir or pathlib.Path(mcore_dir) / HF_SUBDIR
     export_hf(model, spec, rt, out_dir, hf_config_dir=source, dtype=dtype, max_shard_bytes=max_shard_bytes)
@@ -103,3 +115,30 @@ def export_hf(
         write_index(out_dir, maps)
         copy_hf_metadata(hf_config_dir, out_dir, dtype=dtype)
     dist.barrier()
+
+
+def save_hf(
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    rt: Runtime,
+    out: str | pathlib.Path,
+    *,
+    hf_config_dir: str | pathlib.Path,
+    dtype: str | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> pathlib.Path:
+    """Collective: `export_hf` into a temp directory beside `out` that replaces `out` (an earlier
+    export included) only once every rank has written, so a crash never leaves a partial `out`."""
+    import torch.distributed as dist
+
+    from sparserl_mcore.ckpt.atomic import atomic_output_dir
+
+    writer = atomic_output_dir(out, overwrite=True) if rt.rank == 0 else contextlib.nullcontext()
+    with writer as tmp:
+        box = [str(tmp) if rt.rank == 0 else ""]
+        dist.broadcast_object_list(box, src=0)
+        export_hf(
+            model, spec, rt, box[0], hf_config_dir=hf_config_dir, dtype=dtype, max_shard_bytes=max_shard_bytes
+        )
+    dist.barrier()  # `out` is complete on every rank's return
+    return pathlib.Path(out)

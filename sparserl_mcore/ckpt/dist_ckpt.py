@@ -74,11 +74,19 @@ class McoreCheckpointMeta:
             raise FileNotFoundError(
                 f"{path} not found: {ckpt_dir} is not a checkpoint written by `sparserl convert hf-to-mcore`"
             )
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc})") from None
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{path}: unknown fields {unknown}; known: {sorted(known)}")
+        missing = sorted(
+            f.name for f in dataclasses.fields(cls) if f.name not in data and f.name != "format_version"
+        )
+        if missing:
+            raise ValueError(f"{path}: missing fields {missing}")
         return cls(**data)
 
 

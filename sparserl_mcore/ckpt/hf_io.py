@@ -13,10 +13,11 @@ config.json and the tokenizer files. The largest buffer on any rank is one file'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from sparserl_mcore.ckpt.layout import ModelLayout
@@ -38,6 +39,19 @@ class CheckpointError(ValueError):
     """The HF checkpoint does not match the model config (missing/unexpected tensor, wrong shape)."""
 
 
+@contextlib.contextmanager
+def _safe_open(path: pathlib.Path) -> Iterator:
+    """safetensors' `safe_open`, with a truncated or corrupt file reported as a CheckpointError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from None
+    with handle as f:
+        yield f
+
+
 class HFCheckpoint:
     """Read-only view of an HF safetensors checkpoint (single file or sharded with an index json)."""
 
@@ -49,7 +63,10 @@ class HFCheckpoint:
     def _tensor_files(self) -> dict[str, pathlib.Path]:
         index = self.dir / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index} is not a valid safetensors index ({exc!r})") from None
             missing = sorted({f for f in weight_map.values() if not (self.dir / f).is_file()})
             if missing:
                 raise CheckpointError(f"{index} names files that do not exist: {missing}")
@@ -57,9 +74,7 @@ class HFCheckpoint:
         single = self.dir / "model.safetensors"
         if not single.is_file():
             raise CheckpointError(f"no model.safetensors or {INDEX_FILE} in {self.dir}")
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
+        with _safe_open(single) as f:
             return {name: single for name in f.keys()}
 
     def _header(self, name: str) -> tuple[tuple[int, ...], str]:
@@ -67,10 +82,7 @@ class HFCheckpoint:
         if name not in self.files:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
         if name not in self._headers:
-            from safetensors import safe_open
-
-            path = self.files[name]
-            with safe_open(path, framework="pt") as f:
+            with _safe_open(self.files[name]) as f:
                 for key in f.keys():
                     part = f.get_slice(key)
                     raw = part.get_dtype()

@@ -13,10 +13,13 @@ columns [hf_col, hf_col + local_cols). That one shape covers every layout Megatr
 - replicated params (norms, q/k layernorm) live on every TP rank but are emitted by tp_rank 0 only;
   tied embeddings are emitted once, from `embedding.word_embeddings` (the last stage's
   `output_layer.weight` under PP > 1 is a copy: loaded, never emitted);
-- PP: local layer i of stage p is global layer `p * layers_per_stage + i`.
+- PP: stage p holds `stage_layers[p]` decoder layers (`ParallelConfig.stage_layers`: megatron's
+  first/last/middle split, uneven when P does not divide the layer count); its local layer i is
+  global layer `layer_offset(p) + i`, as megatron's `get_transformer_layer_offset` numbers them.
 
 Public API (the converter and the sparse sync call these):
     layout = ModelLayout(hf_cfg, tp_size=T, pp_size=P, padded_vocab_size=Vp)   # hf_cfg: HFModelConfig
+    layout = ModelLayout(..., stage_layers=(3, 2))     # an explicit split (default: the balanced one)
     layout = layout_for(model_spec)                    # same, from model_providers.build_spec(...)
     layout.hf_shapes                                   # {hf_name: shape} of the HF checkpoint
     layout.shard(tp_rank, pp_rank)                     # {mcore_name: ParamMap}
@@ -39,6 +42,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from model_providers.hf_config import HFModelConfig
+from sparserl_mcore.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +98,7 @@ class ModelLayout:
         pp_size: int,
         padded_vocab_size: int,
         fused_norms: bool = False,
+        stage_layers: tuple[int, ...] | None = None,
     ) -> None:
         _check_layout(hf, tp_size, pp_size, padded_vocab_size)
         self.hf = hf
@@ -101,18 +106,23 @@ class ModelLayout:
         self.pp_size = pp_size
         self.padded_vocab_size = padded_vocab_size
         self.fused_norms = fused_norms
-        self.layers_per_stage = hf.num_layers // pp_size
-        self.hf_shapes: dict[str, tuple[int, ...]] = _hf_shapes(hf)
+        self.stage_layers = _check_stages(hf, pp_size, stage_layers)
+        self.hf_shapes: dict[str, tuple[int, ...]] = hf.tensor_shapes()
         self._tables: dict[tuple[ParamMap, str | None, str], dict] = {}
 
     def __repr__(self) -> str:
+        stages = "" if len(set(self.stage_layers)) == 1 else f", stage_layers={self.stage_layers}"
         return (
-            f"ModelLayout(arch={self.hf.arch}, tp={self.tp_size}, pp={self.pp_size}, "
+            f"ModelLayout(arch={self.hf.arch}, tp={self.tp_size}, pp={self.pp_size}{stages}, "
             f"vocab={self.hf.vocab_size}->{self.padded_vocab_size})"
         )
 
+    def layer_offset(self, pp_rank: int) -> int:
+        """Global index of stage `pp_rank`'s first decoder layer."""
+        return sum(self.stage_layers[:pp_rank])
+
     def global_layer(self, pp_rank: int, local_layer: int) -> int:
-        return pp_rank * self.layers_per_stage + local_layer
+        return self.layer_offset(pp_rank) + local_layer
 
     @functools.cache  # noqa: B019 -- a layout lives as long as its model; shards are few
     def shard(self, tp_rank: int, pp_rank: int) -> dict[str, ParamMap]:
@@ -127,7 +137,7 @@ class ModelLayout:
             params.append(
                 self._vocab_param("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp_rank)
             )
-        for local in range(self.layers_per_stage):
+        for local in range(self.stage_layers[pp_rank]):
             params.extend(self._layer_params(tp_rank, local, self.global_layer(pp_rank, local)))
         if pp_rank == self.pp_size - 1:
             h = self.hf.hidden_size
@@ -361,39 +371,12 @@ def layout_for(spec: ModelSpec) -> ModelLayout:
         pp_size=spec.parallel.pipeline_model_parallel_size,
         padded_vocab_size=spec.padded_vocab_size,
         fused_norms=spec.transformer_impl == "transformer_engine",
+        stage_layers=spec.stage_layers,
     )
 
 
 def _replicated(name: str, hf_name: str, size: int, tp_rank: int) -> ParamMap:
     return ParamMap(name, (size,), (Segment(hf_name, 0, size, 0),), emit=tp_rank == 0)
-
-
-def _hf_shapes(hf: HFModelConfig) -> dict[str, tuple[int, ...]]:
-    h, d, f = hf.hidden_size, hf.head_dim, hf.ffn_hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (hf.vocab_size, h)}
-    for i in range(hf.num_layers):
-        a = f"model.layers.{i}."
-        shapes[a + "input_layernorm.weight"] = (h,)
-        for proj, rows in (
-            ("q_proj", hf.num_heads * d),
-            ("k_proj", hf.num_kv_heads * d),
-            ("v_proj", hf.num_kv_heads * d),
-        ):
-            shapes[f"{a}self_attn.{proj}.weight"] = (rows, h)
-            if hf.qkv_bias:
-                shapes[f"{a}self_attn.{proj}.bias"] = (rows,)
-        if hf.qk_norm:
-            shapes[a + "self_attn.q_norm.weight"] = (d,)
-            shapes[a + "self_attn.k_norm.weight"] = (d,)
-        shapes[a + "self_attn.o_proj.weight"] = (h, hf.num_heads * d)
-        shapes[a + "post_attention_layernorm.weight"] = (h,)
-        shapes[a + "mlp.gate_proj.weight"] = (f, h)
-        shapes[a + "mlp.up_proj.weight"] = (f, h)
-        shapes[a + "mlp.down_proj.weight"] = (h, f)
-    shapes["model.norm.weight"] = (h,)
-    if not hf.tie_embeddings:
-        shapes["lm_head.weight"] = (hf.vocab_size, h)
-    return shapes
 
 
 def _segment_table(segs: tuple[Segment, ...], hf_shapes: dict[str, tuple[int, ...]], key: str) -> dict:
@@ -433,10 +416,23 @@ def _check_layout(hf: HFModelConfig, tp: int, pp: int, padded_vocab: int) -> Non
             f"num_attention_heads={hf.num_heads} is not a multiple of num_key_value_heads={hf.num_kv_heads}",
         ),
         (hf.ffn_hidden_size % tp, f"intermediate_size={hf.ffn_hidden_size} is not divisible by tp_size={tp}"),
-        (hf.num_layers % pp, f"num_hidden_layers={hf.num_layers} is not divisible by pp_size={pp}"),
+        (pp > hf.num_layers, f"pp_size={pp} is larger than num_hidden_layers={hf.num_layers}"),
         (padded_vocab % tp, f"padded_vocab_size={padded_vocab} is not divisible by tp_size={tp}"),
         (padded_vocab < hf.vocab_size, f"padded_vocab_size={padded_vocab} < vocab_size={hf.vocab_size}"),
     )
     for failed, message in checks:
         if failed:
             raise ValueError(message)
+
+
+def _check_stages(hf: HFModelConfig, pp: int, stage_layers: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The given split (checked against the model), or the default one of `ParallelConfig`."""
+    if stage_layers is None:
+        return ParallelConfig(pipeline_model_parallel_size=pp).stage_layers(hf.num_layers)
+    stages = tuple(stage_layers)
+    if len(stages) != pp or sum(stages) != hf.num_layers or min(stages) < 1:
+        raise ValueError(
+            f"stage_layers={stages} does not split num_hidden_layers={hf.num_layers} over pp_size={pp} "
+            "stages of at least one layer each"
+        )
+    return stages

@@ -9,12 +9,14 @@ decode back exactly, and it needs no download.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
 import pathlib
 import string
 
+from model_providers.hf_config import ARCHITECTURES
 from sparserl_mcore.ckpt.atomic import atomic_output_dir
 
 # The tokenizer's special tokens; ids 0..2, before the characters.
@@ -22,25 +24,6 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHARACTERS = tuple(string.printable[:95]) + ("\n", "\t")  # printable[:95]: digits..punctuation+space
 TOKENIZER_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
 
-# arch -> (transformers config class name, extra config fields). Exhaustive.
-ARCHITECTURES: dict[str, tuple[str, dict]] = {
-    "qwen2": ("Qwen2Config", {"rope_theta": 1000000.0}),
-    "qwen3": ("Qwen3Config", {"rope_theta": 1000000.0, "attention_bias": False}),
-    "llama": (
-        "LlamaConfig",
-        {
-            "rope_parameters": {
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 512,
-            },
-            "max_position_embeddings": 4096,
-        },
-    ),
-}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -81,7 +64,7 @@ def hf_config(cfg: TinyModelConfig):
     """The transformers config object for `cfg` (also used by tests as the HF reference)."""
     import transformers
 
-    class_name, extra = ARCHITECTURES[cfg.arch]
+    traits = ARCHITECTURES[cfg.arch]
     fields = dict(
         num_hidden_layers=cfg.layers,
         hidden_size=cfg.hidden,
@@ -95,10 +78,10 @@ def hf_config(cfg: TinyModelConfig):
         bos_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
         eos_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
         pad_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
-        **extra,
+        **copy.deepcopy(dict(traits.tiny_fields)),  # transformers may edit nested dicts
     )
     fields.setdefault("max_position_embeddings", 2048)
-    config = getattr(transformers, class_name)(**fields)
+    config = getattr(transformers, traits.config_class)(**fields)
     config.dtype = cfg.dtype
     return config
 

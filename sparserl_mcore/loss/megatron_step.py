@@ -216,10 +216,10 @@ def _clip_and_norm(optimizer) -> float:
     return grad_norm
 
 
-def _agree(flag: bool, device: torch.device) -> bool:
-    """OR of a boolean over every rank of the job: collective control flow must not diverge."""
+def _agree(flag: bool, device: torch.device, group: dist.ProcessGroup) -> bool:
+    """OR of a boolean over `group` (the learner's ranks): collective control flow must not diverge."""
     t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item() > 0)
 
 
@@ -257,10 +257,14 @@ def _one_update(
     pieces = _forward_backward(model, micro_batches, loss_fn, runtime)
     found_inf = bool(optimizer.prepare_grads())
     energy = lm_head_grad_energy(
-        model, optimizer, is_last_stage=runtime.is_last_stage, dp_group=runtime.groups.dp, group=None
+        model,
+        optimizer,
+        is_last_stage=runtime.is_last_stage,
+        dp_group=runtime.groups.dp,
+        group=runtime.learner_group,
     )
     decision = gate.decide(energy, reuse_index)
-    decision = replace(decision, gate=_agree(decision.gate, runtime.device))
+    decision = replace(decision, gate=_agree(decision.gate, runtime.device, runtime.learner_group))
     record = {**decision.as_metrics(), "train/found_inf": float(found_inf)}
     if not decision.gate and not found_inf:
         record["train/grad_norm"] = _clip_and_norm(optimizer)

@@ -4,7 +4,9 @@ Public API:
 - `ParallelConfig` (pure Python): TP / PP / CP sizes, `validate_world(world)`, `validate_model(...)`.
 - `initialize(cfg, seed=..., backend=None) -> Runtime` and `shutdown()` (import torch + megatron).
 - `cpu_mode`: the one module making megatron-core run on CPU (entered by `initialize` on CPU).
-- `launch.launch_local(argv, nproc, env=None, timeout=None)`: torchrun as a subprocess.
+- `launch.run_ranks(argv, nproc, log_dir=...)`: torchrun as a subprocess whose ranks log to files and
+  go down with it (signals forwarded, parent-death signals); `launch.launch_local` for tests;
+  `rank_entry.rank_main(main)`: what every rank entry runs (per-rank logs, exit records).
 - `forward.forward_only(model, micro_batches, post_fn=..., groups=...)` and `forward.forward_logits`:
   forward-only passes through megatron's pipeline schedules (log-prob recompute, verification);
   `forward.run_schedule` is the one call into megatron's schedules (the RL update trains through it).

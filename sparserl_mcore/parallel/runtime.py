@@ -5,7 +5,8 @@ LOCAL_RANK / MASTER_ADDR / MASTER_PORT; srun: SLURM_PROCID / SLURM_STEP_NUM_TASK
 MASTER_ADDR / MASTER_PORT exported by the sbatch script; neither: a single process), picks NCCL on
 GPU and gloo on CPU, enters the CPU execution mode on CPU, and returns a `Runtime` describing this
 rank. Code that needs a process group takes it from `Runtime.groups` (megatron's
-`ProcessGroupCollection`: tp, pp, mp, cp, dp, dp_cp, embd, ...) and passes it down explicitly.
+`ProcessGroupCollection`: tp, pp, mp, cp, dp, dp_cp, embd, ...) or `Runtime.learner_group` (every
+rank of the learner grid) and passes it down explicitly; nothing relies on the default group.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from sparserl_mcore.parallel import cpu_mode
-from sparserl_mcore.parallel.config import ParallelConfig
+from sparserl_mcore.parallel.config import LaunchEnv, ParallelConfig, launch_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +44,10 @@ class Runtime:
     cp_rank: int
     cp_size: int
     groups: ProcessGroupCollection
+    # Every rank of the TP x CP x DP x PP grid: the ranks that decide together (an update skipped or
+    # gated, the host's samples and eval scores). megatron's grid spans the world today, so this is
+    # the world group, named: collectives say which ranks they mean instead of defaulting to it.
+    learner_group: dist.ProcessGroup
 
     @property
     def is_first_stage(self) -> bool:
@@ -53,35 +58,10 @@ class Runtime:
         return self.pp_rank == self.pp_size - 1
 
 
-@dataclass(frozen=True)
-class _LaunchEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-
-
-def _launch_env() -> _LaunchEnv:
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return _LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
-    # SLURM_STEP_NUM_TASKS exists only inside an srun step: a plain process in a batch script
-    # (which also sees SLURM_PROCID=0 and the allocation's SLURM_NTASKS) stays a single process.
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
-        if missing:
-            raise RuntimeError(
-                f"running under srun but {', '.join(missing)} is not set; export MASTER_ADDR (first "
-                "node of the allocation) and MASTER_PORT in the sbatch script"
-            )
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
-        return _LaunchEnv(rank, world, int(env.get("SLURM_LOCALID", 0)))
-    return _LaunchEnv(0, 1, 0)
-
-
 _generation = 0  # how many worlds this process has initialised (see _init_process_group)
 
 
-def _init_process_group(launch: _LaunchEnv, backend: str, device: torch.device) -> None:
+def _init_process_group(launch: LaunchEnv, backend: str, device: torch.device) -> None:
     """Rendezvous through the launcher's store, under a per-initialisation key prefix.
 
     torchrun's agent store outlives a process group, so a second `initialize` in the same processes
@@ -107,7 +87,7 @@ def _init_process_group(launch: _LaunchEnv, backend: str, device: torch.device) 
     )
 
 
-def _seed_everything(seed: int, pp_rank: int) -> None:
+def seed_everything(seed: int, *, pp_rank: int) -> None:
     """Megatron's convention: stages differ (seed + 100 * pp_rank); TP ranks share the default
     stream and get distinct model-parallel streams from `model_parallel_cuda_manual_seed`."""
     stage_seed = seed + 100 * pp_rank
@@ -124,7 +104,7 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
     execution mode (`parallel.cpu_mode`) is entered until `shutdown()`. On failure everything set
     up so far is torn down again.
     """
-    launch = _launch_env()
+    launch = launch_env()
     cfg.validate_world(launch.world_size)
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     backend = backend or ("nccl" if use_cuda else "gloo")
@@ -142,14 +122,16 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
             context_parallel_size=cfg.context_parallel_size,
             create_gloo_process_groups=use_cuda,
         )
-        _seed_everything(seed, parallel_state.get_pipeline_model_parallel_rank())
+        seed_everything(seed, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
         return _describe(launch, device, cfg)
     except BaseException:
         shutdown()
         raise
 
 
-def _describe(launch: _LaunchEnv, device: torch.device, cfg: ParallelConfig) -> Runtime:
+def _describe(launch: LaunchEnv, device: torch.device, cfg: ParallelConfig) -> Runtime:
+    world = dist.group.WORLD
+    assert world is not None, "torch.distributed is initialised before the runtime is described"
     return Runtime(
         rank=launch.rank,
         world_size=launch.world_size,
@@ -166,6 +148,7 @@ def _describe(launch: _LaunchEnv, device: torch.device, cfg: ParallelConfig) -> 
         cp_rank=parallel_state.get_context_parallel_rank(),
         cp_size=cfg.context_parallel_size,
         groups=ProcessGroupCollection.use_mpu_process_groups(),
+        learner_group=world,
     )
 
 

@@ -8,6 +8,7 @@ environment variable keeps it out of `ps` listings and shell history).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
@@ -24,6 +25,16 @@ ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "max-running-requests": ("max_running_requests", int, "continuous-batch size cap"),
     "max-prefill-tokens": ("max_prefill_tokens", int, "prompt tokens admitted per step"),
     "seed": ("seed", int, "generator of requests that bring no seed"),
+}
+# flag -> (ServerConfig field, type, help)
+LIMIT_FLAGS: dict[str, tuple[str, type, str]] = {
+    "max-new-tokens": ("max_new_tokens", int, "cap on a request's max_new_tokens (none: the context length)"),
+    "max-pending-requests": ("max_pending_requests", int, "accepted, unanswered requests; more: 503 (4096)"),
+    "request-timeout": (
+        "request_timeout_s",
+        float,
+        "seconds: a request not started by then gets 503, a running one is aborted (3600; 0: none)",
+    ),
 }
 # flag suffix (after --kv-) -> (KVCompressionConfig field, type, help)
 KV_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -49,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-concurrent-batches", type=int, default=8, help="engine.generate calls joining one batch"
     )
+    limits = parser.add_argument_group("limits (omitted: ServerConfig defaults)")
+    for flag, (_, kind, text) in LIMIT_FLAGS.items():
+        limits.add_argument(f"--{flag}", type=kind, default=None, help=text)
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -70,16 +84,27 @@ def _given(args: argparse.Namespace, flags: dict[str, tuple[str, type, str]], pr
     return values
 
 
+def _limits(args: argparse.Namespace) -> dict[str, Any]:
+    given = _given(args, LIMIT_FLAGS, "")
+    if given.get("request_timeout_s") == 0:
+        given["request_timeout_s"] = None  # 0: no deadline
+    return given
+
+
 def run(args: argparse.Namespace) -> int:
+    """Exit 2 when the server cannot start (bad flags, an unreadable checkpoint, a port in use)."""
+    from sparserl_mcore.ckpt.preflight import check_hf_checkpoint
     from sparserl_mcore.rollout.server import ServerConfig
 
     try:
+        check_hf_checkpoint(args.hf_dir, label="--hf-dir")
         server_cfg = ServerConfig(
             host=args.host,
             port=args.port,
             token=args.token or None,
             max_batch_requests=args.max_batch_requests,
             max_concurrent_batches=args.max_concurrent_batches,
+            **_limits(args),
         )
         engine_cfg = _engine_config(args)
     except ValueError as exc:
@@ -105,17 +130,16 @@ def _serve(hf_dir: str, server_cfg: Any, engine_cfg: Any, log_level: str) -> int
     try:
         sock = bind_socket(server_cfg.host, server_cfg.port)
     except OSError as exc:
-        print(
-            f"sparserl serve: error: cannot listen on {server_cfg.host}:{server_cfg.port}: {exc}",
-            file=sys.stderr,
-        )
-        return 1
+        where = f"{server_cfg.host}:{server_cfg.port}"
+        print(f"sparserl serve: error: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     try:
         engine = EmbeddedEngine(hf_dir, engine_cfg)
     except (OSError, ValueError) as exc:
         sock.close()
         print(f"sparserl serve: error: cannot load {hf_dir}: {exc}", file=sys.stderr)
         return 2
+    _log_to_console(log_level)
     tok = engine.tokenizer
     app = create_app(
         engine,
@@ -128,3 +152,13 @@ def _serve(hf_dir: str, server_cfg: Any, engine_cfg: Any, log_level: str) -> int
     print(f"sparserl serve: listening on http://{shown}:{port}", flush=True)
     make_uvicorn(app, log_level=log_level).run(sockets=[sock])
     return 0
+
+
+def _log_to_console(level: str) -> None:
+    """Our loggers (refused requests, engine failures) next to uvicorn's, at the same level."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))  # uvicorn's look
+    root = logging.getLogger("sparserl_mcore")
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    root.propagate = False

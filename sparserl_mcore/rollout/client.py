@@ -4,8 +4,10 @@ Failures surface as `RemoteEngineError` (a RuntimeError) naming the URL, the rou
 after a bounded number of retries for transport errors and 5xx answers; 4xx answers (a bad
 request, a wrong token) are raised at once, since repeating them cannot help. The trainer's
 `EnginePool` reacts by moving the work to another engine. HTTP 400 is the server's ValueError
-(e.g. a patch that fails verification), so it is raised as `RemoteValueError`, which is also a
-ValueError: callers that fall back to a full sync on ValueError in-process do the same remotely.
+(e.g. a patch that fails verification) and 409 an outdated weight version, so both are raised as
+`RemoteValueError`, which is also a ValueError: callers that fall back to a full sync on
+ValueError in-process do the same remotely. A 503 (server full) is retried, no sooner than its
+Retry-After.
 
 Retrying /generate after a transport error can run a request twice on the server; the results of
 the first attempt are discarded, so the trainer still sees exactly one sample per request.
@@ -21,7 +23,7 @@ import httpx
 import torch
 
 from sparserl_mcore.rollout.http_wire import generate_body, read_sample
-from sparserl_mcore.rollout.protocol import GenerateRequest, Sample
+from sparserl_mcore.rollout.protocol import GenerateRequest, PauseMode, Sample
 
 
 class RemoteEngineError(RuntimeError):
@@ -33,7 +35,8 @@ class RemoteEngineError(RuntimeError):
 
 
 class RemoteValueError(RemoteEngineError, ValueError):
-    """The server rejected the input (HTTP 400): what an in-process engine raises as ValueError."""
+    """The server rejected the input (HTTP 400, or 409 for an outdated weight version): what an
+    in-process engine raises as ValueError (WeightVersionConflict is one)."""
 
 
 class RemoteEngine:
@@ -133,8 +136,8 @@ class RemoteEngine:
     def abort(self, rid: str) -> None:
         self._call("POST", "/abort_request", json={"rid": rid})
 
-    def pause(self) -> None:
-        self._call("POST", "/pause_generation")
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        self._call("POST", "/pause_generation", json={"mode": mode})
 
     def resume(self) -> None:
         self._call("POST", "/continue_generation")
@@ -151,10 +154,10 @@ class RemoteEngine:
 
     # -- transport ---------------------------------------------------------------------------
     def _call(self, method: str, route: str, **kwargs: Any) -> httpx.Response:
-        last = ""
+        last, retry_after = "", 0.0
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                time.sleep(max(self.backoff_s * 2 ** (attempt - 1), retry_after))
             try:
                 response = self._http.request(method, route, **kwargs)
             except httpx.TransportError as exc:
@@ -165,9 +168,10 @@ class RemoteEngine:
             detail = _detail(response)
             code = response.status_code
             if code < 500:
-                kind = RemoteValueError if code == 400 else RemoteEngineError
+                kind = RemoteValueError if code in (400, 409) else RemoteEngineError
                 raise kind(f"{self.url}{route}: HTTP {code}: {detail}", status_code=code)
             last = f"HTTP {code}: {detail}"
+            retry_after = _retry_after(response)
         raise RemoteEngineError(
             f"{self.url}{route}: failed after {self.retries + 1} attempts; last error {last}"
         )
@@ -185,6 +189,14 @@ def _buckets(state: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, to
         buckets[-1][name] = tensor
         size += nbytes
     return buckets
+
+
+def _retry_after(response: httpx.Response) -> float:
+    """Seconds a 503 asks the client to wait (Retry-After in seconds; at most a minute)."""
+    try:
+        return min(60.0, max(0.0, float(response.headers.get("retry-after", 0))))
+    except ValueError:
+        return 0.0
 
 
 def _detail(response: httpx.Response) -> str:

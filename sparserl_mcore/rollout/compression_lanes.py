@@ -45,6 +45,11 @@ class CompressionLanes:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def free_lanes(self) -> tuple[int, ...]:
+        """The free lanes (a copy), for the resource invariants (rollout/invariants.py)."""
+        return tuple(self._free)
+
     def acquire(self, mass_capacity: int) -> int:
         """A lane with zero mass for at least `mass_capacity` entries (the mass buffer grows for all)."""
         if not self._free:

@@ -3,32 +3,54 @@
 Threading: any number of threads may call `generate` at once; their requests join ONE continuous
 batch. Whichever caller finds no driver becomes it and runs scheduler steps until its own requests
 are done, then hands over. New requests, aborts and pauses are picked up between steps; weight
-updates and cache flushes take the step lock, so they never interleave with a forward pass. While
-paused (`pause()`), in-flight requests stay parked with their KV and continue on `resume()`.
+updates, cache flushes and pauses take the step lock, so they never interleave with a forward pass
+and wait for at most one step. `pause(mode)` follows SGLang's modes (protocol.PauseMode): parked
+with their KV, retracted (restarted from the prompt after `resume()`), or aborted.
+
+Failures: a step that raises fails only the request behind it (scheduler + quarantine.py), and
+every resource a request holds is released on every exit path. `health_problem()` says when the
+engine cannot make progress (steps failing in a row, broken resource invariants, no step for
+`stall_timeout_s` with work pending).
 
 Weights: `update_weights` (full or partial HF-named state dict) and `apply_patch` (sync's sparse
 BF16 patch, applied + verified all-or-nothing) replace parameters in place and flush the radix
 prefix cache, so no request admitted afterwards reuses KV computed with old weights. Requests in
-flight keep their KV (pause, update, resume is the caller's choice, as with SGLang).
+flight keep their KV unless the caller paused with "retract" or "abort" first.
 """
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sparserl_mcore.rollout.hf_model import CausalLM
 from sparserl_mcore.rollout.kv_pool import KVPool
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, build_compressor
-from sparserl_mcore.rollout.protocol import GenerateRequest, Sample
+from sparserl_mcore.rollout.protocol import (
+    PAUSE_MODES,
+    GenerateRequest,
+    PauseMode,
+    RequestLimits,
+    RequestsFailed,
+    Sample,
+    WeightVersionConflict,
+)
 from sparserl_mcore.rollout.radix_cache import RadixCache
-from sparserl_mcore.rollout.scheduler import CompressionListener, RequestState, Scheduler
+from sparserl_mcore.rollout.request_state import CompressionListener, RequestState
+from sparserl_mcore.rollout.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from sparserl_mcore.sync.apply import HFReceiver
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,6 +66,10 @@ class EngineConfig:
     max_prefill_tokens: prompt tokens admitted per step (one longer prompt is still admitted alone).
     radix_cache: share prompt-prefix KV pages across requests. kv_compression: the decode-time
     policy (sparserl_mcore.rollout.kvcompress). seed: generator of requests without their own seed.
+    unhealthy_after_failed_steps: failed steps in a row after which `health_problem()` reports
+    the engine (isolating one bad request among n costs about log2(n) + 1). stall_timeout_s: work
+    pending and no step completed for this long is unhealthy too. check_invariants: check the
+    resource invariants after every step, not only when idle (tests; O(pages) per step).
     """
 
     device: str = "auto"
@@ -56,6 +82,9 @@ class EngineConfig:
     radix_cache: bool = True
     kv_compression: KVCompressionConfig = field(default_factory=KVCompressionConfig)
     seed: int = 0
+    unhealthy_after_failed_steps: int = 16
+    stall_timeout_s: float = 300.0
+    check_invariants: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -70,6 +99,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value}: must be >= 1")
+        if self.unhealthy_after_failed_steps < 1 or not self.stall_timeout_s > 0:
+            raise ValueError(
+                f"unhealthy_after_failed_steps={self.unhealthy_after_failed_steps}, stall_timeout_s="
+                f"{self.stall_timeout_s}: must be >= 1 and > 0"
+            )
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise ValueError(
                 f"max_running_requests={self.max_running_requests}, max_prefill_tokens="
@@ -115,7 +149,16 @@ class EmbeddedEngine:
         self._aborts: set[str] = set()
         self._driving = False
         self._paused = False
-        self._receiver = None  # sync.HFReceiver, built on the first patch
+        self._receiver: HFReceiver | None = None  # built on the first patch
+        mc, kv = self.model.cfg, cfg.kv_compression
+        self.limits = RequestLimits(
+            vocab_size=mc.vocab_size,
+            context_length=mc.max_position_embeddings,
+            kv_tokens=self.pool.num_pages * self.pool.page_size,
+            kv_budget=kv.budget if kv.enabled else None,
+        )
+        self._last_progress = time.monotonic()  # last step end, or when work arrived at an idle engine
+        self._resource_problem: str | None = None  # first broken invariant seen (never cleared)
 
     def _build_pool(self) -> KVPool:
         mc, cfg = self.model.cfg, self.cfg
@@ -131,12 +174,14 @@ class EmbeddedEngine:
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
-        states = [self._new_state(r) for r in requests]
+        states = [self._new_state(r) for r in requests]  # all validated before any is queued
         with self._cond:
+            if not self._busy():
+                self._last_progress = time.monotonic()
             self._inbox.extend(states)
         while True:
             with self._cond:
-                if all(_done(s) for s in states):
+                if all(s.done for s in states):
                     break
                 if self._driving or self._paused:
                     self._cond.wait()
@@ -148,16 +193,12 @@ class EmbeddedEngine:
                 with self._cond:
                     self._driving = False
                     self._cond.notify_all()
-        for s in states:
-            if s.error is not None:
-                raise RuntimeError(f"request {s.rid} failed: {s.error}") from s.error
-        return [s.result for s in states]
+        if any(s.error is not None for s in states):
+            raise RequestsFailed([s.error or s.result for s in states])  # type: ignore[misc]
+        return [s.result for s in states]  # type: ignore[misc]
 
     def _new_state(self, req: GenerateRequest) -> RequestState:
-        if max(req.input_ids) >= self.model.cfg.vocab_size:
-            raise ValueError(
-                f"input_ids hold token {max(req.input_ids)} >= vocab_size {self.model.cfg.vocab_size}"
-            )
+        self.limits.check(req)
         if req.sampling.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer, and {self.hf_dir} has none; use stop_token_ids")
         seeded = req.sampling.seed is not None
@@ -168,44 +209,78 @@ class EmbeddedEngine:
         """Run steps until `mine` are done or the engine is paused (caller holds the driver role)."""
         while True:
             with self._cond:
-                if self._paused or all(_done(s) for s in mine):
+                if self._paused or all(s.done for s in mine):
                     return
-                self.scheduler.waiting.extend(self._inbox)
-                self._inbox.clear()
-                self.scheduler.aborted |= self._aborts
-                self._aborts.clear()
-            with self._step_lock:
-                try:
-                    anything_finished = bool(self.scheduler.step())
-                except BaseException as exc:
-                    self._fail_all(exc)
-                    anything_finished = True
-            if anything_finished:
+            with self._step_lock:  # lock order everywhere: _step_lock, then _cond
+                with self._cond:
+                    if self._paused:  # a pause landed between the check above and the lock
+                        continue
+                    self._take_inbox()
+                finished = self.scheduler.step()
+                self._after_step()
+            if finished:
                 with self._cond:
                     self._cond.notify_all()
 
-    def _fail_all(self, exc: BaseException) -> None:
-        """A step raised: every queued and running request fails with it; their pages are released."""
-        for r in [*self.scheduler.waiting, *self.scheduler.running]:
-            r.error = exc
-            if r in self.scheduler.running:
-                self.pool.decref(r.pages)
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
+    def _take_inbox(self) -> None:
+        """New requests and aborts into the scheduler (caller holds _step_lock and _cond)."""
+        self.scheduler.waiting.extend(self._inbox)
+        self._inbox.clear()
+        self.scheduler.aborted |= self._aborts
+        self._aborts.clear()
+
+    def _after_step(self) -> None:
+        self._last_progress = time.monotonic()
+        if self._resource_problem is None and (self.cfg.check_invariants or self.scheduler.idle):
+            problems = self.scheduler.resource_problems()
+            if problems:
+                self._resource_problem = "; ".join(problems)
+                log.error("engine resource invariant broken: %s", self._resource_problem)
+
+    def _busy(self) -> bool:
+        return bool(self._inbox or not self.scheduler.idle)
 
     def abort(self, rid: str) -> None:
         """Finish request `rid` at the next step boundary with finish_reason "abort"."""
         with self._cond:
             self._aborts.add(rid)
 
-    def pause(self) -> None:
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        """Stop at the next step boundary (returns once no step runs); see protocol.PauseMode."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: choose one of {list(PAUSE_MODES)}")
         with self._cond:
             self._paused = True
+        with self._step_lock:
+            if mode == "in_place":
+                return
+            with self._cond:
+                self._take_inbox()
+            if mode == "retract":
+                self.scheduler.retract_all()
+            else:
+                self.scheduler.abort_all()
+            self._after_step()
+        with self._cond:
+            self._cond.notify_all()
 
     def resume(self) -> None:
         with self._cond:
             self._paused = False
+            self._last_progress = time.monotonic()
             self._cond.notify_all()
+
+    def health_problem(self) -> str | None:
+        """Why the engine cannot make progress, or None when it can (read without locks)."""
+        sched = self.scheduler
+        if self._resource_problem is not None:
+            return f"resource invariant broken: {self._resource_problem}"
+        if sched.consecutive_failures >= self.cfg.unhealthy_after_failed_steps:
+            return f"{sched.consecutive_failures} engine steps failed in a row; last: {sched.last_failure}"
+        idle_s = time.monotonic() - self._last_progress
+        if not self._paused and self._busy() and idle_s > self.cfg.stall_timeout_s:
+            return f"no engine step completed for {idle_s:.0f} s with requests pending"
+        return None
 
     def add_compression_listener(self, listener: CompressionListener) -> None:
         """Observe which positions every compression keeps (see scheduler.CompressionListener)."""
@@ -220,13 +295,17 @@ class EmbeddedEngine:
 
     def apply_patch(self, patch_bytes: bytes) -> int:
         """Apply + verify a sync patch (all-or-nothing, raises sync's PatchError); returns its version."""
-        from sparserl_mcore.sync.apply import HFReceiver
+        from sparserl_mcore.sync import apply as sync_apply  # lazy: no sync deps unless patches arrive
 
         with self._step_lock:
             if self._receiver is None:
-                self._receiver = HFReceiver(self._wire_state(), version=self.scheduler.weight_version)
+                version = self.scheduler.weight_version
+                self._receiver = sync_apply.HFReceiver(self._wire_state(), version=version)
             before = dict(self._receiver.digests)
-            result = self._receiver.apply(patch_bytes)
+            try:
+                result = self._receiver.apply(patch_bytes)
+            except sync_apply.PatchVersionError as exc:
+                raise WeightVersionConflict(str(exc)) from None
             changed = {n: t for n, t in self._receiver.state.items() if result.digests[n] != before[n]}
             if self._receiver.state is not self.model.params:
                 self.model.update(changed)
@@ -261,10 +340,12 @@ class EmbeddedEngine:
             "model_path": self.hf_dir,
             "tokenizer_path": self.hf_dir if self.tokenizer is not None else None,
             "is_generation": True,
-            "architecture": mc.model_type,
+            "architecture": mc.arch,
             "vocab_size": mc.vocab_size,
             "num_layers": mc.num_layers,
             "eos_token_ids": list(mc.eos_token_ids),
+            "context_length": mc.max_position_embeddings,
+            "request_limits": asdict(self.limits),
             "weight_version": self.scheduler.weight_version,
             "kv_compression": asdict(self.cfg.kv_compression),
             "device": str(self.model.device),
@@ -286,10 +367,6 @@ class EmbeddedEngine:
             "radix_hit_tokens": radix.hit_tokens if radix is not None else 0,
             **asdict(self.scheduler.stats),
         }
-
-
-def _done(s: RequestState) -> bool:
-    return s.result is not None or s.error is not None
 
 
 def _load_tokenizer(hf_dir: str | pathlib.Path):

@@ -1,5 +1,8 @@
 """Inference forward of HF decoder-only models (Qwen2/2.5, Qwen3, Llama 3) in plain torch.
 
+The model is described by `model_providers.hf_config.HFModelConfig`, the project's one reader of
+HF configs and registry of architectures (the learner's megatron model reads the same one).
+
 Weights stay in HF layout, one tensor per HF name (`CausalLM.params`), so a full state dict or a
 sparse sync patch can be applied in place by name. The forward is split into the pieces the
 engine's paged attention needs (`qkv`, `finish_layer`, `logits`); `forward_reference` runs the
@@ -16,88 +19,22 @@ import math
 import pathlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from model_providers.hf_config import HFModelConfig, parse_hf_config
+
 # The matmuls of one layer. Projections of a group are stored back to back in one tensor so each
 # group runs as ONE matmul; the HF-named entries of `CausalLM.params` are views into that tensor, so
-# in-place updates by HF name still work. Only q/k/v may carry a bias (`_optional_shapes`).
+# in-place updates by HF name still work. Only q/k/v may carry a bias (`HFModelConfig.qkv_bias`).
 LINEARS: dict[str, tuple[str, ...]] = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "o": ("self_attn.o_proj",),
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "down": ("mlp.down_proj",),
 }
-# model_type -> whether attention applies a per-head RMSNorm to q and k (Qwen3) before RoPE.
-ARCHITECTURES: dict[str, bool] = {"qwen2": False, "qwen3": True, "llama": False}
-ROPE_TYPES = ("default", "llama3")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """The parts of an HF config.json the forward needs."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: Mapping[str, Any] | None
-    tie_word_embeddings: bool
-    eos_token_ids: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if self.model_type not in ARCHITECTURES:
-            raise ValueError(f"model_type={self.model_type!r}: not supported; known: {sorted(ARCHITECTURES)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}"
-            )
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope type {rope_type!r} is not supported; known: {list(ROPE_TYPES)}")
-
-    @property
-    def qk_norm(self) -> bool:
-        return ARCHITECTURES[self.model_type]
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> ModelConfig:
-        """Read transformers 4.x (rope_theta + rope_scaling) and 5.x (rope_parameters) configs."""
-        if hf.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=true: sliding-window attention is not supported")
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
-        theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = rope if rope.get("rope_type", "default") != "default" else None
-        eos = (generation or {}).get("eos_token_id", hf.get("eos_token_id"))
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-        heads = int(hf["num_attention_heads"])
-        return cls(
-            model_type=str(hf.get("model_type")),
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids,
-        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,14 +54,12 @@ class LayerWeights:
     down: torch.Tensor  # [I, D]
 
 
-def load_hf_dir(hf_dir: str | pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """config.json (+ generation_config.json) and all safetensors shards of an HF checkpoint."""
+def load_hf_dir(hf_dir: str | pathlib.Path) -> tuple[HFModelConfig, dict[str, torch.Tensor]]:
+    """config.json (+ generation_config.json's eos) and all safetensors shards of an HF checkpoint."""
     root = pathlib.Path(hf_dir)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{root}/config.json not found: expected an HF checkpoint directory")
-    hf = json.loads((root / "config.json").read_text())
-    gen_path = root / "generation_config.json"
-    generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    cfg = parse_hf_config(root)
     index = root / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -135,58 +70,18 @@ def load_hf_dir(hf_dir: str | pathlib.Path) -> tuple[ModelConfig, dict[str, torc
     params: dict[str, torch.Tensor] = {}
     for shard in shards:
         params.update(load_file(str(root / shard)))
-    return ModelConfig.from_hf(hf, generation), params
+    return cfg, params
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF parameter name the forward reads (biases where the checkpoint may have them are optional)."""
-    D, d, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, D),
-        "model.norm.weight": (D,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, D)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (D,),
-            p + "post_attention_layernorm.weight": (D,),
-            p + "self_attn.q_proj.weight": (cfg.num_heads * d, D),
-            p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, D),
-            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, D),
-            p + "self_attn.o_proj.weight": (D, cfg.num_heads * d),
-            p + "mlp.gate_proj.weight": (I, D),
-            p + "mlp.up_proj.weight": (I, D),
-            p + "mlp.down_proj.weight": (D, I),
-        }
-        if cfg.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
-    return shapes
-
-
-def _optional_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d = cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}.self_attn."
-        shapes |= {
-            p + "q_proj.bias": (cfg.num_heads * d,),
-            p + "k_proj.bias": (cfg.num_kv_heads * d,),
-            p + "v_proj.bias": (cfg.num_kv_heads * d,),
-        }
-    return shapes
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: HFModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies [d/2] (fp32), with Llama 3's frequency-dependent scaling."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if not cfg.rope_scaling:
         return inv
     s = cfg.rope_scaling
-    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-    old_len = float(s["original_max_position_embeddings"])
+    factor, low, high = s.factor, s.low_freq_factor, s.high_freq_factor
+    old_len = float(s.original_max_position_embeddings)
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
     smooth = (old_len / wavelen - low) / (high - low)
@@ -198,7 +93,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class CausalLM:
     """Qwen2/Qwen3/Llama decoder over an HF-named parameter dict (no nn.Module: nothing to train)."""
 
-    def __init__(self, cfg: ModelConfig, params: Mapping[str, torch.Tensor], *, device, dtype) -> None:
+    def __init__(self, cfg: HFModelConfig, params: Mapping[str, torch.Tensor], *, device, dtype) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -209,7 +104,7 @@ class CausalLM:
         self.input_major = self.device.type == "cpu" and dtype == torch.float32
         self.params = self._checked(params)
         self.layers = [self._bind_layer(layer) for layer in range(cfg.num_layers)]
-        if cfg.tie_word_embeddings:  # the embedding's rows must stay contiguous for the lookup
+        if cfg.tie_embeddings:  # the embedding's rows must stay contiguous for the lookup
             self.head = self.params["model.embed_tokens.weight"].t()
         else:
             self.head = self._pack(["lm_head.weight"])
@@ -222,13 +117,13 @@ class CausalLM:
         return cls(cfg, params, device=device, dtype=dtype)
 
     def _checked(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        required, optional = expected_shapes(self.cfg), _optional_shapes(self.cfg)
+        required = self.cfg.tensor_shapes()
         missing = sorted(set(required) - set(params))
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
         out = {}
         for name, tensor in params.items():
-            shape = required.get(name) or optional.get(name)
+            shape = required.get(name)
             if shape is None:
                 continue  # e.g. rotary inv_freq buffers or a tied lm_head copy: recomputed / shared
             if tuple(tensor.shape) != shape:
@@ -253,13 +148,10 @@ class CausalLM:
         )
 
     def _pack_qkv_bias(self, prefix: str) -> torch.Tensor | None:
-        """q/k/v biases back to back (all three or none); their HF names rebound to views."""
-        names = [f"{prefix}{part}.bias" for part in LINEARS["qkv"]]
-        present = [n for n in names if n in self.params]
-        if not present:
+        """q/k/v biases back to back (when the config has them); their HF names rebound to views."""
+        if not self.cfg.qkv_bias:
             return None
-        if present != names:
-            raise ValueError(f"{prefix}: only {present} of the q/k/v projections have a bias")
+        names = [f"{prefix}{part}.bias" for part in LINEARS["qkv"]]
         bias = torch.cat([self.params[n] for n in names])
         for n, view in zip(names, bias.split([self.params[n].shape[0] for n in names]), strict=True):
             self.params[n] = view
@@ -279,10 +171,13 @@ class CausalLM:
         return packed
 
     def update(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors into the live parameters in place; all checked before any is written."""
+        """Copy HF-named tensors into the live parameters in place (floating dtypes are cast to the
+        model's); all are checked before any is written: ValueError names the first bad one."""
         for name, tensor in state_dict.items():
             if name not in self.params:
-                raise KeyError(f"{name!r} is not a parameter of this {self.cfg.model_type} model")
+                raise ValueError(f"{name!r} is not a parameter of this {self.cfg.arch} model")
+            if not tensor.is_floating_point():
+                raise ValueError(f"{name}: dtype {tensor.dtype}, expected a floating-point tensor")
             if tuple(tensor.shape) != tuple(self.params[name].shape):
                 raise ValueError(
                     f"{name}: shape {tuple(tensor.shape)}, expected {tuple(self.params[name].shape)}"

@@ -13,11 +13,19 @@ A batch request (list of prompts) gets a list of responses in the same order.
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sparserl_mcore.rollout.protocol import GenerateRequest, KVStats, Sample, SamplingParams
+from sparserl_mcore.rollout.protocol import (
+    PAUSE_MODES,
+    GenerateRequest,
+    KVStats,
+    PauseMode,
+    Sample,
+    SamplingParams,
+)
 
 GENERATE_KEYS = (
     "input_ids",
@@ -59,7 +67,7 @@ def parse_generate(body: Any, encode: Encode | None) -> ParsedGenerate:
         if not isinstance(flags[key], bool):
             raise ValueError(f"{key} must be true or false, got {flags[key]!r}")
     requests = [
-        GenerateRequest(input_ids=ids, sampling=sp, rid=rid)
+        GenerateRequest(input_ids=tuple(ids), sampling=sp, rid=rid)
         for ids, sp, rid in zip(prompts, params, rids, strict=True)
     ]
     return ParsedGenerate(requests, batch, flags["return_logprob"], flags["return_text_in_logprobs"])
@@ -83,9 +91,13 @@ def _prompts(body: dict[str, Any], encode: Encode | None) -> tuple[list[list[int
     batch = isinstance(ids[0], list)
     prompts = ids if batch else [ids]
     for p in prompts:
-        if not isinstance(p, list) or not p or not all(isinstance(t, int) and t >= 0 for t in p):
+        if not isinstance(p, list) or not p or not all(_token_id(t) for t in p):
             raise ValueError("every prompt in input_ids must be a non-empty list of non-negative ints")
     return prompts, batch
+
+
+def _token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 def _sampling(raw: Any, n: int, batch: bool) -> list[SamplingParams]:
@@ -107,8 +119,29 @@ def _rids(raw: Any, n: int, batch: bool) -> list[str]:
     return rids
 
 
+def parse_pause(body: bytes) -> PauseMode:
+    """The mode of a /pause_generation body: empty, or {"mode": ...} (SGLang's default "abort")."""
+    if not body.strip():
+        return "abort"
+    try:
+        obj = json.loads(body)
+    except ValueError as exc:
+        raise ValueError(f"body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict) or set(obj) - {"mode"}:
+        raise ValueError(f'body must be {{"mode": one of {list(PAUSE_MODES)}}} or empty')
+    mode = obj.get("mode", "abort")
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode={mode!r}: choose one of {list(PAUSE_MODES)}")
+    return mode
+
+
 def render_sample(
-    sample: Sample, *, return_logprob: bool, return_text_in_logprobs: bool, decode: Decode | None
+    sample: Sample,
+    *,
+    return_logprob: bool,
+    return_text_in_logprobs: bool,
+    decode: Decode | None,
+    abort_message: str = "request aborted",
 ) -> dict[str, Any]:
     """One /generate response object for a finished sample."""
     meta: dict[str, Any] = {
@@ -116,7 +149,7 @@ def render_sample(
         "prompt_tokens": len(sample.prompt_ids),
         "completion_tokens": len(sample.output_ids),
         "cached_tokens": sample.cached_prompt_tokens,
-        "finish_reason": _finish_reason(sample),
+        "finish_reason": _finish_reason(sample, abort_message),
         "weight_version": sample.weight_version,
         "kv_stats": dataclasses.asdict(sample.kv_stats),
     }
@@ -137,13 +170,13 @@ def render_sample(
     }
 
 
-def _finish_reason(sample: Sample) -> dict[str, Any]:
+def _finish_reason(sample: Sample, abort_message: str) -> dict[str, Any]:
     """SGLang's finish_reason object; "matched" is the last output token for a stop."""
     if sample.finish_reason == "length":
         return {"type": "length", "length": len(sample.output_ids)}
     if sample.finish_reason == "stop":
         return {"type": "stop", "matched": sample.output_ids[-1] if sample.output_ids else None}
-    return {"type": "abort", "message": "request aborted"}
+    return {"type": "abort", "message": abort_message}
 
 
 def generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:

@@ -65,6 +65,11 @@ class KVPool:
         return len(self._free)
 
     @property
+    def free_pages(self) -> tuple[int, ...]:
+        """The free list (a copy), for the resource invariants (rollout/invariants.py)."""
+        return tuple(self._free)
+
+    @property
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
 

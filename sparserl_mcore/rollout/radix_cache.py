@@ -120,6 +120,10 @@ class RadixCache:
         self.root = _Node(tokens=(), pages=[], parent=None)
         self.num_pages = 0
 
+    def cached_pages(self) -> list[int]:
+        """Every page the tree holds a reference on."""
+        return [p for node in self._nodes() for p in node.pages]
+
     def _unreferenced(self, node: _Node) -> bool:
         return all(self.pool.refs[p] == 1 for p in node.pages)
 

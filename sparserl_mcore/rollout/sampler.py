@@ -51,11 +51,12 @@ def sample(
 
 
 def _filtered(p: SamplingParams, vocab: int) -> bool:
-    return 0 < p.top_k < vocab or p.top_p < 1.0
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
 
 
 def _draw(probs: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    """Sample from probs [V] restricted to the top-k and then the top-p nucleus."""
+    """Sample from probs [V] restricted to the top-k, then the top-p nucleus, then the tokens with
+    at least min_p times the largest probability (SGLang's order; the largest is never dropped)."""
     if 0 < p.top_k < probs.shape[0]:
         kth = probs.topk(p.top_k).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
@@ -65,4 +66,6 @@ def _draw(probs: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
         # Keep each token whose preceding mass is below top_p (so the most likely one always stays).
         drop = (cum - sorted_probs / sorted_probs.sum()) >= p.top_p
         probs = probs.scatter(0, order[drop], 0.0)
+    if p.min_p > 0.0:
+        probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
     return int(torch.multinomial(probs, 1, generator=gen))

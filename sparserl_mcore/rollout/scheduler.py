@@ -1,7 +1,9 @@
 """Continuous batching over the paged pool: one `step()` = admit, one forward, sample, compress, retire.
 
-Every step runs ONE forward over a mixed batch: one token for each running (decoding) request and
-the uncached prompt tail of each newly admitted one. Requests join and leave at every step.
+Every step runs ONE forward (batch_forward.py) over a mixed batch: one token for each running
+(decoding) request and the uncached prompt tail of each newly admitted one. Requests join and
+leave at every step. This module owns admission, memory and retirement; compression is
+compaction.py's.
 
 Memory rules (see docs/rollout.md, "Engine"):
 - A request's page table = radix-shared prompt pages (read-only) + private pages.
@@ -9,76 +11,42 @@ Memory rules (see docs/rollout.md, "Engine"):
   so decode never writes into a shared page. Admitted requests whose prompt shares a not-yet-cached
   page prefix with another request admitted in the same step wait one step and then hit the cache
   (the G samples of a GRPO prompt prefill once).
-- Compression (copy-on-write): the kept entries of every layer/head are gathered out of the pool,
-  ALL the request's page references are dropped (private pages return to the free list, shared
-  ones stay with the tree and the other requests), and the kept entries are written, compacted
-  into slot order, into freshly allocated private pages. Shared pages are never modified.
+- Compression is copy-on-write into fresh private pages (compaction.py); shared pages are never
+  modified.
 - Out of pages: evict unreferenced radix leaves (LRU), then retract the youngest running request
   (its pages are freed and it restarts from its prompt later, with its seed re-applied).
+
+Every resource a request holds is recorded on its RequestState as soon as it is taken and dropped
+by `release`, which every exit path goes through (finish, abort, retraction, failure); the
+invariants of invariants.py check that. A step that raises fails only the request behind it
+(quarantine.py finds it); the others restart and complete.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from sparserl_mcore.rollout.batch_forward import BatchForward
+from sparserl_mcore.rollout.compaction import Compactor
 from sparserl_mcore.rollout.compression_lanes import CompressionLanes
 from sparserl_mcore.rollout.hf_model import CausalLM
-from sparserl_mcore.rollout.host_ints import long_tensor
+from sparserl_mcore.rollout.invariants import resource_problems
 from sparserl_mcore.rollout.kv_pool import KVPool, PoolExhaustedError
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
-from sparserl_mcore.rollout.paged_attention import (
-    CROSS_HEAD_MAX_KV_HEADS,
-    DecodeLayout,
-    decode_attention,
-    native_decode_kernel,
-    prefill_attention,
-)
-from sparserl_mcore.rollout.protocol import FinishReason, GenerateRequest, KVStats, Sample
+from sparserl_mcore.rollout.protocol import FinishReason
+from sparserl_mcore.rollout.quarantine import Quarantine, log_step_failure
 from sparserl_mcore.rollout.radix_cache import RadixCache
+from sparserl_mcore.rollout.request_state import CompressionListener, RequestState
 from sparserl_mcore.rollout.sampler import sample
 
-# Called after each compression with (rid, original positions kept [layers, kv_heads, n_keep], the
-# position the next token will take). Tests rebuild the "retained positions only" recompute from it.
-# The positions tensor is created under inference_mode: read it (or .clone() it), never modify it.
-CompressionListener = Callable[[str, torch.Tensor, int], None]
+__all__ = ["CompressionListener", "RequestState", "Scheduler", "SchedulerStats"]
+
 StopTextFn = Callable[[list[int]], str]
-
-
-@dataclass(eq=False)
-class RequestState:
-    """Scheduler-side state of one request (reset completely when it is retracted)."""
-
-    req: GenerateRequest
-    rid: str
-    generator: torch.Generator
-    order: int = 0
-    pages: list[int] = field(default_factory=list)
-    slots: torch.Tensor | None = None  # flat slot ids of `pages`, built on demand (Scheduler._slots)
-    n_cached: int = 0  # cache entries in use (per layer and KV head)
-    next_pos: int = 0  # RoPE position of the next token fed in
-    cached_prompt_tokens: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    q_seen: int = 0  # queries pushed to its window ring
-    lane: int | None = None  # its lane of Scheduler.lanes (window queries, h2o's attention mass)
-    kept_positions: torch.Tensor | None = None  # [L, Hk, k] positions of slots [0, k) after compressing
-    tail_start: int = 0  # position of slot k (later slots hold consecutive positions)
-    peak_retained: int = 0
-    peak_pages: int = 0
-    evictions: int = 0
-    compressions: int = 0
-    result: Sample | None = None
-    error: BaseException | None = None
-
-    def reset(self) -> None:
-        """Back to "never started" (retraction): it will restart from its prompt."""
-        self.__dict__.update(RequestState(req=self.req, rid=self.rid, generator=self.generator).__dict__)
 
 
 @dataclass
@@ -87,6 +55,8 @@ class SchedulerStats:
     retractions: int = 0
     generated_tokens: int = 0
     prefill_tokens: int = 0
+    failed_steps: int = 0
+    failed_requests: int = 0
 
 
 class Scheduler:
@@ -129,11 +99,16 @@ class Scheduler:
             if compressor is not None
             else None
         )
-        # pool row (l * S + slot) * Hk + h of entry (layer l, slot, KV head h) = slot * Hk + this[l, h]
-        dev, L, Hk = pool.k.device, model.cfg.num_layers, model.cfg.num_kv_heads
-        layer_rows = torch.arange(L, device=dev).view(L, 1, 1) * (pool.num_pages * pool.page_size * Hk)
-        self._pool_row_offsets = layer_rows + torch.arange(Hk, device=dev).view(Hk, 1)  # [L, Hk, 1]
+        self._forward = BatchForward(model, pool, kv_cfg, compressor, self.lanes)
+        self._compactor = (
+            Compactor(model.cfg, pool, kv_cfg, compressor, self.lanes, self.listeners)
+            if compressor is not None and self.lanes is not None
+            else None
+        )
         self.weight_version = 0
+        self.consecutive_failures = 0  # failed (or stalled) steps since the last good one
+        self.last_failure: str | None = None
+        self._quarantine = Quarantine()
         self._order = 0
 
     @property
@@ -143,38 +118,128 @@ class Scheduler:
 
     @torch.inference_mode()
     def step(self) -> list[RequestState]:
-        """Advance every request by one token; returns the requests that finished.
+        """Advance every request by one token; returns the requests that finished or failed.
 
-        Runs under inference_mode (no autograd bookkeeping on any op); the per-request tensors it
-        creates (slot tables, query windows, kept positions) are only ever modified inside step()."""
-        finished = self._take_aborted()
-        decodes = self._reserve_decode_slots()
-        prefills = self._admit(finished)
-        if decodes or prefills:
-            self.stats.steps += 1
-            logits = self._forward(decodes, prefills)
-            batch = decodes + prefills
-            tokens, logprobs = sample(logits, [r.req.sampling for r in batch], [r.generator for r in batch])
-            for r in prefills:
-                self._cache_prompt(r)
-            for r, tok, lp in zip(batch, tokens, logprobs, strict=True):
-                reason = self._append(r, tok, lp)
-                if reason is not None:
-                    self._finish(r, reason)
-                    finished.append(r)
-            self._compress_due(batch)
+        Never raises for a request's sake (only BaseExceptions such as KeyboardInterrupt pass): a
+        failure is contained (`_contain`), so no resource outlives its request and the other
+        requests carry on. Runs under inference_mode (no autograd bookkeeping on any op); the
+        per-request tensors it creates (slot tables, query windows, kept positions) are only ever
+        modified inside step()."""
+        finished: list[RequestState] = []
+        try:
+            progressed = self._step(finished)
+        except Exception as exc:
+            self._contain(exc, finished)
+            return finished
+        self.consecutive_failures = 0
+        if not progressed and not finished and self.waiting:
+            self._stalled(finished)
         return finished
 
-    # ---- admission and memory ------------------------------------------------------------------
-    def _take_aborted(self) -> list[RequestState]:
-        done = []
-        for r in [r for r in (*self.waiting, *self.running) if r.rid in self.aborted]:
-            if r in self.waiting:
-                self.waiting.remove(r)
+    def _step(self, finished: list[RequestState]) -> bool:
+        """admit, forward, sample, compress, retire; False when no forward ran."""
+        self._take_aborted(finished)
+        decodes = self._reserve_decode_slots()
+        prefills = self._admit(finished)
+        if not decodes and not prefills:
+            return False
+        self.stats.steps += 1
+        logits = self._forward(decodes, prefills)
+        batch = decodes + prefills
+        tokens, logprobs = sample(logits, [r.req.sampling for r in batch], [r.generator for r in batch])
+        for r in prefills:
+            self._cache_prompt(r)
+        for r, tok, lp in zip(batch, tokens, logprobs, strict=True):
+            reason = self._append(r, tok, lp)
+            if reason is not None:
+                self._finish(r, reason)
+                finished.append(r)
+        if self._compactor is not None:
+            self._compactor.compress_due(batch, self.running, self._alloc_for)
+        return True
+
+    # ---- failures --------------------------------------------------------------------------------
+    def _contain(self, exc: Exception, finished: list[RequestState]) -> None:
+        """A step raised outside admission. Every running request is retracted (all it holds is
+        released); a lone suspect is failed with the error, several are rerun in halves until the
+        failure has a single owner (quarantine.py). Nothing running: the waiting requests fail,
+        since retrying cannot help them and the driver must not spin."""
+        self.stats.failed_steps += 1
+        self.consecutive_failures += 1
+        self.last_failure = f"{type(exc).__name__}: {exc}"
+        involved = list(self.running)
+        log_step_failure(exc, len(involved))
+        for r in involved:
+            self._retract(r)
+        culprit = self._quarantine.after_failure(involved)
+        victims = [culprit] if culprit is not None else [] if involved else list(self.waiting)
+        for r in victims:
+            self._fail(r, exc)
+            finished.append(r)
+
+    def _stalled(self, finished: list[RequestState]) -> None:
+        """Requests wait, nothing runs, nothing could be admitted: only a leak does that (a prompt
+        too large for an idle pool already fails alone). Fail them rather than spin."""
+        lanes = f", {self.lanes.num_free}/{self.lanes.num_lanes} lanes free" if self.lanes else ""
+        reason = (
+            f"engine cannot make progress: {len(self.waiting)} requests waiting, none admitted "
+            f"({self.pool.num_free}/{self.pool.num_pages} pages free{lanes})"
+        )
+        self.stats.failed_steps += 1
+        self.consecutive_failures += 1
+        self.last_failure = reason
+        for r in list(self.waiting):
+            self._fail(r, RuntimeError(reason))
+            finished.append(r)
+
+    def _fail(self, r: RequestState, exc: BaseException) -> None:
+        self.release(r)
+        r.error = exc
+        self.stats.failed_requests += 1
+
+    def release(self, r: RequestState) -> None:
+        """Drop everything `r` holds: its place in the queues, its page references, its lane.
+        Every exit path (finish, abort, retraction, failure) goes through here."""
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self._drop_pages(r)
+        if r.lane is not None:
+            assert self.lanes is not None
+            lane, r.lane = r.lane, None
+            self.lanes.release(lane)
+
+    def _drop_pages(self, r: RequestState) -> None:
+        pages, r.pages, r.slots = r.pages, [], None
+        if pages:
+            self.pool.decref(pages)
+
+    def resource_problems(self) -> list[str]:
+        """Violated resource invariants (rollout/invariants.py), one line each."""
+        return resource_problems(self.pool, self.radix, self.lanes, self.running, self.waiting)
+
+    # ---- pause modes -----------------------------------------------------------------------------
+    @torch.inference_mode()  # lanes and slot tables are inference tensors
+    def retract_all(self) -> None:
+        """Every running request back to the queue, its KV freed (pause mode "retract")."""
+        for r in sorted(self.running, key=lambda x: x.order, reverse=True):  # oldest ends up first
+            self._retract(r)
+
+    @torch.inference_mode()
+    def abort_all(self) -> list[RequestState]:
+        """Finish every queued and running request as "abort" (pause mode "abort")."""
+        everyone = [*self.running, *self.waiting]
+        for r in everyone:
             self._finish(r, "abort")
-            done.append(r)
+        return everyone
+
+    # ---- admission and memory ------------------------------------------------------------------
+    def _take_aborted(self, finished: list[RequestState]) -> None:
+        for r in [r for r in (*self.waiting, *self.running) if r.rid in self.aborted]:
+            self._finish(r, "abort")
+            finished.append(r)
         self.aborted.clear()
-        return done
 
     def _reserve_decode_slots(self) -> list[RequestState]:
         """Give each running request room for its next token (a new page when the last is full)."""
@@ -182,49 +247,75 @@ class Scheduler:
             if r in self.running and r.n_cached == len(r.pages) * self.pool.page_size:
                 pages = self._alloc(1, requester=r, may_retract_requester=True)
                 if pages is not None:
-                    self._set_pages(r, r.pages + pages)
+                    r.set_pages(r.pages + pages)
         return list(self.running)
 
     def _admit(self, finished: list[RequestState]) -> list[RequestState]:
-        """Start waiting requests while pages and limits allow; a prompt that cannot fit even in an
-        idle pool fails alone (appended to `finished` with its error)."""
+        """Start waiting requests while pages and limits allow. A request whose admission raises,
+        or whose prompt cannot fit even in an idle pool, fails alone (appended to `finished`)."""
         admitted: list[RequestState] = []
         budget = self.max_prefill_tokens
         for r in list(self.waiting):
             if len(self.running) >= self.max_running or (admitted and budget <= 0):
                 break
-            prompt, ps = r.req.input_ids, self.pool.page_size
-            limit = (len(prompt) - 1) // ps * ps  # at least one prompt token is always computed
-            shared = self.radix.match(prompt, limit) if self.radix is not None else []
-            if self.radix is not None and any(
-                _common_pages(prompt, a.req.input_ids, limit, ps) > len(shared) for a in admitted
-            ):
-                self.pool.decref(shared)  # wait one step: the other request's prefill will be cached
+            if not self._quarantine.admits(r):
                 continue
-            own = self._alloc(math.ceil(len(prompt) / ps) - len(shared), requester=None)
-            if own is None:
-                self.pool.decref(shared)
-                if self.running or admitted:
-                    break  # memory returns as running requests finish
-                r.error = PoolExhaustedError(
-                    f"a {len(prompt)}-token prompt needs more pages than the pool has "
-                    f"({self.pool.num_pages} of {ps} tokens); raise capacity_pages / capacity_bytes"
-                )
-                self.waiting.remove(r)
+            try:
+                verdict = self._admit_one(r, admitted)
+            except Exception as exc:
+                log_step_failure(exc, 1)
+                verdict = exc
+            if verdict == "stop":
+                break
+            if isinstance(verdict, BaseException):
+                self._fail(r, verdict)
                 finished.append(r)
-                continue
-            self.waiting.remove(r)
-            self._start(r, shared, own)
-            admitted.append(r)
-            budget -= len(prompt) - r.n_cached
-            self.stats.prefill_tokens += len(prompt) - r.n_cached
+            elif verdict == "finished":
+                finished.append(r)
+            elif verdict == "admitted":
+                admitted.append(r)
+                budget -= len(r.req.input_ids) - r.n_cached
+                self.stats.prefill_tokens += len(r.req.input_ids) - r.n_cached
         return admitted
 
-    def _start(self, r: RequestState, shared: list[int], own: list[int]) -> None:
+    def _admit_one(self, r: RequestState, admitted: list[RequestState]) -> str | BaseException:
+        """ "admitted", "finished" (nothing to generate), "wait", "stop" (memory returns as running
+        requests finish) or the error it fails with. Pages are recorded on r as soon as they are
+        taken, so `release` returns them whatever happens next."""
+        if r.req.sampling.max_new_tokens == 0:
+            self._finish(r, "length")
+            return "finished"
+        if self.lanes is not None and self.lanes.num_free == 0:
+            return "stop"  # one lane per running request: none free only when one leaked (_stalled)
+        prompt, ps = r.req.input_ids, self.pool.page_size
+        limit = (len(prompt) - 1) // ps * ps  # at least one prompt token is always computed
+        r.pages = self.radix.match(prompt, limit) if self.radix is not None else []
+        if self.radix is not None and any(
+            _common_pages(prompt, a.req.input_ids, limit, ps) > len(r.pages) for a in admitted
+        ):
+            self._drop_pages(r)  # wait one step: the other request's prefill will be cached
+            return "wait"
+        own = self._alloc(math.ceil(len(prompt) / ps) - len(r.pages), requester=None)
+        if own is None:
+            shared = len(r.pages)
+            self._drop_pages(r)
+            if self.running or admitted:
+                return "stop"
+            return PoolExhaustedError(
+                f"a {len(prompt)}-token prompt needs more pages than the pool has "
+                f"({self.pool.num_pages} of {ps} tokens, {shared} shared); raise capacity_pages / "
+                "capacity_bytes"
+            )
+        self.waiting.remove(r)
+        self._start(r, own)
+        return "admitted"
+
+    def _start(self, r: RequestState, own: list[int]) -> None:
         self._order += 1
         r.order = self._order
-        self._set_pages(r, shared + own)
-        r.n_cached = r.next_pos = r.cached_prompt_tokens = len(shared) * self.pool.page_size
+        shared = len(r.pages)
+        r.set_pages(r.pages + own)
+        r.n_cached = r.next_pos = r.cached_prompt_tokens = shared * self.pool.page_size
         self.running.append(r)
         if r.req.sampling.seed is not None:
             r.generator.manual_seed(r.req.sampling.seed)
@@ -254,143 +345,20 @@ class Scheduler:
                 if victim is requester:
                     return None
 
+    def _alloc_for(self, n: int, requester: RequestState) -> list[int] | None:
+        """Compaction's allocation: may retract other running requests, never the requester."""
+        return self._alloc(n, requester=requester)
+
     def _retract(self, r: RequestState) -> None:
-        self.running.remove(r)
-        self.pool.decref(r.pages)
-        self._release_lane(r)
+        self.release(r)
         r.reset()
         self.waiting.appendleft(r)
         self.stats.retractions += 1
-
-    def _set_pages(self, r: RequestState, pages: list[int]) -> None:
-        r.pages = pages
-        r.slots = None  # decode steps address pages directly; only prefill and compression need slots
-        r.peak_pages = max(r.peak_pages, len(pages))
-
-    def _slots(self, r: RequestState) -> torch.Tensor:
-        """Flat slot ids of r's pages, built when first needed after its pages changed (a decode
-        step that adds a page would otherwise pay several ops for a table it never reads)."""
-        if r.slots is None:
-            r.slots = self.pool.slot_table(r.pages)
-        return r.slots
 
     def _cache_prompt(self, r: RequestState) -> None:
         if self.radix is not None:
             full = len(r.req.input_ids) // self.pool.page_size
             self.radix.insert(r.req.input_ids, r.pages[:full])
-
-    # ---- the forward ---------------------------------------------------------------------------
-    def _forward(self, decodes: list[RequestState], prefills: list[RequestState]) -> torch.Tensor:
-        """One mixed forward; writes the new K/V into the pool; returns logits [B, V] (decodes first)."""
-        dev, model, ps = self.pool.k.device, self.model, self.pool.page_size
-        # token ids, RoPE positions and pool slots of every new token, as Python ints: one tensor
-        ids, pos, write, prefill_tokens = [], [], [], []
-        for r in decodes:
-            ids.append(r.output_ids[-1])
-            pos.append(r.next_pos)
-            write.append(r.pages[r.n_cached // ps] * ps + r.n_cached % ps)
-        for r in prefills:
-            n = len(r.req.input_ids)
-            ids.extend(r.req.input_ids[r.n_cached :])
-            pos.extend(range(r.n_cached, n))
-            write.extend(r.pages[i // ps] * ps + i % ps for i in range(r.n_cached, n))
-            prefill_tokens.append(n - r.n_cached)
-        ids_t, pos_t, write = long_tensor(ids + pos + write, dev).view(3, -1)
-        cos, sin = model.rope(pos_t, max(pos) + 1)
-        n_dec = len(decodes)
-        layout = self._decode_layout(decodes) if decodes else None
-        ends = list(itertools.accumulate(prefill_tokens))
-        starts = [0, *ends[:-1]] if ends else []
-        want_mass = self.compressor is not None and self.compressor.needs_accumulated_attention
-        want_queries = self.compressor is not None and self.compressor.needs_window_queries
-        # decode-only steps (most steps): the window rows are all rows, a slice of q, no gather
-        window_rows = self._window_rows(n_dec, prefill_tokens) if want_queries and prefills else None
-        q_rows, masses = [], []
-        h = model.embed(ids_t)
-        for layer in range(model.cfg.num_layers):
-            q, k, v = model.qkv(layer, h, cos, sin)
-            kf, vf = self.pool.k_flat(layer), self.pool.v_flat(layer)
-            kf.index_copy_(0, write, k)
-            vf.index_copy_(0, write, v)
-            outs, layer_mass = [], []
-            if decodes:
-                out, mass = decode_attention(
-                    q[:n_dec], self.pool.k_rows(layer), self.pool.v_rows(layer), layout, want_mass=want_mass
-                )
-                outs.append(out)
-                layer_mass.append(mass)
-            for r, start, end in zip(prefills, starts, ends, strict=True):
-                sl = self._slots(r)[: len(r.req.input_ids)]
-                out, mass = prefill_attention(q[n_dec + start : n_dec + end], kf, vf, sl, want_mass=want_mass)
-                outs.append(out)
-                layer_mass.append(mass)
-            if want_queries:
-                q_rows.append(q[:n_dec] if window_rows is None else q.index_select(0, window_rows))
-            masses.append(layer_mass)
-            h = model.finish_layer(layer, h, outs[0] if len(outs) == 1 else torch.cat(outs))
-        self._after_forward(decodes, prefills, q_rows, masses if want_mass else None)
-        if prefills:  # only each prompt's last position samples
-            last = list(range(n_dec)) + [n_dec + e - 1 for e in ends]
-            h = h.index_select(0, long_tensor(last, dev))
-        return model.logits(h)
-
-    def _decode_layout(self, decodes: list[RequestState]) -> DecodeLayout:
-        """Page tables padded with page 0 (real, finite, masked) and masks, built once per step and
-        shared by every layer's decode attention."""
-        ps = self.pool.page_size
-        lengths = [r.n_cached + 1 for r in decodes]
-        tables = [r.pages[: -(-n // ps)] for r, n in zip(decodes, lengths, strict=True)]
-        dtype, device, cfg = self.pool.k.dtype, self.pool.k.device, self.model.cfg
-        cross = (
-            (cfg.num_heads, cfg.num_kv_heads)
-            if self.compressor is not None
-            and self.compressor.needs_accumulated_attention
-            and cfg.num_kv_heads <= CROSS_HEAD_MAX_KV_HEADS
-            and native_decode_kernel(device, dtype) is None  # the kernel returns the mass itself
-            else None
-        )
-        return DecodeLayout.build(
-            tables, lengths, page_size=ps, dtype=dtype, device=device, cross_heads=cross
-        )
-
-    def _window_rows(self, n_dec: int, prefill_tokens: list[int]) -> torch.Tensor:
-        """Rows whose queries enter the observation window: every decode row, each prompt's last w."""
-        rows, start, w = list(range(n_dec)), n_dec, self.kv_cfg.window
-        for t in prefill_tokens:
-            rows.extend(range(start + max(0, t - w), start + t))
-            start += t
-        return long_tensor(rows, self.pool.k.device)
-
-    def _after_forward(
-        self,
-        decodes: list[RequestState],
-        prefills: list[RequestState],
-        q_rows: list[torch.Tensor],
-        masses: list[list[torch.Tensor]] | None,
-    ) -> None:
-        """Advance counters; record window queries and (h2o) attention mass, all requests at once."""
-        dev, w = self.pool.k.device, self.kv_cfg.window
-        # per layer, masses hold [decode mass [B, Hk, N]] (when decoding) + one [Hk, n] per prefill
-        if masses and decodes:  # [L, B, Hk, N], slot order
-            lanes = long_tensor([r.lane for r in decodes], dev)
-            self.lanes.add_mass(lanes, torch.stack([m[0] for m in masses]))
-        if q_rows:  # ring rows of the rows of _window_rows: 1 per decode, the last <= w of a prompt
-            rows = [self.lanes.ring_row(r.lane, r.q_seen) for r in decodes]
-            for r in prefills:
-                seen, n_rows = r.q_seen, min(len(r.req.input_ids) - r.n_cached, w)
-                rows.extend(self.lanes.ring_row(r.lane, seen + j) for j in range(n_rows))
-            rows_t = long_tensor(rows, dev)
-            self.lanes.push_queries(rows_t, torch.stack(q_rows))  # [L, rows, Hq, d]
-        for i, r in enumerate(decodes + prefills):
-            t = 1 if i < len(decodes) else len(r.req.input_ids) - r.n_cached
-            if q_rows:
-                r.q_seen += 1 if i < len(decodes) else min(t, w)
-            if masses is not None and i >= len(decodes):
-                prefill_mass = torch.stack([m[i - len(decodes) + bool(decodes)] for m in masses])
-                self.lanes.mass[:, r.lane, :, : r.n_cached + t] += prefill_mass
-            r.n_cached += t
-            r.next_pos += t
-            r.peak_retained = max(r.peak_retained, r.n_cached)
 
     # ---- per-token bookkeeping -----------------------------------------------------------------
     def _append(self, r: RequestState, token: int, logprob: float) -> FinishReason | None:
@@ -407,123 +375,8 @@ class Scheduler:
         return "length" if len(r.output_ids) >= sp.max_new_tokens else None
 
     def _finish(self, r: RequestState, reason: FinishReason) -> None:
-        if r in self.running:
-            self.running.remove(r)
-            self.pool.decref(r.pages)
-        self._release_lane(r)
-        r.pages = []
-        r.result = Sample(
-            rid=r.rid,
-            prompt_ids=r.req.input_ids,
-            output_ids=tuple(r.output_ids),
-            output_logprobs=tuple(r.logprobs),
-            finish_reason=reason,
-            kv_stats=KVStats(
-                peak_retained_tokens=r.peak_retained,
-                evictions=r.evictions,
-                compressions=r.compressions,
-                peak_pages=r.peak_pages,
-                peak_kv_bytes=r.peak_pages * self.pool.page_bytes,
-            ),
-            weight_version=self.weight_version,
-            cached_prompt_tokens=r.cached_prompt_tokens,
-        )
-
-    # ---- compression ---------------------------------------------------------------------------
-    def _compress_due(self, batch: list[RequestState]) -> None:
-        """Compress every running request of the batch that reached the budget.
-
-        Requests with the same cache length and window fill are compressed together in ONE
-        `select` call: layers and requests are stacked along the head axis, which is exact because
-        every policy scores and selects each KV head on its own (queries follow their KV head's
-        block, so the GQA grouping h // group still holds)."""
-        if self.compressor is None:
-            return
-        due = [r for r in batch if r in self.running and self.kv_cfg.should_compress(r.n_cached)]
-        groups: dict[tuple[int, int], list[RequestState]] = {}
-        for r in due:
-            groups.setdefault((r.n_cached, min(r.q_seen, self.kv_cfg.window)), []).append(r)
-        for group in groups.values():
-            self._compress_group(group)
-
-    def _compress_group(self, rs: list[RequestState]) -> None:
-        """Keep `keep_tokens` entries per layer and KV head, compacted into fresh private pages."""
-        assert self.compressor is not None
-        cfg, L = self.model.cfg, self.model.cfg.num_layers
-        B, n, keep, d, Hk = len(rs), rs[0].n_cached, self.kv_cfg.keep_tokens, cfg.head_dim, cfg.num_kv_heads
-        slots = torch.stack([self._slots(r)[:n] for r in rs])  # [B, n]
-        flat, dev = slots.view(-1), slots.device
-        # keys [B * L * Hk, n, d] for scoring, copied out of the pool with all layers in one gather
-        pool_k, pool_v = self.pool.k.view(L, -1, Hk, d), self.pool.v.view(L, -1, Hk, d)
-        keys = pool_k.index_select(1, flat).view(L, B, n, Hk, d).permute(1, 0, 3, 2, 4).reshape(-1, n, d)
-        lanes = torch.tensor([r.lane for r in rs], device=dev)
-        queries = None
-        if self.compressor.needs_window_queries:  # the group shares min(q_seen, window) (its key)
-            w = self.kv_cfg.window
-            seen = min(rs[0].q_seen, w)
-            ring = [[(r.q_seen - seen + j) % w for j in range(seen)] for r in rs]  # oldest first
-            queries = self.lanes.window_queries(lanes, torch.tensor(ring, device=dev))
-            queries = queries.reshape(-1, seen, d)  # [B, L, Hq, w, d] -> [B * L * Hq, w, d]
-        acc = self.lanes.read_mass(lanes, n) if self.lanes.mass is not None else None  # [B, L, Hk, n]
-        idx = self.compressor.select(
-            keys, queries, keep, acc.reshape(-1, n) if acc is not None else None
-        ).view(B, L, -1, keep)
-        # kept K/V straight from the pool in the destination layout [L, B, keep, Hk, d], read before
-        # the pages are released below: entry (l, b, j, h) is row (l * S + slot) * Hk + h of the
-        # pool viewed as [L * S * Hk, d] (one index_select: cheaper than 3-index advanced indexing)
-        src = slots.view(B, 1, 1, n).expand(B, L, Hk, n).gather(3, idx)  # [B, L, Hk, keep]
-        rows = (src * Hk + self._pool_row_offsets).permute(1, 0, 3, 2).reshape(-1)
-        kept_k, kept_v = (
-            x.view(-1, d).index_select(0, rows).view(L, B, keep, Hk, d) for x in (pool_k, pool_v)
-        )
-        kept_pos = self._group_positions(rs, n).gather(3, idx)
-        for r in rs:
-            self.pool.decref(r.pages)
-            r.pages = []
-        for r in rs:  # allocation may retract younger requests, members of this group included
-            if r in self.running:
-                self._set_pages(r, self._alloc(math.ceil(keep / self.pool.page_size), requester=r))
-        live = [b for b, r in enumerate(rs) if r in self.running]
-        if not live:
-            return
-        new_slots = torch.cat([self._slots(rs[b])[:keep] for b in live])
-        if len(live) < B:  # indexing by a list is a gather: only after a retraction
-            kept_k, kept_v, idx, lanes = kept_k[:, live], kept_v[:, live], idx[live], lanes[live]
-            acc = acc[live] if acc is not None else None
-        # slot-major [L, live * keep, Hk, d], all layers in one write
-        pool_k.index_copy_(1, new_slots, kept_k.reshape(L, -1, Hk, d))
-        pool_v.index_copy_(1, new_slots, kept_v.reshape(L, -1, Hk, d))
-        if acc is not None:
-            self.lanes.replace_mass(lanes, acc.gather(3, idx))
-        for b in live:
-            r = rs[b]
-            r.kept_positions, r.tail_start = kept_pos[b], r.next_pos
-            r.evictions += n - keep
-            r.compressions += 1
-            r.n_cached = keep
-            for listener in self.listeners:
-                listener(r.rid, r.kept_positions, r.next_pos)
-
-    def _release_lane(self, r: RequestState) -> None:
-        if r.lane is not None:
-            self.lanes.release(r.lane)
-            r.lane = None
-
-    def _group_positions(self, rs: list[RequestState], n: int) -> torch.Tensor:
-        """Original token position of each of the first n slots of each request, per layer and KV
-        head: [B, L, Hk, n]. Slots [0, k) hold the positions the last compression kept (none before
-        the first), later slots consecutive positions from `tail_start`."""
-        cfg, dev = self.model.cfg, self.pool.k.device
-        widths = [0 if r.kept_positions is None else r.kept_positions.shape[-1] for r in rs]
-        starts = torch.tensor([r.tail_start - k for r, k in zip(rs, widths, strict=True)], device=dev)
-        pos = (starts[:, None] + torch.arange(n, device=dev)).view(len(rs), 1, 1, n)
-        pos = pos.expand(-1, cfg.num_layers, cfg.num_kv_heads, -1)
-        based = [b for b, k in enumerate(widths) if k]
-        if not based:
-            return pos
-        pos = pos.clone()
-        pos[based, :, :, : widths[based[0]]] = torch.stack([rs[b].kept_positions for b in based])
-        return pos
+        self.release(r)
+        r.result = r.sample(reason, weight_version=self.weight_version, page_bytes=self.pool.page_bytes)
 
 
 def _common_pages(a: tuple[int, ...], b: tuple[int, ...], limit: int, page_size: int) -> int:

@@ -7,62 +7,93 @@ queued jobs in arrival order. Generate jobs that wait together become ONE `engin
 own samples. `max_concurrent = 1` (the default) suits any engine; an engine whose `generate` may
 be called from several threads at once (`EmbeddedEngine`: concurrent calls join its continuous
 batch) gets `max_concurrent > 1`, so a request arriving mid-batch starts at the next decode step
-instead of waiting for the batch to end. Control operations (weight updates, cache flush) wait
-until no batch runs, so they never interleave with generation.
+instead of waiting for the batch to end.
 
-Pause: `pause()` stops new batches and calls `engine.pause()`, which parks in-flight batches
-between decode steps (RolloutEngine contract). While paused, control operations run immediately on
-the caller's thread -- the engine is parked -- which lets a trainer do pause -> update weights ->
-continue, as with SGLang.
+Control operations (weight updates, cache flush) run between engine steps, so they finish within
+about one step however long the running requests are: unless generation is paused already, the
+worker pauses the engine with the operation's mode (weight updates "retract": in-flight requests
+restart from their prompts under the new weights, so no sample mixes two versions; a flush
+"in_place"), runs it and resumes. Explicit `pause(mode)` / `resume()` (the trainer's, SGLang's
+pause_generation) hold generation until resumed; control operations then run at once.
 
+Limits: at most `max_pending_requests` requests accepted and not yet answered (`Overloaded`
+beyond, HTTP 503 with Retry-After); a request still queued `request_timeout_s` after it arrived
+fails (`DeadlineExceeded`), one already running is aborted in the engine and returns what it
+generated with finish_reason "abort".
+
+Failures: an engine raising `RequestsFailed` says which requests failed: only their jobs fail. Any
+other exception from a multi-job batch reruns its jobs one by one to find the bad one.
 Cancellation: a cancelled job that has not started is dropped; one already running is aborted
-through `engine.abort(rid)` (its requests finish as "abort"). Either way the other jobs complete
-normally.
+through `engine.abort(rid)` (its requests finish as "abort").
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
-from sparserl_mcore.rollout.protocol import GenerateRequest, RolloutEngine, Sample
+from sparserl_mcore.rollout.protocol import (
+    GenerateRequest,
+    PauseMode,
+    RequestsFailed,
+    RolloutEngine,
+    Sample,
+)
+
+
+class Overloaded(RuntimeError):
+    """The server holds as many pending requests as it may (HTTP 503 + Retry-After)."""
+
+
+class DeadlineExceeded(RuntimeError):
+    """A request waited in the queue past its deadline without starting (HTTP 503)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping (HTTP 503)."""
 
 
 class GenerateJob:
     """Requests of one HTTP call; `future` resolves to their samples in request order."""
 
-    def __init__(self, requests: Sequence[GenerateRequest]) -> None:
+    def __init__(self, requests: Sequence[GenerateRequest], deadline: float | None) -> None:
         self.requests = list(requests)
         self.future: Future[list[Sample]] = Future()
+        self.deadline = deadline  # time.monotonic() value, None: none
         self.cancelled = False
-
-
-class _ControlJob:
-    def __init__(self, fn: Callable[[RolloutEngine], Any]) -> None:
-        self.fn = fn
-        self.future: Future[Any] = Future()
+        self.expired = False  # aborted in the engine at its deadline
 
 
 class EngineWorker:
     """Dispatches all engine work from one scheduler thread; see the module docstring."""
 
     def __init__(
-        self, engine: RolloutEngine, *, max_batch_requests: int = 256, max_concurrent: int = 1
+        self,
+        engine: RolloutEngine,
+        *,
+        max_batch_requests: int = 256,
+        max_concurrent: int = 1,
+        max_pending_requests: int | None = None,
+        request_timeout_s: float | None = None,
     ) -> None:
-        if max_batch_requests < 1:
-            raise ValueError(f"max_batch_requests={max_batch_requests}: must be >= 1")
-        if max_concurrent < 1:
-            raise ValueError(f"max_concurrent={max_concurrent}: must be >= 1")
+        if max_batch_requests < 1 or max_concurrent < 1:
+            raise ValueError(
+                f"max_batch_requests={max_batch_requests}, max_concurrent={max_concurrent}: must be >= 1"
+            )
         self.engine = engine
         self.max_batch_requests = max_batch_requests
         self.max_concurrent = max_concurrent
-        self._queue: collections.deque[GenerateJob | _ControlJob] = collections.deque()
+        self.max_pending_requests = max_pending_requests
+        self.request_timeout_s = request_timeout_s
+        self._queue: collections.deque[GenerateJob] = collections.deque()
         self._cond = threading.Condition()
-        self._control_lock = threading.Lock()  # one control operation at a time, wherever it runs
+        self._control_lock = threading.Lock()  # pause state changes and control operations, one at a time
         self._running: set[GenerateJob] = set()
+        self._pending = 0  # requests accepted and not yet answered
         self._batches_running = 0
         self._paused = False
         self._stopping = False
@@ -82,7 +113,7 @@ class EngineWorker:
             running = list(self._running)
             self._cond.notify_all()
         for job in pending:
-            _settle(job.future, exc=RuntimeError("server is shutting down"))
+            _settle(job.future, exc=ShuttingDown("server is shutting down"))
         for job in running:
             self.cancel(job)
         if self._paused:
@@ -98,11 +129,32 @@ class EngineWorker:
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def pending_requests(self) -> int:
+        return self._pending
+
     # -- submission --------------------------------------------------------------------------
     def submit_generate(self, requests: Sequence[GenerateRequest]) -> GenerateJob:
-        job = GenerateJob(requests)
-        self._enqueue(job)
+        """Queue a job; Overloaded when it would exceed max_pending_requests."""
+        limit, n = self.max_pending_requests, len(requests)
+        if limit is not None and n > limit:
+            raise ValueError(f"a batch of {n} requests is more than this server's limit of {limit} pending")
+        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
+        job = GenerateJob(requests, deadline)
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDown("server is shutting down")
+            if limit is not None and self._pending + n > limit:
+                raise Overloaded(f"{self._pending} requests pending, limit {limit}: retry later")
+            self._pending += n
+            self._queue.append(job)
+            self._cond.notify_all()
+        job.future.add_done_callback(lambda _: self._answered(n))
         return job
+
+    def _answered(self, n: int) -> None:
+        with self._cond:
+            self._pending -= n
 
     def cancel(self, job: GenerateJob) -> None:
         """The client went away: drop the job, or abort its requests if they are running."""
@@ -116,71 +168,75 @@ class EngineWorker:
                 self.engine.abort(request.rid)
         job.future.cancel()
 
-    def control(self, fn: Callable[[RolloutEngine], Any]) -> Future[Any]:
-        """Run `fn(engine)` once no batch is running (or right now, on this thread, while paused)."""
-        if self._paused:
-            future: Future[Any] = Future()
-            with self._control_lock:
-                _resolve(future, fn, self.engine)
-            return future
-        job = _ControlJob(fn)
-        self._enqueue(job)
-        return job.future
+    def control(self, fn: Callable[[RolloutEngine], Any], *, pause_mode: PauseMode) -> Any:
+        """Run `fn(engine)` between engine steps and return its result (see the module docstring)."""
+        with self._control_lock:
+            if self._paused:
+                return fn(self.engine)
+            self.engine.pause(pause_mode)
+            try:
+                return fn(self.engine)
+            finally:
+                self.engine.resume()
 
-    def pause(self) -> None:
-        with self._cond:
-            self._paused = True
-        self.engine.pause()
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        with self._control_lock:
+            with self._cond:
+                self._paused = True
+            self.engine.pause(mode)
 
     def resume(self) -> None:
-        self.engine.resume()
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
-
-    def _enqueue(self, job: GenerateJob | _ControlJob) -> None:
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("server is shutting down")
-            self._queue.append(job)
-            self._cond.notify_all()
+        with self._control_lock:
+            self.engine.resume()
+            with self._cond:
+                self._paused = False
+                self._cond.notify_all()
 
     # -- the scheduler thread ----------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._ready():
-                    self._cond.wait()
                 if self._stopping:
                     return
-                head = self._queue.popleft()
-                if isinstance(head, GenerateJob):
-                    batch = self._take_batch(head)
-                    self._running.update(batch)
-                    self._batches_running += 1
-            if isinstance(head, _ControlJob):
-                with self._control_lock:
-                    _resolve(head.future, head.fn, self.engine)
-            else:
+                expired = self._expire()
+                batch = self._take_batch() if self._ready() else []
+                if not expired and not batch:
+                    self._cond.wait(self._until_next_deadline())
+                    continue
+            for job in expired:  # abort outside the lock: the engine takes its own
+                for request in job.requests:
+                    self.engine.abort(request.rid)
+            if batch:
                 self._batch_pool.submit(self._run_batch_and_release, batch)
 
     def _ready(self) -> bool:
-        """May the head of the queue start now? Control jobs wait until no batch is running."""
-        if self._paused or not self._queue:
-            return False
-        if isinstance(self._queue[0], _ControlJob):
-            return self._batches_running == 0
-        return self._batches_running < self.max_concurrent
+        return not self._paused and bool(self._queue) and self._batches_running < self.max_concurrent
 
-    def _take_batch(self, head: GenerateJob) -> list[GenerateJob]:
+    def _until_next_deadline(self) -> float | None:
+        deadlines = [j.deadline for j in (*self._queue, *self._running) if j.deadline and not j.expired]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _expire(self) -> list[GenerateJob]:
+        """Fail queued jobs past their deadline; return running ones to abort (caller holds _cond)."""
+        now = time.monotonic()
+        for job in [j for j in self._queue if j.deadline is not None and j.deadline <= now]:
+            self._queue.remove(job)
+            error = DeadlineExceeded(f"queued for {self.request_timeout_s:g} s without starting: overloaded")
+            _settle(job.future, exc=error)
+        late = [j for j in self._running if j.deadline is not None and j.deadline <= now and not j.expired]
+        for job in late:
+            job.expired = True
+        return late
+
+    def _take_batch(self) -> list[GenerateJob]:
         """The head job plus every waiting generate job behind it, up to max_batch_requests."""
-        batch, size = [head], len(head.requests)
-        while self._queue and isinstance(self._queue[0], GenerateJob):
-            nxt = self._queue[0]
-            if size + len(nxt.requests) > self.max_batch_requests:
-                break
+        batch = [self._queue.popleft()]
+        size = len(batch[0].requests)
+        while self._queue and size + len(self._queue[0].requests) <= self.max_batch_requests:
+            size += len(self._queue[0].requests)
             batch.append(self._queue.popleft())
-            size += len(nxt.requests)
+        self._running.update(batch)
+        self._batches_running += 1
         return batch
 
     def _run_batch_and_release(self, batch: list[GenerateJob]) -> None:
@@ -198,7 +254,9 @@ class EngineWorker:
             return
         requests = [r for job in batch for r in job.requests]
         try:
-            samples = self.engine.generate(requests)
+            outcomes: list[Sample | BaseException] = list(self.engine.generate(requests))
+        except RequestsFailed as exc:  # the engine says which requests failed
+            outcomes = exc.outcomes
         except Exception as exc:
             if len(batch) == 1:
                 _settle(batch[0].future, exc=exc)
@@ -209,21 +267,16 @@ class EngineWorker:
             return
         start = 0
         for job in batch:
-            end = start + len(job.requests)
-            _settle(job.future, samples[start:end])
-            start = end
+            mine = outcomes[start : start + len(job.requests)]
+            start += len(job.requests)
+            errors = [o for o in mine if isinstance(o, BaseException)]
+            if errors:
+                _settle(job.future, exc=errors[0])
+            else:
+                _settle(job.future, mine)
 
 
-def _resolve(future: Future[Any], fn: Callable[[RolloutEngine], Any], engine: RolloutEngine) -> None:
-    try:
-        result = fn(engine)
-    except Exception as exc:
-        _settle(future, exc=exc)
-    else:
-        _settle(future, result)
-
-
-def _settle(future: Future[Any], result: Any = None, exc: Exception | None = None) -> None:
+def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
     """Resolve unless the client already cancelled (a race the worker must tolerate)."""
     try:
         if exc is not None:

@@ -3,15 +3,17 @@
 Routes (request/response shapes in docs/rollout.md and `http_wire`):
   POST /generate                         SGLang native generate, single or batch
   GET  /health, GET /get_model_info
-  POST /flush_cache, /pause_generation, /continue_generation                      [token]
+  POST /flush_cache, /pause_generation, /continue_generation, /abort_request        [token]
   POST /update_weights_from_patch        body: sparse sync patch bytes             [token]
   POST /update_weights_from_safetensors  body: safetensors bytes, ?weight_version=N [token]
   POST /update_weights_from_disk         {"model_path": dir|file, "weight_version": N} [token]
 [token]: needs `Authorization: Bearer <token>` when the server has a token. Without a token the
 server only binds loopback, so nobody else on the network can replace its weights.
 
-Engine work runs on `EngineWorker`'s thread, never on the event loop; a /generate whose client
-disconnects is cancelled (see serve_worker) while the other requests carry on.
+Every request is validated here, before it reaches the engine (sampling contract, vocabulary,
+context length, the operator's limits); a refusal is one 4xx answer `{"error": reason}` and one
+log line. Engine work runs on `EngineWorker`'s thread, never on the event loop; a /generate whose
+client disconnects is cancelled (see serve_worker) while the other requests carry on.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 
-from sparserl_mcore.rollout.http_wire import Decode, Encode, parse_generate, render_sample
-from sparserl_mcore.rollout.protocol import RolloutEngine
+from sparserl_mcore.rollout.http_errors import add_error_handlers, answers
+from sparserl_mcore.rollout.http_wire import Decode, Encode, parse_generate, parse_pause, render_sample
+from sparserl_mcore.rollout.protocol import RequestLimits, RolloutEngine
 from sparserl_mcore.rollout.serve_worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -45,12 +48,16 @@ DISCONNECT_POLL_S = 0.25
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    """Where the server listens and who may change its state.
+    """Where the server listens, who may change its state, and how much work it accepts.
 
     token: bearer token for the state-changing routes; required when host is not loopback.
     max_batch_requests: most requests the worker puts into one engine.generate call.
     max_concurrent_batches: engine.generate calls in flight at once; > 1 only for engines whose
     generate is thread-safe (EmbeddedEngine), see serve_worker.
+    max_new_tokens: cap on a request's max_new_tokens (None: only the context length bounds it).
+    max_pending_requests: requests accepted and not yet answered; more get 503 + Retry-After.
+    request_timeout_s: a request not started by then fails (503), a running one is aborted and
+    returns what it generated (finish_reason abort). None: no deadline.
     """
 
     host: str = "127.0.0.1"
@@ -58,6 +65,9 @@ class ServerConfig:
     token: str | None = None
     max_batch_requests: int = 256
     max_concurrent_batches: int = 1
+    max_new_tokens: int | None = None
+    max_pending_requests: int | None = 4096
+    request_timeout_s: float | None = 3600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -69,9 +79,17 @@ class ServerConfig:
                 f"host={self.host!r} is reachable from the network but no token is set: pass --token "
                 "(or SPARSERL_SERVE_TOKEN) so only the trainer can update weights, or bind 127.0.0.1"
             )
-        for name in ("max_batch_requests", "max_concurrent_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in (
+            "max_batch_requests",
+            "max_concurrent_batches",
+            "max_new_tokens",
+            "max_pending_requests",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value}: must be >= 1")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s={self.request_timeout_s}: must be > 0 seconds (or None)")
 
 
 def is_loopback(host: str) -> bool:
@@ -92,8 +110,13 @@ def create_app(
 ) -> FastAPI:
     """The ASGI app; the engine worker starts and stops with the app's lifespan."""
     worker = EngineWorker(
-        engine, max_batch_requests=cfg.max_batch_requests, max_concurrent=cfg.max_concurrent_batches
+        engine,
+        max_batch_requests=cfg.max_batch_requests,
+        max_concurrent=cfg.max_concurrent_batches,
+        max_pending_requests=cfg.max_pending_requests,
+        request_timeout_s=cfg.request_timeout_s,
     )
+    limits, has_tokenizer = _request_limits(engine.model_info(), cfg)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -105,37 +128,48 @@ def create_app(
 
     app = FastAPI(title="sparserl serve", lifespan=lifespan)
     app.state.worker = worker
+    add_error_handlers(app)
     auth = _bearer_auth(cfg.token)
-
-    @app.exception_handler(ValueError)
-    async def _bad_request(_: Request, exc: ValueError) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=400)
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
-        if not worker.alive:
-            return PlainTextResponse("engine worker is not running", status_code=503)
+        problem = None if worker.alive else "engine worker thread is not running"
+        check = getattr(engine, "health_problem", None)
+        problem = problem or (check() if check is not None else None)
+        if problem:
+            return PlainTextResponse(f"unhealthy: {problem}", status_code=503)
         return PlainTextResponse("ok")
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
-        # Read-only: answered while batches run (a control job would wait for them to finish).
+        # Read-only: answered while batches run.
         info = dict(await asyncio.to_thread(engine.model_info))
         info.setdefault("is_generation", True)
         info["paused"] = worker.paused
+        info["pending_requests"] = worker.pending_requests
+        info["server_limits"] = dataclasses.asdict(limits)
         return info
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
-        parsed = parse_generate(await _json(request), encode)
-        job = worker.submit_generate(parsed.requests)
-        samples = await _await_or_cancel(request, job.future, lambda: worker.cancel(job))
+        with answers():
+            parsed = parse_generate(await _json(request), encode)
+            for req in parsed.requests:
+                limits.check(req)
+                if req.sampling.stop and not has_tokenizer:
+                    raise ValueError(
+                        "stop strings need the model's tokenizer, which it lacks; use stop_token_ids"
+                    )
+            job = worker.submit_generate(parsed.requests)
+            samples = await _await_or_cancel(request, job.future, lambda: worker.cancel(job))
+        message = f"deadline of {cfg.request_timeout_s:g} s passed" if job.expired else "request aborted"
         out = [
             render_sample(
                 s,
                 return_logprob=parsed.return_logprob,
                 return_text_in_logprobs=parsed.return_text_in_logprobs,
                 decode=decode,
+                abort_message=message,
             )
             for s in samples
         ]
@@ -143,13 +177,16 @@ def create_app(
 
     @app.post("/flush_cache", dependencies=[Depends(auth)])
     async def flush_cache() -> dict[str, Any]:
-        await _control(worker, lambda e: e.flush_cache())
+        with answers():
+            await asyncio.to_thread(worker.control, lambda e: e.flush_cache(), pause_mode="in_place")
         return {"success": True, "message": "prefix cache flushed"}
 
     @app.post("/pause_generation", dependencies=[Depends(auth)])
-    async def pause_generation() -> dict[str, Any]:
-        await asyncio.to_thread(worker.pause)
-        return {"success": True, "message": "generation paused"}
+    async def pause_generation(request: Request) -> dict[str, Any]:
+        with answers():
+            mode = parse_pause(await request.body())
+            await asyncio.to_thread(worker.pause, mode)
+        return {"success": True, "message": f"generation paused ({mode})"}
 
     @app.post("/continue_generation", dependencies=[Depends(auth)])
     async def continue_generation() -> dict[str, Any]:
@@ -158,16 +195,25 @@ def create_app(
 
     @app.post("/abort_request", dependencies=[Depends(auth)])
     async def abort_request(request: Request) -> dict[str, Any]:
-        # Straight to the engine, not a control job: that would wait for the batch to finish.
-        body = await _json(request)
-        rid = body.get("rid") if isinstance(body, dict) else None
-        if not isinstance(rid, str) or not rid:
-            raise ValueError('abort_request needs a JSON object {"rid": "<request id>"}')
-        await asyncio.to_thread(engine.abort, rid)
+        # Straight to the engine: it lands at the next step boundary.
+        with answers():
+            body = await _json(request)
+            rid = body.get("rid") if isinstance(body, dict) else None
+            if not isinstance(rid, str) or not rid:
+                raise ValueError('abort_request needs a JSON object {"rid": "<request id>"}')
+            await asyncio.to_thread(engine.abort, rid)
         return {"success": True, "message": f"request {rid!r} aborted if it was in flight"}
 
     _add_weight_routes(app, worker, auth)
     return app
+
+
+def _request_limits(info: dict[str, Any], cfg: ServerConfig) -> tuple[RequestLimits, bool]:
+    """The engine's request limits (EmbeddedEngine's model_info carries them) plus the server's cap,
+    and whether the engine can match stop strings (it has a tokenizer)."""
+    own = info.get("request_limits") or {"vocab_size": info.get("vocab_size")}
+    limits = dataclasses.replace(RequestLimits(**own), max_new_tokens=cfg.max_new_tokens)
+    return limits, info.get("tokenizer_path", "") is not None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -215,18 +261,25 @@ class BackgroundServer:
 
 
 def _add_weight_routes(app: FastAPI, worker: EngineWorker, auth: Callable[..., None]) -> None:
+    """Weight updates run between engine steps with in-flight requests retracted (serve_worker)."""
+
+    async def update(fn: Callable[[RolloutEngine], Any]) -> Any:
+        with answers():
+            return await asyncio.to_thread(worker.control, fn, pause_mode="retract")
+
     @app.post("/update_weights_from_patch", dependencies=[Depends(auth)])
     async def update_weights_from_patch(request: Request) -> dict[str, Any]:
         patch = await _octets(request)
-        version = await _control(worker, lambda e: e.apply_patch(patch))
+        version = await update(lambda e: e.apply_patch(patch))
         return {"success": True, "weight_version": int(version)}
 
     @app.post("/update_weights_from_safetensors", dependencies=[Depends(auth)])
     async def update_weights_from_safetensors(request: Request, weight_version: int) -> dict[str, Any]:
         from safetensors.torch import load
 
+        _check_version(weight_version)
         state = _safetensors_or_400(load, await _octets(request))
-        await _control(worker, lambda e: e.update_weights(state, weight_version))
+        await update(lambda e: e.update_weights(state, weight_version))
         return {"success": True, "weight_version": weight_version, "tensors": len(state)}
 
     @app.post("/update_weights_from_disk", dependencies=[Depends(auth)])
@@ -234,12 +287,18 @@ def _add_weight_routes(app: FastAPI, worker: EngineWorker, auth: Callable[..., N
         body = await _json(request)
         if not isinstance(body, dict) or set(body) != {"model_path", "weight_version"}:
             raise ValueError('body must be {"model_path": str, "weight_version": int}')
-        path, version = Path(str(body["model_path"])), body["weight_version"]
-        if not isinstance(version, int):
-            raise ValueError(f"weight_version must be an int, got {version!r}")
-        state = await asyncio.to_thread(_read_safetensors_path, path)
-        await _control(worker, lambda e: e.update_weights(state, version))
+        path, version = body["model_path"], body["weight_version"]
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"model_path must be a non-empty string, got {path!r}")
+        _check_version(version)
+        state = await asyncio.to_thread(_read_safetensors_path, Path(path))
+        await update(lambda e: e.update_weights(state, version))
         return {"success": True, "weight_version": version, "tensors": len(state)}
+
+
+def _check_version(version: Any) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"weight_version must be an integer >= 0, got {version!r}")
 
 
 def _bearer_auth(token: str | None) -> Callable[..., None]:
@@ -281,17 +340,18 @@ def _read_safetensors_path(path: Path) -> dict[str, Any]:
     """Every tensor of a .safetensors file, or of all *.safetensors files in a directory."""
     from safetensors.torch import load_file
 
+    if not path.exists():
+        raise ValueError(f"model_path={str(path)!r}: no such file or directory on the server")
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
+    if not files:
         raise ValueError(f"model_path={str(path)!r}: no .safetensors file there")
     state: dict[str, Any] = {}
     for f in files:
-        state.update(load_file(f))
+        try:
+            state.update(load_file(f))
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(f"model_path={str(f)!r}: not a readable safetensors file ({exc})") from None
     return state
-
-
-async def _control(worker: EngineWorker, fn: Callable[[RolloutEngine], Any]) -> Any:
-    return await asyncio.wrap_future(await asyncio.to_thread(worker.control, fn))
 
 
 async def _await_or_cancel(request: Request, future: Future[Any], cancel: Callable[[], None]) -> Any:

@@ -33,6 +33,11 @@ from sparserl_mcore.sync.hashing import (
 )
 
 
+class PatchVersionError(PatchError):
+    """The patch was made against another base version than the receiver holds (a missed or
+    repeated sync): the receiver needs a full sync, not a retry of this patch."""
+
+
 def _flat_bits(tensor: torch.Tensor, name: str) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise PatchError(f"target tensor {name!r} is not contiguous; cannot patch it in place")
@@ -47,7 +52,7 @@ def check_target(
     """Everything that must hold before writing, against the receiver's HF `{name: (shape, dtype)}`:
     raises PatchError, touches nothing. Shared by the plain and the sharded receiver."""
     if not patch.full and patch.base_version != version:
-        raise PatchError(
+        raise PatchVersionError(
             f"patch {patch.version} is based on version {patch.base_version}, the receiver holds {version}"
         )
     numel = sum(math.prod(shape) for shape, _ in tensors.values())

@@ -99,7 +99,7 @@ class MetricsLogger:
         for sink in self._sinks:
             sink.write(step, record)
         if self.cfg.progress:
-            self.console.print(step_line(step, record), highlight=False, soft_wrap=False)
+            self.console.print(step_line(step, record), highlight=False, soft_wrap=True)
         return record
 
     def event(self, kind: str, fields: Mapping[str, Any]) -> None:
@@ -108,7 +108,7 @@ class MetricsLogger:
             return
         plain = {k: _plain(v) for k, v in fields.items()}
         self._jsonl.event(kind, plain)
-        self.console.print(f"[yellow]event[/] {kind}: {plain}")
+        self.console.print(f"[yellow]event[/] {kind}: {plain}", soft_wrap=True)
 
     def close(self) -> dict[str, Path]:
         """Close the sinks and draw the plot; returns the paths written."""

@@ -5,29 +5,51 @@ Layout of `<save_dir>/`:
     step_00000012/          megatron dist checkpoint (torch_dist) of model + optimizer, whose
                             common part holds the LR scheduler and the loop state (data position,
                             DGG window, synced weight version, ...)
-        rng_rank00003.pt    per-rank RNG streams (torch, CUDA, python, numpy, megatron tracker)
+        run.json            step, config, world size, the layout it was saved at, data position
+                            (`run_record`: read by the launcher before any rank starts)
+        rng_rank00003.safetensors   per-rank RNG streams (torch, CUDA, python, numpy, megatron
+                            tracker) as plain tensors + JSON metadata: nothing is unpickled
 A checkpoint is written under `.step_N.tmp/` by all ranks and renamed by rank 0 after a barrier,
 so a run killed mid-save leaves the previous checkpoint as `latest` (the stale temp dir is removed
-on the next save). Model and optimizer are saved through their `sharded_state_dict`, so a
-checkpoint taken at one TP/PP layout loads at another (the optimizer state included).
+on the next save). Model and optimizer are saved through their `sharded_state_dict` (the
+distributed optimizer as `fully_reshardable`: fp32 master weights and Adam moments in model
+space), so a checkpoint taken at one TP/PP/DP layout and params dtype loads at another; what
+cannot change is refused before loading (`run_layout.resume_problem`). At the same layout every
+rank gets its RNG streams back (a bit-identical continuation); at another they are re-seeded from
+(seed, step), since no rank of the new layout plays an old rank's role.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from sparserl_mcore.loss.lm_head_grad import leaf_optimizers
+from sparserl_mcore.parallel.runtime import seed_everything
 from sparserl_mcore.trainer.learner import unwrap_model
+from sparserl_mcore.trainer.run_layout import RunLayout
+from sparserl_mcore.trainer.run_record import (
+    LATEST,
+    check_resumable,
+    latest_checkpoint,
+    read_saved_run,
+    rng_file,
+    write_record,
+)
 
-LATEST = "latest"
+__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 _OPTIM_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -41,23 +63,37 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any, *, is_loading: bool) 
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def _rng_state() -> dict[str, Any]:
-    return {
+def _save_rng(path: Path) -> None:
+    """This rank's RNG streams as tensors (safetensors) and scalars (its JSON metadata)."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
+    tensors = {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "python": torch.tensor(py_state, dtype=torch.int64),
+        "numpy": torch.from_numpy(np_keys.astype(np.int64)),
     }
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+        tensors[f"tracker/{name}"] = state.cpu().contiguous()
+    meta = {"python": [py_version, py_gauss], "numpy": [np_name, int(np_pos), int(np_has_gauss), np_gauss]}
+    save_file(tensors, str(path), metadata={"scalars": json.dumps(meta)})
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+def _load_rng(path: Path) -> None:
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["scalars"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
+    py_version, py_gauss = meta["python"]
+    random.setstate((py_version, tuple(tensors["python"].tolist()), py_gauss))
+    np_name, np_pos, np_has_gauss, np_gauss = meta["numpy"]
+    np.random.set_state((np_name, tensors["numpy"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+    tracker = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("tracker/")}
+    tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
 
 
 def save_checkpoint(
@@ -68,9 +104,12 @@ def save_checkpoint(
     optimizer: Any,
     scheduler: Any,
     loop_state: dict[str, Any],
+    record: dict[str, Any],
     keep: int = 2,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final directory once it is complete."""
+    """Collective: every rank calls it. Returns the final directory once it is complete.
+
+    `record`: config, world_size, data and layout of `run_record.write_record` (rank 0 writes it)."""
     root = Path(root)
     rank = dist.get_rank()
     final, tmp = _step_dir(root, step), root / f".step_{step:08d}.tmp"
@@ -83,9 +122,10 @@ def save_checkpoint(
     state["scheduler"] = scheduler.state_dict()
     state["loop"] = dict(loop_state)
     dist_checkpointing.save(state, str(tmp))
-    torch.save(_rng_state(), tmp / f"rng_rank{rank:05d}.pt")
+    _save_rng(rng_file(tmp, rank))
     dist.barrier()
     if rank == 0:
+        write_record(tmp, step=step, **record)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         latest_tmp = root / f".{LATEST}.tmp"
@@ -104,26 +144,75 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under `root`, or None when there is none yet."""
-    marker = Path(root) / LATEST
-    if not marker.is_file():
-        return None
-    path = Path(root) / marker.read_text().strip()
-    if not (path / "metadata.json").is_file():
-        raise FileNotFoundError(f"{marker} names {path}, which is not a complete dist checkpoint")
-    return path
+def load_checkpoint(
+    path: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    layout: RunLayout,
+    seed: int,
+    pp_rank: int,
+) -> tuple[dict[str, Any], bool]:
+    """Collective: restore model, optimizer and scheduler (resharded to `layout` if it differs).
 
-
-def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
-    """Collective: restore model, optimizer, scheduler and this rank's RNG; return the loop state."""
+    Returns the loop state and whether each rank's RNG streams were restored (same layout);
+    otherwise they are re-seeded from (`seed`, saved step), identically on every rerun.
+    """
+    saved = read_saved_run(path)
+    problem = check_resumable(saved, layout)
+    if problem:
+        raise ValueError(problem)
     template = _sharded_state(model, optimizer, is_loading=True)
     state = dist_checkpointing.load(template, str(path))
     unwrap_model(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    rng_file = path / f"rng_rank{dist.get_rank():05d}.pt"
-    if not rng_file.is_file():
-        raise FileNotFoundError(f"{rng_file} missing: the checkpoint was written by a different world size")
-    _set_rng_state(torch.load(rng_file, weights_only=False))
-    return state["loop"]
+    if saved.layout is None or saved.layout.same_ranks(layout):
+        _load_rng(rng_file(path, dist.get_rank()))
+        return state["loop"], True
+    seed_everything(seed + int(state["loop"]["step"]), pp_rank=pp_rank)
+    return state["loop"], False
+
+
+def load_optimizer_state(optimizer: Any, state: Any) -> None:
+    """`optimizer.load_state_dict(state)`, around a megatron-core 0.16 bug without Apex/TE.
+
+    With torch's Adam every parameter's state holds a 'step' tensor, which megatron's
+    `DistributedOptimizer.load_state_dict` sets from the saved param groups and then expects among
+    the loaded per-parameter tensors, which never carry it (`_set_main_param_and_optimizer_states`:
+    KeyError 'step'); and it sets ONE tensor for all parameters, which torch's foreach Adam then
+    increments once per parameter per step (wrong bias correction after a resume). So the
+    parameter state is loaded here with the steps held aside, through megatron's own loader for
+    the saved sharding type, and every parameter gets its own step back; the rest is megatron's.
+    """
+    leaves = leaf_optimizers(optimizer)
+    parts = [state] if len(leaves) == 1 else [v for _, v in sorted(state.items())]
+    for leaf, part in zip(leaves, parts, strict=True):
+        if isinstance(leaf, DistributedOptimizer) and isinstance(leaf.optimizer, torch.optim.Adam):
+            _load_distributed_adam(leaf, dict(part))
+        else:
+            leaf.load_state_dict(part)
+    if len(leaves) > 1:
+        optimizer._synchronize_steps()
+
+
+def _load_distributed_adam(leaf: DistributedOptimizer, state: dict[str, Any]) -> None:
+    param_state, sharding = state.pop("param_state"), state.pop("param_state_sharding_type")
+    loaders = {
+        "fully_reshardable": leaf.load_parameter_state_from_fully_reshardable,
+        "fully_sharded_model_space": leaf.load_parameter_state_from_fs_model_space,
+        "dp_reshardable": leaf.load_parameter_state_from_dp_reshardable,
+    }
+    if sharding not in loaders:
+        raise ValueError(
+            f"distributed optimizer state saved as {sharding!r}; this code loads {sorted(loaders)}"
+        )
+    leaf.load_state_dict(state)  # param groups (lr, step, ...); allocates the per-parameter state
+    per_param = leaf.optimizer.state
+    steps = {p: st.pop("step") for p, st in per_param.items() if "step" in st}
+    try:
+        loaders[sharding](param_state)
+    finally:
+        for p, step in steps.items():
+            per_param[p]["step"] = step.clone()

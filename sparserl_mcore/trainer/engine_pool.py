@@ -82,6 +82,13 @@ class EnginePool:
             self.dead[name] = reason
             self._on_event("engine_removed", {"engine": name, "reason": reason, "live": len(self.live)})
 
+    def close(self) -> None:
+        """Close every engine that holds resources (HTTP clients); the pool is done with."""
+        for engine in (*self.live.values(),):
+            close = getattr(engine, "close", None)
+            if callable(close):
+                close()
+
     def for_each(self, fn: Callable[[Any], Any], what: str) -> dict[str, Any]:
         """Call `fn(engine)` on every live engine; an engine that raises leaves the pool."""
         results = {}

@@ -1,6 +1,7 @@
 """pass@1 on the held-out split under compressed KV (the rollout engines) and dense KV.
 
-Collective: the host rank generates and scores, the numbers are broadcast to every rank.
+Collective over the learner group: the host rank generates and scores, the numbers are broadcast
+to every learner rank.
 """
 
 from __future__ import annotations
@@ -16,8 +17,18 @@ from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, RewardFn, make_re
 
 
 class Evaluator:
-    def __init__(self, cfg: Any, prompts: list[Prompt], reward_fn: RewardFn, rollout: Any, *, seed: int):
+    def __init__(
+        self,
+        cfg: Any,
+        prompts: list[Prompt],
+        reward_fn: RewardFn,
+        rollout: Any,
+        *,
+        seed: int,
+        group: dist.ProcessGroup,
+    ):
         self.cfg, self.prompts, self.reward_fn, self.seed = cfg, prompts, reward_fn, seed
+        self.group = group  # the learner ranks (`Runtime.learner_group`); the host rank is one of them
         self.sampling: SamplingParams = dataclasses.replace(rollout.sampling, temperature=cfg.temperature)
 
     def _pass_at_1(self, pool: EnginePool) -> float:
@@ -34,5 +45,5 @@ class Evaluator:
                 out[0]["eval/pass1_compressed"] = self._pass_at_1(compressed)
             if self.cfg.dense and dense is not None:
                 out[0]["eval/pass1_dense"] = self._pass_at_1(dense)
-        dist.broadcast_object_list(out, src=HOST_RANK)
+        dist.broadcast_object_list(out, src=HOST_RANK, group=self.group)
         return out[0]

@@ -2,8 +2,8 @@
 
 The algorithm lives in `sparserl_mcore.loss` (forward-only log-probs, the K-epoch update with
 DGG); this module only assembles the megatron objects those functions take and that the
-checkpoint saves. On CPU the optimizer is plain fp32 Adam; on GPU bf16 params with fp32 master
-weights and the distributed optimizer (megatron's standard mixed precision).
+checkpoint saves. Parameters are fp32 or bf16 as configured, on CPU as on GPU; Adam keeps fp32
+master weights, sharded over DP by megatron's distributed optimizer (the default) or replicated.
 """
 
 from __future__ import annotations
@@ -19,32 +19,50 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 import model_providers
 from sparserl_mcore.config import OptimizerConfig
+from sparserl_mcore.loss.lm_head_grad import leaf_optimizers
 from sparserl_mcore.parallel.runtime import Runtime
+
+PARAMS_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # run config name -> build_spec name
 
 
 def build_model(
-    hf_path: str, params_dtype: str, runtime: Runtime
+    hf_path: str, params_dtype: str, runtime: Runtime, *, padded_vocab_size: int | None = None
 ) -> tuple[model_providers.ModelSpec, torch.nn.Module]:
-    """This rank's GPTModel stage (random weights; the caller loads the HF checkpoint into it)."""
-    dtype = "float32" if runtime.cpu or params_dtype == "fp32" else "bfloat16"
-    spec = model_providers.build_spec(hf_path, runtime.parallel, params_dtype=dtype, cpu=runtime.cpu)
+    """This rank's GPTModel stage on the runtime's device, parameters in `params_dtype` ("fp32" or
+    "bf16", on CPU as on GPU), random weights: the caller loads the HF checkpoint into it.
+    `padded_vocab_size`: keep a checkpoint's padded vocabulary (a resume at another TP size)."""
+    tp = runtime.parallel.tensor_model_parallel_size
+    spec = model_providers.build_spec(
+        hf_path,
+        runtime.parallel,
+        params_dtype=PARAMS_DTYPES[params_dtype],
+        cpu=runtime.cpu,
+        vocab_multiple=padded_vocab_size // tp if padded_vocab_size else 128,
+    )
+    if padded_vocab_size and spec.padded_vocab_size != padded_vocab_size:
+        raise ValueError(
+            f"padded vocabulary {padded_vocab_size} cannot hold {hf_path}'s vocabulary "
+            f"{spec.vocab_size} at TP={tp}"
+        )
     model = model_providers.build_model(
         spec,
+        device=runtime.device,
         pre_process=runtime.is_first_stage,
         post_process=runtime.is_last_stage,
         pg_collection=runtime.groups,
     )
-    return spec, model.to(runtime.device)
+    return spec, model
 
 
 def wrap_ddp(
-    model: torch.nn.Module, spec: model_providers.ModelSpec, runtime: Runtime
+    model: torch.nn.Module, spec: model_providers.ModelSpec, runtime: Runtime, *, distributed_optimizer: bool
 ) -> DistributedDataParallel:
-    """Megatron DDP: contiguous fp32 grad buffers, reduced over DP after the last micro-batch."""
+    """Megatron DDP: contiguous fp32 grad buffers, reduced over DP after the last micro-batch
+    (reduce-scattered to the owning ranks with the distributed optimizer)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=not runtime.cpu,
+        use_distributed_optimizer=distributed_optimizer,
         check_for_nan_in_grad=False,  # the trainer skips non-finite updates itself, and logs them
     )
     return DistributedDataParallel(spec.config, ddp_config, model, pg_collection=runtime.groups)
@@ -62,7 +80,10 @@ class NonFiniteGradGuard:
 
     Megatron reports non-finite gradients only through the fp16 loss scaler; with fp32 or bf16
     training its `prepare_grads` always says "fine" and the step would write NaN into the weights.
-    Here every rank checks its gradients and the verdict is OR-ed over the whole job, so the update
+    Here every rank checks its gradients and the verdict is OR-ed over the optimizer's
+    grad-statistics group (megatron's own group for found-inf and the grad norm: the model-parallel
+    group, or every rank of the distributed optimizer, whose ranks each hold a shard of the
+    gradients; data-parallel replicas without it hold the same reduced gradients), so the update
     step (`sparserl_mcore.loss.megatron_step`) skips the step on every rank alike: no weight, LR or
     DGG state changes. Everything else is the wrapped optimizer's.
     """
@@ -79,8 +100,33 @@ class NonFiniteGradGuard:
         bad = any(not torch.isfinite(g).all() for opt in leaves for g in opt.get_main_grads_for_grad_norm())
         device = "cuda" if torch.cuda.is_available() else "cpu"
         flag = torch.tensor([1.0 if (found_inf or bad) else 0.0], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        group = self.optimizer_.get_grad_stats_parallel_group()
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
+
+
+def init_adam_state(optimizer) -> None:
+    """Give every parameter of megatron's inner torch Adam the state its first step would create
+    (step 0, zero moments): numerically a fresh optimizer.
+
+    Without Apex/TE, megatron's `DistributedOptimizer.state_dict` reads one common 'step' from the
+    per-parameter state (`assert len(steps) == 1`), and `sharded_state_dict(is_loading=True)` calls
+    it first: a fresh optimizer (empty state) could neither resume nor save before its first update.
+    """
+    for leaf in leaf_optimizers(optimizer):
+        inner = getattr(leaf, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam; TE/Apex keep no 'step'
+            continue
+        for group in inner.param_groups:
+            on_param_device = group.get("capturable") or group.get("fused")
+            for p in group["params"]:
+                if not inner.state[p]:  # as torch.optim.Adam._init_group creates it
+                    step_device = p.device if on_param_device else torch.device("cpu")
+                    inner.state[p] = {
+                        "step": torch.zeros((), dtype=torch.float32, device=step_device),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
 
 
 def build_optimizer(
@@ -99,11 +145,13 @@ def build_optimizer(
         clip_grad=cfg.clip_grad,  # on CPU too: parallel/cpu_mode.py makes megatron's clip run there
         bf16=bf16,
         params_dtype=spec.params_dtype,
-        use_distributed_optimizer=not runtime.cpu,
+        use_distributed_optimizer=cfg.distributed,
     )
-    optimizer = NonFiniteGradGuard(
-        get_megatron_optimizer(opt_cfg, [model], use_gloo_process_groups=False, pg_collection=runtime.groups)
+    megatron_optimizer = get_megatron_optimizer(
+        opt_cfg, [model], use_gloo_process_groups=False, pg_collection=runtime.groups
     )
+    init_adam_state(megatron_optimizer)
+    optimizer = NonFiniteGradGuard(megatron_optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr,

@@ -4,6 +4,9 @@
     -> dense pi_old (+ pi_ref) recompute -> up to K update epochs with DGG -> sparse weight sync
     -> periodic eval (dense and compressed KV) -> metrics -> checkpoint
 
+Before each step the ranks agree whether a stop signal (SIGUSR1 ahead of a Slurm time limit,
+SIGTERM) arrived anywhere; if so they checkpoint and end cleanly (trainer/preemption.py).
+
 Collective discipline: every rank walks the same steps in the same order; whatever only the host
 rank knows (samples, rewards, engine failures, eval scores) reaches the others by broadcast.
 """
@@ -19,13 +22,17 @@ from typing import Any
 import torch
 
 from sparserl_mcore import parallel
-from sparserl_mcore.config import RunConfig
+from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.telemetry import RunProgress
-from sparserl_mcore.trainer import checkpoint
+from sparserl_mcore.trainer import checkpoint, run_layout
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
+from sparserl_mcore.trainer.preemption import StopRequest
 from sparserl_mcore.trainer.rollouts import generate_and_score
+from sparserl_mcore.trainer.run_layout import RunLayout
+from sparserl_mcore.trainer.run_record import read_saved_run
+from sparserl_mcore.trainer.setup import Parts, build_parts, resume_checkpoint
 
 EXIT_OK, EXIT_NO_ENGINE = 0, 3
 
@@ -44,6 +51,8 @@ class LoopState:
 
 @dataclasses.dataclass(frozen=True)
 class RunSummary:
+    """How a run ended; `report()` is what the host rank prints last."""
+
     exit_code: int
     steps: int
     metrics_path: Path | None = None
@@ -51,26 +60,61 @@ class RunSummary:
     checkpoint_path: Path | None = None
     hf_path: Path | None = None
     message: str = ""
+    first_step: int = 0  # the step this run started from (> 0 when it resumed)
+    seconds: float = 0.0
+    rewards: tuple[float, float] | None = None  # mean reward of this run's first and last step
+
+    def report(self) -> list[str]:
+        """A short summary and the paths a user looks at next (those this run wrote)."""
+        head = "done" if self.exit_code == EXIT_OK else f"stopped (exit code {self.exit_code})"
+        line = f"{head}: steps {self.first_step} -> {self.steps} in {_duration(self.seconds)}"
+        if self.rewards is not None:
+            line += f", reward {self.rewards[0]:.3f} -> {self.rewards[1]:.3f}"
+        paths = {
+            "metrics": self.metrics_path,
+            "plot": self.plot_path,
+            "checkpoint": self.checkpoint_path,
+            "HF export": self.hf_path,
+        }
+        return [line] + [f"  {name + ':':<12}{path}" for name, path in paths.items() if path is not None]
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
 
 
 def train(cfg: RunConfig) -> RunSummary:
-    """Initialise this rank, run the loop, tear down (also on error)."""
+    """Initialise this rank, run the loop, tear down (also on error): engines closed, process
+    groups destroyed, so nothing the run started outlives it."""
     runtime = parallel.initialize(cfg.parallel, seed=cfg.train.seed)
     try:
-        from sparserl_mcore.trainer.setup import build_trainer
-
-        return build_trainer(cfg, runtime).fit()
+        resume_from = resume_checkpoint(cfg)
+        parts = build_parts(cfg, runtime, resume_from=resume_from)
+        layout = run_layout.requested_layout(cfg, runtime.world_size, parts.learner.spec.padded_vocab_size)
+        trainer = Trainer(cfg, runtime, parts, layout=layout, resume_from=resume_from)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
     finally:
         parallel.shutdown()
 
 
 class Trainer:
-    """Holds the parts built by `setup.build_trainer`; `fit` drives them step by step."""
+    """Holds the parts built by `setup.build_parts`; `fit` drives them step by step."""
 
-    def __init__(self, cfg: RunConfig, runtime: Any, parts: Any):
+    def __init__(
+        self, cfg: RunConfig, runtime: Any, parts: Parts, *, layout: RunLayout, resume_from: Path | None
+    ):
         self.cfg, self.runtime, self.parts = cfg, runtime, parts
+        self.layout, self.resume_from = layout, resume_from  # this run's layout; checkpoint or None
         self.state = LoopState()
         self._weights_changed = False  # an update was applied since the last sync
+        self._started = time.monotonic()
+        self._first_step = 0
+        self._rewards: list[float] = []  # mean reward of this run's first and latest step
+        self._saved_step = -1  # step of the last checkpoint this process wrote
 
     # -- the run -------------------------------------------------------------------------------
     def fit(self) -> RunSummary:
@@ -82,16 +126,21 @@ class Trainer:
             self.progress = bars
             if p.pool is not None:
                 p.pool.on_chunk_done = bars.advance_rollouts
-            return self._fit()
+            with StopRequest() as stop:
+                return self._fit(stop)
 
-    def _fit(self) -> RunSummary:
+    def _fit(self, stop: StopRequest) -> RunSummary:
         self.resume()
+        self._first_step = self.state.step
         self.progress.step_done(self.state.step)
         p = self.parts
         if self.cfg.eval.at_start and self.state.step == 0:
-            p.telemetry.log(self.evaluate(), step=0)
+            self._log_eval()
         try:
             while self.state.step < self.cfg.train.steps:
+                signum = stop.agreed(self.runtime.device)  # collective, at every step boundary
+                if signum is not None:
+                    return self._stopped(signum.name)
                 self.step()
                 if self._checkpoint_due():
                     self.save()
@@ -100,7 +149,7 @@ class Trainer:
             p.telemetry.event("stopped", {"reason": str(exc), "checkpoint": str(ckpt)})
             return self._summary(EXIT_NO_ENGINE, ckpt, message=f"no rollout engine left: {exc}")
         if self.cfg.eval.every == 0 or self.state.step % self.cfg.eval.every:
-            p.telemetry.log(self.evaluate(), step=self.state.step)
+            self._log_eval()
         ckpt = self.save() if self.cfg.checkpoint.dir else None
         hf = None
         if self.cfg.checkpoint.save_hf:
@@ -112,7 +161,7 @@ class Trainer:
     def step(self) -> None:
         """One RL step, as a list of named steps."""
         cfg, p, step = self.cfg, self.parts, self.state.step + 1
-        timer = _Timer()
+        timer, started = _Timer(), time.perf_counter()
         prompts = p.data.next_prompts(cfg.train.prompts_per_step)
         self.progress.rollouts(len(prompts) * cfg.rollout.group_size)
         with timer("rollout"):
@@ -124,6 +173,7 @@ class Trainer:
                 sampling=cfg.rollout.sampling,
                 run_seed=cfg.train.seed,
                 reward_fn=p.reward_fn,
+                group=self.runtime.learner_group,
             )
         batch = build_batch(
             samples,
@@ -149,8 +199,16 @@ class Trainer:
                 metrics.update(self.evaluate())
         self.state.step, self.state.rollouts = step, self.state.rollouts + len(samples)
         metrics.update(timer.metrics(), **{"train/rollouts": self.state.rollouts})
+        metrics["time/step_s"] = time.perf_counter() - started
         p.telemetry.log(metrics, step=step)
+        self._rewards[1:] = [metrics["rollout/reward_mean"]]
         self.progress.step_done(step, info=f"reward {metrics['rollout/reward_mean']:.3f}")
+
+    def close(self) -> None:
+        """Release the engines (HTTP clients); the telemetry closes with the run's summary."""
+        for pool in (self.parts.pool, self.parts.dense_pool):
+            if pool is not None:
+                pool.close()
 
     # -- pieces ---------------------------------------------------------------------------------
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -158,6 +216,12 @@ class Trainer:
         metrics = p.syncer.sync([p.pool, p.dense_pool], version=version)
         self.state.sync_version, self._weights_changed = version, False
         return metrics
+
+    def _log_eval(self) -> None:
+        """An eval row at the current step, if an eval is configured (no empty rows)."""
+        metrics = self.evaluate()
+        if metrics:
+            self.parts.telemetry.log(metrics, step=self.state.step)
 
     def evaluate(self) -> dict[str, float]:
         self.progress.phase("eval")
@@ -218,6 +282,16 @@ class Trainer:
             "train/skipped_nonfinite": float(skipped),
         }
 
+    def _stopped(self, reason: str) -> RunSummary:
+        """A stop signal was agreed: checkpoint this step (unless just saved) and end cleanly."""
+        step, ckpt_dir = self.state.step, self.cfg.checkpoint.dir
+        ckpt = None
+        if ckpt_dir:
+            ckpt = self.save() if self._saved_step != step else checkpoint.latest_checkpoint(ckpt_dir)
+        self.parts.telemetry.event("stopped", {"reason": reason, "step": step, "checkpoint": str(ckpt)})
+        then = "rerun the same command to resume" if ckpt else "no checkpoint.dir: nothing saved"
+        return self._summary(EXIT_OK, ckpt, message=f"stopped by {reason} after step {step}; {then}")
+
     def _checkpoint_due(self) -> bool:
         every = self.cfg.checkpoint.every
         return bool(every) and self.state.step % every == 0 and self.state.step < self.cfg.train.steps
@@ -230,6 +304,13 @@ class Trainer:
             self.sync_weights(self.state.step)
         self.state.data = p.data.state_dict()
         self.state.dgg = p.learner.dgg_state()
+        record = {
+            "config": to_dict(self.cfg),
+            "world_size": self.runtime.world_size,
+            "data": self.state.data,
+            "layout": self.layout,
+        }
+        self._saved_step = self.state.step
         return checkpoint.save_checkpoint(
             self.cfg.checkpoint.dir,
             self.state.step,
@@ -237,21 +318,37 @@ class Trainer:
             optimizer=p.learner.optimizer,
             scheduler=p.learner.scheduler,
             loop_state=dataclasses.asdict(self.state),
+            record=record,
             keep=self.cfg.checkpoint.keep_last,
         )
 
     def resume(self) -> None:
         """Continue from the latest checkpoint (if any), then bring every engine to these weights."""
-        p, ckpt_cfg = self.parts, self.cfg.checkpoint
-        path = checkpoint.latest_checkpoint(ckpt_cfg.dir) if ckpt_cfg.dir and ckpt_cfg.resume else None
+        p, path = self.parts, self.resume_from
         if path is not None:
-            loop = checkpoint.load_checkpoint(
-                path, model=p.learner.model, optimizer=p.learner.optimizer, scheduler=p.learner.scheduler
+            loop, same_layout = checkpoint.load_checkpoint(
+                path,
+                model=p.learner.model,
+                optimizer=p.learner.optimizer,
+                scheduler=p.learner.scheduler,
+                layout=self.layout,
+                seed=self.cfg.train.seed,
+                pp_rank=self.runtime.pp_rank,
             )
             self.state = LoopState(**loop)
             p.data.load_state_dict(self.state.data)
             p.learner.load_dgg_state(self.state.dgg)
-            p.telemetry.event("resumed", {"checkpoint": str(path), "step": self.state.step})
+            saved = read_saved_run(path).layout
+            p.telemetry.event(
+                "resumed",
+                {
+                    "checkpoint": str(path),
+                    "step": self.state.step,
+                    "saved_layout": saved.describe() if saved else "unrecorded",
+                    "layout": self.layout.describe(),
+                    "rng": "restored" if same_layout else "re-seeded (new layout)",
+                },
+            )
         p.syncer.full_sync([p.pool, p.dense_pool], version=self.state.sync_version)
 
     def _summary(
@@ -266,6 +363,9 @@ class Trainer:
             checkpoint_path=ckpt,
             hf_path=hf,
             message=message,
+            first_step=self._first_step,
+            seconds=time.monotonic() - self._started,
+            rewards=(self._rewards[0], self._rewards[-1]) if self._rewards else None,
         )
 
 

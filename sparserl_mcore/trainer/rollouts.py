@@ -65,9 +65,10 @@ def generate_and_score(
     sampling: SamplingParams,
     run_seed: int,
     reward_fn: RewardFn,
-    group: Any = None,
+    group: dist.ProcessGroup,
 ) -> tuple[list[Sample], list[float]]:
-    """Collective over `group`: the host generates and scores, everyone receives the result.
+    """Collective over `group` (the learner ranks, host included): the host generates and scores,
+    everyone receives the result.
 
     An engine failure on the host (e.g. `NoEngineLeftError`) is broadcast too, so every rank
     raises the same error instead of waiting forever for samples that will not come.

@@ -1,4 +1,5 @@
-"""Assemble a `Trainer` from a `RunConfig`: the learner on every rank, engines on the host rank.
+"""Build the parts a `loop.Trainer` drives from a `RunConfig`: the learner on every rank, engines
+on the host rank.
 
 Config translation lives here (the run schema -> each component's own small config), so the
 components never see the run schema.
@@ -8,14 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from sparserl_mcore.ckpt.hf_io import copy_hf_metadata, export_hf_weights, load_hf_weights, write_index
+from sparserl_mcore.ckpt.convert import save_hf
+from sparserl_mcore.ckpt.hf_io import load_hf_weights
 from sparserl_mcore.ckpt.layout import layout_for
 from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
@@ -26,9 +27,9 @@ from sparserl_mcore.trainer import learner as learner_lib
 from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
 from sparserl_mcore.trainer.evaluate import Evaluator
 from sparserl_mcore.trainer.learner import unwrap_model
-from sparserl_mcore.trainer.loop import Trainer
 from sparserl_mcore.trainer.prompts import PromptData
 from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt
+from sparserl_mcore.trainer.run_record import latest_checkpoint, read_saved_run
 from sparserl_mcore.trainer.weight_sync import WeightSyncer
 
 
@@ -63,39 +64,19 @@ class Learner:
             self.gate.load_state_dict(state)
 
     def export_hf(self, out: str, *, runtime: Any, source_dir: str) -> Path:
-        """Collective: the policy as HF safetensors (+ config/tokenizer of `source_dir`), written
-        under a temp name and renamed by rank 0 once every stage has written its files."""
-        out_path = Path(out)
-        tmp = out_path.parent / f".{out_path.name}.tmp"
-        if runtime.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        core = unwrap_model(self.model)
-        weight_map = export_hf_weights(
-            core,
-            self.layout,
-            tmp,
-            tp_rank=runtime.tp_rank,
-            pp_rank=runtime.pp_rank,
-            tp_group=runtime.groups.tp,
-        )
-        maps = [None] * runtime.world_size if runtime.rank == 0 else None
-        dist.gather_object(weight_map, maps, dst=0)
-        if runtime.rank == 0:
-            write_index(tmp, [m for m in maps if m])
-            copy_hf_metadata(source_dir, tmp)
-            shutil.rmtree(out_path, ignore_errors=True)
-            tmp.rename(out_path)
-        dist.barrier()
-        return out_path
+        """Collective: the policy as HF safetensors in its params dtype (+ config/tokenizer of
+        `source_dir`), replacing `out` atomically (`ckpt.convert.save_hf`)."""
+        return save_hf(unwrap_model(self.model), self.spec, runtime, out, hf_config_dir=source_dir)
 
 
-def build_learner(cfg: RunConfig, runtime: Any) -> Learner:
-    spec, model = learner_lib.build_model(cfg.model.hf_path, cfg.model.params_dtype, runtime)
+def build_learner(cfg: RunConfig, runtime: Any, *, padded_vocab_size: int | None = None) -> Learner:
+    """The policy loaded from the HF checkpoint; `padded_vocab_size`: a checkpoint's, when resuming."""
+    spec, model = learner_lib.build_model(
+        cfg.model.hf_path, cfg.model.params_dtype, runtime, padded_vocab_size=padded_vocab_size
+    )
     layout = layout_for(spec)
     load_hf_weights(model, layout, cfg.model.hf_path, tp_rank=runtime.tp_rank, pp_rank=runtime.pp_rank)
-    ddp = learner_lib.wrap_ddp(model, spec, runtime)
+    ddp = learner_lib.wrap_ddp(model, spec, runtime, distributed_optimizer=cfg.optimizer.distributed)
     optimizer, scheduler = learner_lib.build_optimizer(ddp, cfg.optimizer, spec, runtime)
     return Learner(
         model=ddp,
@@ -119,8 +100,9 @@ def build_reference(cfg: RunConfig, runtime: Any) -> torch.nn.Module | None:
     return model
 
 
-def build_engines(cfg: RunConfig, *, compressed: bool) -> dict[str, Any]:
-    """Host rank only: the rollout engines (compressed KV as configured) or a dense eval engine."""
+def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str, Any]:
+    """Host rank only: the rollout engines (compressed KV as configured) or a dense eval engine;
+    an embedded engine lives on `device`, the host rank's own (its learner's GPU on a GPU node)."""
     rc = cfg.rollout
     if rc.engine == "remote" and compressed:
         from sparserl_mcore.rollout.client import RemoteEngine
@@ -132,7 +114,8 @@ def build_engines(cfg: RunConfig, *, compressed: bool) -> dict[str, Any]:
 
     kv = rc.kv if compressed else KVCompressionConfig(method="none")
     name = "embedded" if compressed else "embedded-dense"
-    return {name: EmbeddedEngine(cfg.model.hf_path, EngineConfig(kv_compression=kv, seed=cfg.train.seed))}
+    engine_cfg = EngineConfig(device=str(device), kv_compression=kv, seed=cfg.train.seed)
+    return {name: EmbeddedEngine(cfg.model.hf_path, engine_cfg)}
 
 
 @dataclasses.dataclass
@@ -157,7 +140,9 @@ def kv_bytes_per_token(spec: Any, runtime: Any) -> int:
     return 2 * spec.hf.num_layers * spec.hf.num_kv_heads * spec.hf.head_dim * element
 
 
-def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
+def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None) -> Parts:
+    """Every part of a run on this rank; `resume_from`: the checkpoint it continues (its padded
+    vocabulary is kept)."""
     host = runtime.rank == HOST_RANK
     log = MetricsLogger(cfg.telemetry, enabled=host, run_config=to_dict(cfg), device_index=runtime.local_rank)
     pool_cfg = PoolConfig(
@@ -165,17 +150,19 @@ def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
         chunk_timeout_s=cfg.rollout.request_timeout_s,
         max_attempts=cfg.rollout.max_retries + 1,
     )
-    pool = EnginePool(build_engines(cfg, compressed=True), pool_cfg, log.event) if host else None
+    engines = partial(build_engines, cfg, device=runtime.device)
+    pool = EnginePool(engines(compressed=True), pool_cfg, log.event) if host else None
     dense_pool = None
     if host and cfg.eval.dense:
-        dense_pool = EnginePool(build_engines(cfg, compressed=False), pool_cfg, log.event)
+        dense_pool = EnginePool(engines(compressed=False), pool_cfg, log.event)
     data = PromptData(cfg.data, cfg.model.hf_path, seed=cfg.train.seed)
     reward = build_reward(cfg.reward.name, cfg.reward.kwargs)
 
     def reward_fn(sample: Any, prompt: Prompt) -> float:
         return float(reward(data.decode(sample.output_ids), prompt.answer))
 
-    learner = build_learner(cfg, runtime)
+    saved = read_saved_run(resume_from).layout if resume_from else None
+    learner = build_learner(cfg, runtime, padded_vocab_size=saved.padded_vocab_size if saved else None)
     syncer = WeightSyncer(
         learner.model,
         learner.layout,
@@ -184,9 +171,14 @@ def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
         log.event,
     )
     evaluator = Evaluator(
-        cfg.eval, data.eval_prompts(cfg.eval.num_prompts), reward_fn, cfg.rollout, seed=cfg.train.seed
+        cfg.eval,
+        data.eval_prompts(cfg.eval.num_prompts),
+        reward_fn,
+        cfg.rollout,
+        seed=cfg.train.seed,
+        group=runtime.learner_group,
     )
-    parts = Parts(
+    return Parts(
         learner=learner,
         ref=build_reference(cfg, runtime),
         pool=pool,
@@ -198,4 +190,9 @@ def build_trainer(cfg: RunConfig, runtime: Any) -> Trainer:
         telemetry=log,
         kv_bytes_per_token=kv_bytes_per_token(learner.spec, runtime),
     )
-    return Trainer(cfg, runtime, parts)
+
+
+def resume_checkpoint(cfg: RunConfig) -> Path | None:
+    """The checkpoint this run continues from, if any (checkpoint.dir with resume on)."""
+    ckpt = cfg.checkpoint
+    return latest_checkpoint(ckpt.dir) if ckpt.dir and ckpt.resume else None

@@ -73,7 +73,8 @@ class WeightSyncer:
             groups=self._groups,
             owned=owned,
             version=version,
-            config=ShardSyncConfig(codec=self.codec),
+            # the snapshot lives where the weights do: on a GPU only changed pairs leave the device
+            config=ShardSyncConfig(codec=self.codec, snapshot="host" if rt.cpu else "device"),
         )
 
     def full_sync(self, pools: list[EnginePool | None], *, version: int) -> None:

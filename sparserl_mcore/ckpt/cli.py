@@ -2,10 +2,10 @@
 
     sparserl convert hf-to-mcore --hf-dir H --out M [--tp T --pp P]
     sparserl convert mcore-to-hf --mcore-dir M --out H2 [--hf-config-dir H] [--tp T --pp P]
-    sparserl convert verify ...            (tools/verify.py: megatron vs HF transformers logits)
+    sparserl convert verify ...            (ckpt/verify_cli.py: megatron vs HF transformers logits)
 
 Conversions check the input in this process first (config, TP/PP, tensor names and shapes: errors
-name the tensor or field), then run TP*PP ranks with torchrun (`launchers.convert`) writing into a
+name the tensor or field), then run TP*PP ranks with torchrun (`sparserl_mcore.launch.convert`) writing into a
 temp directory beside `--out`, renamed only when every rank succeeded.
 """
 
@@ -37,24 +37,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
         p.add_argument("--timeout", type=float, default=None, help="seconds before the ranks are killed")
     verify = sub.add_parser("verify", help="compare megatron logits with HF transformers")
-    importlib.import_module("tools.verify").add_arguments(verify)  # cheap: no torch at import time
+    importlib.import_module("sparserl_mcore.ckpt.verify_cli").add_arguments(
+        verify
+    )  # cheap: no torch at import time
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "verify":
-        return int(importlib.import_module("tools.verify").run(args) or 0)
-    from sparserl_mcore.ckpt.hf_io import CheckpointError
-    from sparserl_mcore.parallel.launch import LaunchError
+        return int(importlib.import_module("sparserl_mcore.ckpt.verify_cli").run(args) or 0)
+    from sparserl_mcore.parallel.launch import RanksFailed
 
     try:
         argv, nproc = _prepare(args)
-        _launch(argv, nproc, args)
-    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except LaunchError as exc:
-        print(f"error: conversion ranks failed; nothing was written to {args.out}\n{exc}", file=sys.stderr)
-        return 1
+    try:
+        _launch(argv, nproc, args)
+    except RanksFailed as exc:
+        print(f"error: the conversion ranks failed; nothing was written to {args.out}", file=sys.stderr)
+        print(str(exc), file=sys.stderr)
+        return exc.result.returncode
     print(f"wrote {args.out}")
     return 0
 
@@ -62,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> tuple[list[str], int]:
     """Validate everything that can be checked without ranks; return the launcher argv and nproc."""
     from sparserl_mcore.ckpt.atomic import check_output_dir
+    from sparserl_mcore.ckpt.preflight import check_mcore_checkpoint
 
     check_output_dir(args.out, overwrite=args.overwrite)
     if args.dtype not in (None, "float32", "bfloat16"):
@@ -71,7 +75,7 @@ def _prepare(args: argparse.Namespace) -> tuple[list[str], int]:
         preflight_hf(args.hf_dir, tp, pp, args.dtype)
         argv = ["hf-to-mcore", "--hf-dir", str(args.hf_dir)]
     else:
-        tp, pp = preflight_mcore(args.mcore_dir, args.tp, args.pp, args.hf_config_dir)
+        tp, pp = check_mcore_checkpoint(args.mcore_dir, args.tp, args.pp, args.hf_config_dir)
         argv = ["mcore-to-hf", "--mcore-dir", str(args.mcore_dir)]
         argv += ["--max-shard-bytes", str(parse_size(args.max_shard_size))]
         if args.hf_config_dir:
@@ -83,57 +87,32 @@ def _prepare(args: argparse.Namespace) -> tuple[list[str], int]:
 
 
 def _launch(argv: list[str], nproc: int, args: argparse.Namespace) -> None:
-    from sparserl_mcore.ckpt.atomic import atomic_output_dir
-    from sparserl_mcore.parallel.launch import launch_local
+    """The ranks write into a temp dir beside --out (renamed on success); their logs go to a temp
+    dir that is kept, and named, when they fail."""
+    import shutil
+    import tempfile
 
+    from sparserl_mcore.ckpt.atomic import atomic_output_dir
+    from sparserl_mcore.parallel.launch import RanksFailed, run_ranks
+
+    logs = tempfile.mkdtemp(prefix="sparserl-convert-logs-")
     with atomic_output_dir(args.out, overwrite=args.overwrite) as tmp:
-        launch_local(["-m", "launchers.convert", *argv, "--out", str(tmp)], nproc, timeout=args.timeout)
+        argv = ["-m", "sparserl_mcore.launch.convert", *argv, "--out", str(tmp)]
+        result = run_ranks(argv, nproc, log_dir=logs, timeout=args.timeout)
+        if result.returncode:
+            raise RanksFailed(result)
+    shutil.rmtree(logs, ignore_errors=True)
 
 
 def preflight_hf(hf_dir: str | pathlib.Path, tp: int, pp: int, dtype: str | None = None) -> None:
-    """Config supported, TP/PP possible, a dtype megatron can train in, every tensor present with
-    the right shape (headers only)."""
-    from model_providers.hf_config import parse_hf_config
+    """`check_hf_checkpoint` at (tp, pp), and a dtype megatron can train in."""
     from sparserl_mcore.ckpt.hf_io import HFCheckpoint
-    from sparserl_mcore.ckpt.layout import ModelLayout
-    from sparserl_mcore.parallel.config import ParallelConfig
+    from sparserl_mcore.ckpt.preflight import check_hf_checkpoint
 
-    hf = parse_hf_config(hf_dir)
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    parallel.validate_model(num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads)
-    ckpt = HFCheckpoint(hf_dir)
-    if (dtype or ckpt.config_dtype() or "float32") not in ("float32", "bfloat16"):
-        raise ValueError(
-            f"{hf_dir} stores dtype {ckpt.config_dtype()!r}; convert with --dtype float32 or bfloat16"
-        )
-    step = 128 * tp  # any padded size passes the name/shape check; the ranks use build_spec's
-    ckpt.check(ModelLayout(hf, tp_size=tp, pp_size=pp, padded_vocab_size=-(-hf.vocab_size // step) * step))
-
-
-def preflight_mcore(
-    mcore_dir: str | pathlib.Path, tp: int | None, pp: int | None, hf_config_dir: str | None
-) -> tuple[int, int]:
-    """Readable metadata, a layout the model allows, and a matching --hf-config-dir; returns (tp, pp)."""
-    from model_providers.hf_config import parse_hf_config
-    from sparserl_mcore.ckpt.dist_ckpt import HF_SUBDIR, McoreCheckpointMeta
-    from sparserl_mcore.parallel.config import ParallelConfig
-
-    meta = McoreCheckpointMeta.read(mcore_dir)
-    tp, pp = tp or meta.tensor_model_parallel_size, pp or meta.pipeline_model_parallel_size
-    hf = parse_hf_config(pathlib.Path(mcore_dir) / HF_SUBDIR)
-    ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate_model(
-        num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads
-    )
-    if meta.padded_vocab_size % tp:
-        raise ValueError(f"--tp {tp} does not divide the checkpoint's padded vocab {meta.padded_vocab_size}")
-    if hf_config_dir is not None:
-        given = parse_hf_config(hf_config_dir)
-        diff = [f for f in type(hf).__dataclass_fields__ if getattr(hf, f) != getattr(given, f)]
-        if diff:
-            raise ValueError(
-                f"--hf-config-dir {hf_config_dir} does not match the checkpoint: fields {diff} differ"
-            )
-    return tp, pp
+    check_hf_checkpoint(hf_dir, tp=tp, pp=pp)
+    stored = HFCheckpoint(hf_dir).config_dtype()
+    if (dtype or stored or "float32") not in ("float32", "bfloat16"):
+        raise ValueError(f"{hf_dir} stores dtype {stored!r}; convert with --dtype float32 or bfloat16")
 
 
 def parse_size(text: str) -> int:

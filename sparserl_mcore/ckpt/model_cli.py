@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+# --dtype spellings -> the torch dtype name make_tiny takes
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,15 +23,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tiny.add_argument("--vocab", type=int, default=128)
     tiny.add_argument("--tie-embeddings", action="store_true")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    tiny.add_argument(
+        "--dtype", default="float32", help="float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)"
+    )
     tiny.add_argument("--max-shard-size", default=None, help='e.g. "200KB": write sharded safetensors')
     tiny.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
 
 
 def run(args: argparse.Namespace) -> int:
-    from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
+    from sparserl_mcore.ckpt.atomic import check_output_dir
+    from sparserl_mcore.ckpt.tiny import make_tiny
 
-    cfg = TinyModelConfig(
+    try:
+        cfg = _config(args)
+        check_output_dir(args.out, overwrite=args.overwrite)
+    except ValueError as exc:
+        print(f"sparserl model make-tiny: {exc}", file=sys.stderr)
+        return 2
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line of output: what was written
+    out = make_tiny(cfg, args.out, overwrite=args.overwrite)
+    print(f"wrote {cfg.arch} tiny checkpoint ({cfg.dtype}) to {out}")
+    return 0
+
+
+def _config(args: argparse.Namespace):
+    from sparserl_mcore.ckpt.tiny import TinyModelConfig
+
+    return TinyModelConfig(
         arch=args.arch,
         layers=args.layers,
         hidden=args.hidden,
@@ -38,9 +62,6 @@ def run(args: argparse.Namespace) -> int:
         vocab=args.vocab,
         tie_embeddings=args.tie_embeddings,
         seed=args.seed,
-        dtype=args.dtype,
+        dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
         max_shard_size=args.max_shard_size,
     )
-    out = make_tiny(cfg, args.out, overwrite=args.overwrite)
-    print(f"wrote {cfg.arch} tiny checkpoint to {out}")
-    return 0

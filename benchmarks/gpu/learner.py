@@ -1,0 +1,201 @@
+"""Learner throughput and MFU of a bf16 train step on one GPU (megatron local spec by default).
+
+The Qwen2.5-0.5B shape, random weights, sequence 2048, bf16 params with fp32 master weights in
+megatron's distributed optimizer (the trainer's GPU default), built with the trainer's own
+`model_providers.build_model` / `trainer.learner` functions. Two rows per layer spec:
+- `fwd+bwd+adam`: megatron's schedule over `--micro-batches` micro-batches of `--micro-batch`
+  sequences with the token NLL through the project's vocab-parallel log-probs, then the Adam
+  step: the standard training step MFU is quoted for;
+- `rl update`: `loss.megatron_step.train_on_batch` as the trainer runs it (K=1): the pi_old
+  recompute (forward only) plus the same update with the policy loss, Sparse-RL weights and DGG.
+MFU = model FLOPs (common.train_flops_per_token; the rl row adds the recompute's forward third)
+per second / the device's dense BF16 peak. `--impls local,transformer_engine` adds megatron's TE
+spec when transformer_engine is importable.
+
+    python -m benchmarks.gpu.learner [--micro-batch 4 --micro-batches 2 --seq 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from benchmarks.gpu import common
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="benchmarks.gpu.learner", description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=2, help="accumulated per optimizer step")
+    p.add_argument("--impls", default="local", help="comma-separated: local, transformer_engine")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--peak-tflops", type=float, default=None, help="override the device's BF16 peak")
+    p.add_argument("--smoke", action="store_true", help="tiny shape, runs on CPU (no figures)")
+    p.add_argument("--out", type=Path, default=Path("gpu-results"))
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.seq, args.micro_batch, args.micro_batches, args.warmup, args.repeats = 64, 2, 2, 1, 2
+    return args
+
+
+def _learner(hf: dict, impl: str, rt, *, lr: float = 1e-6):
+    import model_providers
+    from sparserl_mcore.config import OptimizerConfig
+    from sparserl_mcore.trainer import learner as learner_lib
+
+    spec = model_providers.build_spec(
+        hf, rt.parallel, params_dtype="bfloat16", cpu=rt.cpu, transformer_impl=impl
+    )
+    model = model_providers.build_model(
+        spec, device=rt.device, pre_process=True, post_process=True, pg_collection=rt.groups
+    )
+    ddp = learner_lib.wrap_ddp(model, spec, rt, distributed_optimizer=True)
+    optimizer, scheduler = learner_lib.build_optimizer(
+        ddp, OptimizerConfig(lr=lr, weight_decay=0.0), spec, rt
+    )
+    return spec, ddp, optimizer, scheduler
+
+
+def _nll_step(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int) -> None:
+    """One optimizer step over `batches` (micro-batches) with the token NLL."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    from sparserl_mcore.loss.vocab_parallel import vocab_parallel_logprobs
+    from sparserl_mcore.parallel.forward import run_schedule
+
+    config = get_model_config(ddp)
+    config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+
+    def step(data_iterator, model):
+        tokens = next(data_iterator)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        logits = model(tokens, positions, None)
+
+        def loss_func(out: torch.Tensor):
+            logp, _ = vocab_parallel_logprobs(
+                out[:, :-1],
+                tokens[:, 1:],
+                group=rt.groups.tp,
+                vocab_start=0,
+                vocab_size=vocab,
+                temperature=1.0,
+            )
+            loss = -logp.mean()
+            return loss, {"loss": loss.detach()}
+
+        return logits, loss_func
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    b, s = batches[0].shape
+    run_schedule(ddp, batches, step, groups=rt.groups, micro_batch_size=b, seq_length=s, forward_only=False)
+    optimizer.step()
+
+
+def _rl_update(ddp, optimizer, scheduler, tokens: torch.Tensor, rt, micro_batch: int, vocab: int) -> None:
+    from sparserl_mcore.loss import megatron_step
+    from sparserl_mcore.loss.dgg import DGGConfig, DynamicGradientGate
+
+    logp = megatron_step.compute_logprobs(
+        ddp, tokens, micro_batch_size=micro_batch, temperature=1.0, vocab_size=vocab, runtime=rt
+    )
+    assert logp is not None  # one pipeline stage: it is the last
+    mask = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
+    mask[:, 0] = 0
+    batch = megatron_step.UpdateBatch(
+        tokens_BT=tokens,
+        mask_BT=mask,
+        advantages_B=torch.randn(tokens.shape[0], device=tokens.device),
+        logp_sparse_BT=logp * mask,
+    )
+    cfg = megatron_step.UpdateConfig(micro_batch_size=micro_batch, vocab_size=vocab)
+    gate = DynamicGradientGate(DGGConfig())  # cfg.epochs=1: one update
+    megatron_step.train_on_batch(ddp, optimizer, batch, cfg=cfg, gate=gate, runtime=rt, scheduler=scheduler)
+
+
+def _measure(args, hf: dict, impl: str, rt, peak: float | None) -> list[dict]:
+    spec, ddp, optimizer, scheduler = _learner(hf, impl, rt)
+    vocab, n = spec.vocab_size, args.micro_batch * args.micro_batches
+    g = torch.Generator(device=rt.device).manual_seed(0)
+    tokens = torch.randint(0, vocab, (n, args.seq), device=rt.device, generator=g)
+    batches = list(tokens.split(args.micro_batch))
+    per_token = common.train_flops_per_token(hf, args.seq)
+
+    def rl() -> None:
+        _rl_update(ddp, optimizer, scheduler, tokens, rt, args.micro_batch, vocab)
+
+    runs = {  # the rl row's recompute is a forward pass: a third of the fwd+bwd FLOPs on top
+        "fwd+bwd+adam": (lambda: _nll_step(ddp, optimizer, batches, rt, vocab), per_token),
+        "rl update": (rl, per_token * 4 / 3),
+    }
+    rows = []
+    for name, (fn, flops_per_token) in runs.items():
+        times = common.wall_times(fn, rt.device, warmup=args.warmup, repeats=args.repeats)
+        seconds = common.median(times)
+        tflops = flops_per_token * n * args.seq / seconds / 1e12
+        rows.append(
+            {
+                "spec": impl,
+                "step": name,
+                "tokens": n * args.seq,
+                "step_s": seconds,
+                "step_s_min": min(times),
+                "tokens_per_s": n * args.seq / seconds,
+                "model_tflops": tflops,
+                "mfu_pct": 100 * tflops * 1e12 / peak if peak else None,
+                "peak_mem_gib": _peak_gib(rt.device),
+            }
+        )
+    return rows
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def main(argv: list[str]) -> int:
+    from model_providers.layer_specs import te_available
+    from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
+
+    args = _args(argv)
+    device = common.device_for(args.smoke)
+    env = common.environment(device)
+    hf = common.model_shape(args.smoke)
+    peak = common.peak_bf16_flops(env.get("device", ""), args.peak_tflops) if device.type == "cuda" else None
+    rows, notes = [], [f"seq {args.seq}, {args.micro_batches} x {args.micro_batch} sequences per step"]
+    rt = initialize(ParallelConfig(), seed=0)
+    try:
+        for impl in args.impls.split(","):
+            if impl == "transformer_engine" and not te_available():
+                notes.append("transformer_engine spec skipped: transformer_engine is not importable")
+                continue
+            rows.extend(_measure(args, hf, impl, rt, peak))
+    finally:
+        shutdown()
+    if peak is None:
+        notes.append("MFU not computed: unknown device peak (pass --peak-tflops)")
+    if args.smoke:
+        notes.append("SMOKE run: tiny shape, figures mean nothing")
+    columns = [
+        ("spec", "spec"),
+        ("step", "step"),
+        ("step_s", "s/step"),
+        ("tokens_per_s", "tokens/s"),
+        ("model_tflops", "TFLOP/s"),
+        ("mfu_pct", "MFU %"),
+        ("peak_mem_gib", "peak GiB"),
+    ]
+    common.print_table(f"learner, bf16, {env['device']}", rows, columns)
+    print(common.write_record(args.out, "learner", env, rows, notes))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

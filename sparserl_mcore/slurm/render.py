@@ -1,0 +1,265 @@
+"""The sbatch script of one run: a header of values from the run config and the layout, then fixed
+bash that only reads those variables (so every rendered script has the same, shellcheck-clean body).
+
+What the job does, in order:
+  1. resolve the allocation's nodes: the first `LEARNER_NODES` train, the rest serve rollouts;
+  2. (rollout nodes) one srun step starts the servers, several per node when the rollout TP is
+     smaller than a node (`sparserl_mcore.launch.rollout` picks each task's GPUs and port), and the script
+     waits until every server answers /health;
+  3. one srun step runs one torchrun per learner node, rendezvous (c10d) on the first learner node,
+     one log file per node under <run dir>/logs/;
+  4. USR1 (sent `STOP_BEFORE_S` seconds before the time limit) and TERM reaching this shell are
+     passed to the learner step; the ranks checkpoint at their next step boundary and exit 0
+     (trainer/preemption.py); after a USR1 stop the job requeues itself and resumes there.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+
+from sparserl_mcore.config import RunConfig
+from sparserl_mcore.slurm.layout import SlurmLayout
+
+SERVE_TOKEN_ENV = "SPARSERL_SERVE_TOKEN"
+
+# The one place for the job's network and threading environment. A value already set in the
+# environment sbatch was called from wins (sbatch exports it). docs/quickstart-cluster.md explains
+# when to change them.
+NETWORK_ENV: dict[str, tuple[str, str]] = {
+    "NCCL_DEBUG": ("WARN", "NCCL prints warnings and errors only (INFO when debugging a hang)"),
+    "CUDA_DEVICE_MAX_CONNECTIONS": ("1", "megatron's TP comm overlaps compute only with in-order launch"),
+}
+NETWORK_NOTE = (
+    "# On nodes with several network interfaces export NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME\n"
+    "# (e.g. ib0 / eth0) before sbatch; the rendezvous uses the node address Slurm itself uses."
+)
+
+
+REMOTE_OVERRIDES = ("rollout.engine=remote", f"rollout.token_env={SERVE_TOKEN_ENV}")
+
+
+def topology_overrides(layout: SlurmLayout, urls: Sequence[str]) -> list[str]:
+    """Config overrides that point the learners at the job's own rollout servers."""
+    if layout.rollout_nodes == 0:
+        return []
+    return [*REMOTE_OVERRIDES, f"rollout.urls=[{','.join(urls)}]"]
+
+
+def render(cfg: RunConfig, layout: SlurmLayout, *, run_dir: str, config_path: str, command: str) -> str:
+    """The complete script. `config_path`: the job's config snapshot (as the job will see it);
+    `command`: the `sparserl slurm` command line that produced it, quoted in the header."""
+    parts = [
+        _header(cfg, layout, command),
+        _sbatch_lines(layout, run_dir),
+        "set -euo pipefail\n",
+        _values(cfg, layout, run_dir, config_path),
+        _environment(),
+        _COMMON,
+        _rollouts() if layout.rollout_nodes else _NO_ROLLOUTS,
+        _LEARNERS,
+    ]
+    return "\n".join(parts)
+
+
+def _header(cfg: RunConfig, layout: SlurmLayout, command: str) -> str:
+    par = cfg.parallel
+    unit = "CPU ranks" if layout.cpu else "GPUs"
+    dp = layout.learner_ranks // par.model_parallel_size
+    lines = [
+        "#!/bin/bash",
+        "# Rendered by `sparserl slurm`: change the run config and render again rather than this file.",
+        f"#   {command}",
+        f"# Learners: {layout.learner_nodes} node(s) x {layout.ranks_per_node} {unit} = "
+        f"{layout.learner_ranks} ranks: TP={par.tensor_model_parallel_size} x "
+        f"PP={par.pipeline_model_parallel_size} x CP={par.context_parallel_size}, DP={dp}.",
+    ]
+    lines.append(f"# Rollouts: {_rollout_summary(cfg, layout)}.")
+    lines += [
+        f"# Stops: USR1 {layout.stop_before_s} s before the time limit, or TERM: the trainer "
+        "checkpoints at its next",
+        "# step boundary and exits 0; after USR1 the job requeues itself and resumes there.",
+    ]
+    return "\n".join(lines)
+
+
+def _rollout_summary(cfg: RunConfig, layout: SlurmLayout) -> str:
+    if not layout.rollout_nodes:
+        return "colocated, the embedded engine on learner rank 0"
+    rtp, n = cfg.rollout.tensor_parallel_size, layout.ranks_per_node
+    sglang = f"SGLang servers of TP={rtp} ({n // rtp} per node)"
+    embedded = f"`sparserl serve` ({n} per node)"
+    kinds = {"sglang": sglang, "embedded": embedded, "auto": f"{sglang} if sglang imports, else {embedded}"}
+    return f"{layout.rollout_nodes} node(s): {kinds['embedded' if layout.cpu else layout.rollout_server]}"
+
+
+def _sbatch_lines(layout: SlurmLayout, run_dir: str) -> str:
+    options: dict[str, str | None] = {
+        "job-name": layout.job_name,
+        "nodes": str(layout.nodes),
+        "ntasks-per-node": "1",
+        "gpus-per-node": None if layout.cpu else str(layout.gpus_per_node),
+        "exclusive": "",
+        "time": layout.time,
+        "partition": layout.partition,
+        "signal": f"B:USR1@{layout.stop_before_s}",
+        "requeue": "",
+        "open-mode": "append",
+        "output": f"{run_dir}/logs/slurm-%j.out",
+    }
+    return "\n".join(
+        f"#SBATCH --{key}" + (f"={value}" if value else "")
+        for key, value in options.items()
+        if value is not None
+    )
+
+
+def _assign(values: Mapping[str, object]) -> str:
+    return "\n".join(f"{name}={shlex.quote(str(value))}" for name, value in values.items())
+
+
+def _values(cfg: RunConfig, layout: SlurmLayout, run_dir: str, config_path: str) -> str:
+    values: dict[str, object] = {
+        "RUN_DIR": run_dir,
+        "CONFIG": config_path,
+        "LEARNER_NODES": layout.learner_nodes,
+        "ROLLOUT_NODES": layout.rollout_nodes,
+        "RANKS_PER_NODE": layout.ranks_per_node,
+        "STOP_BEFORE_S": layout.stop_before_s,
+    }
+    if layout.rollout_nodes:
+        values |= {
+            "ROLLOUT_TP": cfg.rollout.tensor_parallel_size,
+            "ROLLOUT_SERVER": "embedded" if layout.cpu else layout.rollout_server,
+            "ROLLOUT_DEVICE": "cpu" if layout.cpu else "cuda",
+            "ROLLOUT_PORT": layout.rollout_port,
+            "SERVER_START_TIMEOUT_S": layout.server_start_timeout_s,
+        }
+    return _assign(values) + "\n"
+
+
+def _environment() -> str:
+    lines = ["# Network and threads: the one place for these settings (docs/quickstart-cluster.md)."]
+    for name, (value, why) in NETWORK_ENV.items():
+        lines.append(f"export {name}=${{{name}:-{value}}}  # {why}")
+    lines += [
+        "CPUS_PER_RANK=$(( ${SLURM_CPUS_ON_NODE:-1} / RANKS_PER_NODE ))",
+        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CPUS_PER_RANK > 0 ? CPUS_PER_RANK : 1 ))}"
+        "  # a node's cores split over its ranks",
+    ]
+    lines.append(NETWORK_NOTE)
+    return "\n".join(lines) + "\n"
+
+
+_COMMON = r"""fail() { echo "sparserl job: $*" >&2; exit 1; }
+for tool in torchrun python; do
+    command -v "$tool" >/dev/null || fail "$tool is not on PATH: activate the project's environment first"
+done
+[ -f "$CONFIG" ] || fail "$CONFIG is missing: render the job again with sparserl slurm"
+LOGS=$RUN_DIR/logs
+mkdir -p "$LOGS"
+
+mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+[ "${#NODES[@]}" -eq $((LEARNER_NODES + ROLLOUT_NODES)) ] || fail "nodes: $SLURM_JOB_NODELIST"
+LEARNERS=("${NODES[@]:0:LEARNER_NODES}")
+# The address Slurm itself reaches a node at (its NodeAddr: the host name on most clusters).
+node_addr() { scontrol show node "$1" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p'; }
+join() { local IFS=,; echo "$*"; }
+MASTER_ADDR=$(node_addr "${LEARNERS[0]}")
+MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000))  # per job: jobs sharing a node do not collide
+
+# Slurm signals this shell: USR1 ahead of the time limit, TERM on preemption or scancel. Pass it to
+# the learner step (srun forwards it to every process of the step); the torchrun agents ignore
+# USR1, the ranks checkpoint at their next step boundary and exit 0.
+STOP_SIGNAL=""
+INTERRUPTED=0
+LEARNER_PID=""
+# shellcheck disable=SC2317  # called from the traps below
+forward() {
+    STOP_SIGNAL=$1
+    INTERRUPTED=1
+    if [ -n "$LEARNER_PID" ]; then kill -s "$1" "$LEARNER_PID" 2>/dev/null || true; fi
+}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+# `wait` returns early when a trapped signal arrives: wait again until the step has really ended.
+wait_step() {
+    while :; do
+        INTERRUPTED=0
+        STATUS=0
+        wait "$1" || STATUS=$?
+        if [ "$INTERRUPTED" -eq 0 ] || [ "$STATUS" -le 128 ]; then return; fi
+    done
+}
+"""
+
+_NO_ROLLOUTS = r"""TOPOLOGY=()  # colocated: the config's own (embedded) rollout engine
+ROLLOUT_PID=""
+"""
+
+_ROLLOUTS = r"""# Rollout servers: one srun task per server, SERVERS_PER_NODE per rollout node.
+ROLLOUTS=("${NODES[@]:LEARNER_NODES}")
+export SPARSERL_SERVE_TOKEN=${SPARSERL_SERVE_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
+if [ "$ROLLOUT_SERVER" = auto ]; then
+    if python -c 'import sglang' 2>/dev/null; then ROLLOUT_SERVER=sglang; else ROLLOUT_SERVER=embedded; fi
+fi
+SERVERS_PER_NODE=$RANKS_PER_NODE  # the embedded engine: one per GPU
+if [ "$ROLLOUT_SERVER" = sglang ]; then SERVERS_PER_NODE=$((RANKS_PER_NODE / ROLLOUT_TP)); fi
+URLS=()
+for node in "${ROLLOUTS[@]}"; do
+    addr=$(node_addr "$node")
+    for ((i = 0; i < SERVERS_PER_NODE; i++)); do URLS+=("http://$addr:$((ROLLOUT_PORT + i))"); done
+done
+echo "sparserl job: ${#URLS[@]} $ROLLOUT_SERVER rollout servers on ${ROLLOUTS[*]}"
+srun --nodes="$ROLLOUT_NODES" --nodelist="$(join "${ROLLOUTS[@]}")" --ntasks-per-node="$SERVERS_PER_NODE" \
+    --ntasks=$((ROLLOUT_NODES * SERVERS_PER_NODE)) --open-mode=append --output="$LOGS/rollout-%N-%t.log" \
+    python -m sparserl_mcore.launch.rollout --config "$CONFIG" --server "$ROLLOUT_SERVER" \
+    --device "$ROLLOUT_DEVICE" --port "$ROLLOUT_PORT" &
+ROLLOUT_PID=$!
+healthy() {  # GET <url>/health answers 200 (python: no curl needed on the nodes)
+    python -c 'import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=5)' "$1/health" 2>/dev/null
+}
+deadline=$((SECONDS + SERVER_START_TIMEOUT_S))
+for url in "${URLS[@]}"; do
+    until healthy "$url"; do
+        kill -0 "$ROLLOUT_PID" 2>/dev/null || fail "rollout servers exited: see $LOGS/rollout-*.log"
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            kill "$ROLLOUT_PID" 2>/dev/null || true
+            fail "$url did not answer /health within $SERVER_START_TIMEOUT_S s: see $LOGS/rollout-*.log"
+        fi
+        if [ -n "$STOP_SIGNAL" ]; then break 2; fi
+        sleep 5
+    done
+done
+"""
+
+
+def _rollouts() -> str:
+    urls = '"rollout.urls=[$(join "${URLS[@]}")]"'
+    return _ROLLOUTS + f"TOPOLOGY=({' '.join(REMOTE_OVERRIDES)} {urls})\n"
+
+
+_LEARNERS = r"""STATUS=0
+if [ -z "$STOP_SIGNAL" ]; then
+    echo "sparserl job: learners on ${LEARNERS[*]}, rendezvous $MASTER_ADDR:$MASTER_PORT, logs in $LOGS"
+    # shellcheck disable=SC2016  # $@ is expanded by the inner bash, on the node
+    srun --nodes="$LEARNER_NODES" --nodelist="$(join "${LEARNERS[@]}")" --ntasks-per-node=1 \
+        --ntasks="$LEARNER_NODES" --kill-on-bad-exit=1 --open-mode=append --output="$LOGS/learner-%N.log" \
+        bash -c 'trap "" USR1; exec "$@"' torchrun-agent \
+        torchrun --nnodes="$LEARNER_NODES" --nproc-per-node="$RANKS_PER_NODE" \
+        --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
+        --max-restarts=0 --shutdown-timeout="$STOP_BEFORE_S" \
+        --module sparserl_mcore.launch.train --config "$CONFIG" "${TOPOLOGY[@]}" &
+    LEARNER_PID=$!
+    wait_step "$LEARNER_PID"
+fi
+if [ -n "$ROLLOUT_PID" ]; then
+    kill -TERM "$ROLLOUT_PID" 2>/dev/null || true  # srun passes it to the servers
+    wait "$ROLLOUT_PID" 2>/dev/null || true
+fi
+if [ "$STATUS" -eq 0 ] && [ "$STOP_SIGNAL" = USR1 ]; then
+    echo "sparserl job: stopped ahead of the time limit with a checkpoint; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$STATUS"
+"""

@@ -1,0 +1,200 @@
+"""Everything about a training run that can be checked before any rank starts.
+
+`sparserl train` runs `check_run` in the launching process (ranks started by an external
+torchrun or srun run it themselves). It needs neither megatron nor a process group:
+- layout: the world size divides by TP x PP x CP, TP divides the heads, PP fits the layers, and a
+  step's rollouts fill at least one micro-batch on every data-parallel rank;
+- model.hf_path (and model.ref_path when the KL term is on): a complete HF checkpoint with a
+  tokenizer (`ckpt.preflight.check_hf_checkpoint`, safetensors headers only);
+- data: the files exist, parse, have the prompt and answer keys, and split as configured;
+- reward: the function imports and accepts reward.kwargs;
+- outputs: telemetry.dir, checkpoint.dir and checkpoint.save_hf are directories or can be made;
+  a remote engine's token variable is set;
+- resume (`run_record`): what the run continues from and which settings changed since; refused
+  when the prompt data or its seed changed (the sampler could not continue); "complete" when the
+  checkpoint is already at train.steps, so nothing is run and nothing is overwritten.
+A problem is one `PreflightError` line naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from sparserl_mcore.config import RunConfig, to_dict
+from sparserl_mcore.trainer.run_layout import requested_layout
+from sparserl_mcore.trainer.run_record import (
+    SavedRun,
+    check_resumable,
+    config_changes,
+    latest_checkpoint,
+    read_saved_run,
+)
+
+
+class PreflightError(ValueError):
+    """The run cannot work; the message names the key and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What to tell the user before the ranks start; `complete`: nothing left to run."""
+
+    notes: tuple[str, ...] = ()
+    complete: bool = False
+
+
+def check_run(cfg: RunConfig, *, world_size: int) -> RunPlan:
+    """Run every check of the module docstring; raises PreflightError on the first problem."""
+    _check_model(cfg, world_size)
+    n_train = _check_data(cfg)
+    _check_reward(cfg)
+    _check_outputs(cfg)
+    return _resume_plan(cfg, world_size, n_train)
+
+
+def _check_hf(path: str, key: str, cfg: RunConfig) -> Any:
+    from sparserl_mcore.ckpt.preflight import check_hf_checkpoint
+
+    par = cfg.parallel
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    try:
+        return check_hf_checkpoint(path, tp=tp, pp=pp, label=key, tokenizer=True)
+    except ValueError as exc:
+        hint = " (relative paths are read from the current directory)" if not Path(path).is_absolute() else ""
+        raise PreflightError(f"{exc}{hint if not Path(path).exists() else ''}") from None
+
+
+def _check_model(cfg: RunConfig, world_size: int) -> None:
+    try:
+        cfg.parallel.validate_world(world_size)
+    except ValueError as exc:
+        raise PreflightError(f"parallel: {exc}") from None
+    hf = _check_hf(cfg.model.hf_path, "model.hf_path", cfg)
+    if cfg.loss.policy.kl_coef > 0 and cfg.model.ref_path:
+        ref = _check_hf(cfg.model.ref_path, "model.ref_path", cfg)
+        if ref != hf:
+            diff = [f.name for f in dataclasses.fields(hf) if getattr(hf, f.name) != getattr(ref, f.name)]
+            raise PreflightError(
+                f"model.ref_path {cfg.model.ref_path}: not the policy's architecture ({diff} differ)"
+            )
+    dp = world_size // cfg.parallel.model_parallel_size
+    rollouts = cfg.train.prompts_per_step * cfg.rollout.group_size
+    if rollouts < cfg.train.micro_batch_size * dp:
+        raise PreflightError(
+            f"train.prompts_per_step * rollout.group_size = {rollouts} sequences per step cannot fill one "
+            f"micro-batch (train.micro_batch_size={cfg.train.micro_batch_size}) on each of {dp} "
+            "data-parallel ranks; sample more per step or use fewer data-parallel ranks"
+        )
+
+
+def _check_data(cfg: RunConfig) -> int:
+    """The data loads and splits as configured; returns the number of training prompts."""
+    from sparserl_mcore.trainer.data import load_datasets
+
+    try:
+        train, _ = load_datasets(cfg.data, seed=cfg.train.seed)
+    except (ValueError, OSError) as exc:
+        raise PreflightError(f"data: {exc}") from None
+    return len(train)
+
+
+def _check_reward(cfg: RunConfig) -> None:
+    from sparserl_mcore.rewards import build_reward
+
+    try:
+        build_reward(cfg.reward.name, cfg.reward.kwargs)
+    except KeyError as exc:
+        raise PreflightError(f"reward.name: {exc.args[0]}") from None
+    except ValueError as exc:  # build_reward's own message names the reward
+        raise PreflightError(str(exc)) from None
+    except Exception as exc:  # user code: an import can raise anything
+        raise PreflightError(f"reward.name={cfg.reward.name}: {type(exc).__name__}: {exc}") from None
+
+
+def _check_outputs(cfg: RunConfig) -> None:
+    outputs = {
+        "telemetry.dir": cfg.telemetry.dir,
+        "checkpoint.dir": cfg.checkpoint.dir,
+        "checkpoint.save_hf": cfg.checkpoint.save_hf,
+    }
+    for key, value in outputs.items():
+        if value is None:
+            continue
+        path = Path(value)
+        if path.exists() and not path.is_dir():
+            raise PreflightError(f"{key}={value} exists and is not a directory")
+        anchor = next(p for p in (path, *path.absolute().parents) if p.exists())
+        if not os.access(anchor, os.W_OK):
+            raise PreflightError(f"{key}={value}: {anchor} is not writable")
+    token_env = cfg.rollout.token_env
+    if cfg.rollout.engine == "remote" and token_env and not os.environ.get(token_env):
+        raise PreflightError(f"rollout.token_env={token_env}: the environment variable is not set")
+
+
+def _resume_plan(cfg: RunConfig, world_size: int, n_train: int) -> RunPlan:
+    ckpt = cfg.checkpoint
+    if not ckpt.dir:
+        return RunPlan()
+    try:
+        path = latest_checkpoint(ckpt.dir)
+        saved = read_saved_run(path) if path is not None else None
+    except (OSError, ValueError) as exc:
+        raise PreflightError(f"checkpoint.dir: {exc}; set checkpoint.resume=false to start over") from None
+    if saved is None:
+        return RunPlan()
+    if not ckpt.resume:
+        return RunPlan((f"starting over (checkpoint.resume=false): checkpoints in {ckpt.dir} are replaced",))
+    if saved.step >= cfg.train.steps:
+        return RunPlan(
+            (
+                f"already complete: {saved.path} is at step {saved.step} and train.steps={cfg.train.steps}; "
+                "nothing to do (raise train.steps to continue, or give a new run its own checkpoint.dir)",
+            ),
+            complete=True,
+        )
+    _check_same_data(cfg, saved, n_train)
+    problem = check_resumable(saved, requested_layout(cfg, world_size))
+    if problem:
+        raise PreflightError(problem)
+    return RunPlan(_resume_notes(cfg, saved, world_size))
+
+
+def _check_same_data(cfg: RunConfig, saved: SavedRun, n_train: int) -> None:
+    """The prompt sampler continues only over the same rows, seed and shuffle."""
+    if not saved.data:
+        return
+    now = {"n": n_train, "seed": cfg.train.seed, "shuffle": cfg.data.shuffle}
+    then = {k: saved.data.get(k) for k in now}
+    if then != now:
+        raise PreflightError(
+            f"cannot resume {saved.path}: its prompt sampler ran over {then} and this run has {now} "
+            "(train prompts, train.seed, data.shuffle); use the same data and seed, or set "
+            "checkpoint.resume=false / another checkpoint.dir to start over"
+        )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _resume_notes(cfg: RunConfig, saved: SavedRun, world_size: int) -> tuple[str, ...]:
+    notes = [f"resuming from {saved.path} at step {saved.step} of {cfg.train.steps}"]
+    if saved.config is None:
+        return (*notes, "the checkpoint has no run record: changed settings are unknown")
+    changes = config_changes(saved.config, to_dict(cfg))
+    settings = [f"{k} {_short(a)} -> {_short(b)}" for k, a, b in changes if not k.startswith("parallel.")]
+    if settings:
+        notes.append("changed since that run: " + ", ".join(settings))
+    layout = [f"{k.rpartition('.')[2]} {a} -> {b}" for k, a, b in changes if k.startswith("parallel.")]
+    if saved.world_size != world_size:
+        layout.append(f"world size {saved.world_size} -> {world_size}")
+    if layout:
+        notes.append(
+            f"parallel layout changed ({', '.join(layout)}): weights and optimizer state reshard; "
+            "RNG streams restart, so this run is not bit-identical to an uninterrupted one"
+        )
+    return tuple(notes)

@@ -1,0 +1,124 @@
+"""What a training checkpoint says about the run that saved it, readable without torch or megatron.
+
+Beside megatron's files every checkpoint directory holds `run.json` (written by rank 0 before the
+directory is renamed into place): the step, the full run config, the world size, the layout it was
+saved at (`run_layout.RunLayout`) and the prompt sampler's position. The launching process reads it
+before any rank starts, to say what a resumed run continues from and what changed since, to refuse a
+resume that cannot continue (another dataset, a layout that cannot load), and to stop a run that is
+already complete before it writes anything.
+
+    path = latest_checkpoint("runs/x/checkpoints")          # None: nothing to resume
+    saved = read_saved_run(path)                              # SavedRun(step=20, config={...}, ...)
+    config_changes(saved.config, to_dict(cfg))                # [("train.steps", 20, 40), ...]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from sparserl_mcore.trainer.run_layout import RunLayout, resume_problem
+
+LATEST = "latest"  # text file in the checkpoint root naming the newest complete checkpoint
+RECORD = "run.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedRun:
+    """A complete checkpoint and the run that wrote it (config etc. None for a checkpoint written
+    before run.json existed)."""
+
+    path: Path
+    step: int
+    config: dict[str, Any] | None = None
+    world_size: int | None = None
+    data: dict[str, Any] | None = None
+    layout: RunLayout | None = None
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `root`, or None when there is none yet."""
+    marker = Path(root) / LATEST
+    if not marker.is_file():
+        return None
+    path = Path(root) / marker.read_text().strip()
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{marker} names {path}, which is not a complete dist checkpoint")
+    return path
+
+
+def rng_file(checkpoint: Path, rank: int) -> Path:
+    """Where rank `rank`'s RNG streams are saved in a checkpoint directory."""
+    return checkpoint / f"rng_rank{rank:05d}.safetensors"
+
+
+def write_record(
+    directory: Path,
+    *,
+    step: int,
+    config: dict[str, Any],
+    world_size: int,
+    data: dict[str, Any],
+    layout: RunLayout,
+) -> None:
+    record = {
+        "step": step,
+        "world_size": world_size,
+        "layout": layout.to_dict(),
+        "data": data,
+        "config": config,
+    }
+    (directory / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def read_saved_run(path: Path) -> SavedRun:
+    """The record of checkpoint `path`; a checkpoint without one still gives its step (dir name)."""
+    record_file = path / RECORD
+    if not record_file.is_file():
+        return SavedRun(path=path, step=int(path.name.rpartition("_")[2]))
+    try:
+        record = json.loads(record_file.read_text())
+        return SavedRun(
+            path=path,
+            step=int(record["step"]),
+            config=record.get("config"),
+            world_size=record.get("world_size"),
+            data=record.get("data"),
+            layout=RunLayout.from_dict(record["layout"]) if record.get("layout") else None,
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{record_file} is not a valid run record ({exc})") from None
+
+
+def check_resumable(saved: SavedRun, requested: RunLayout) -> str | None:
+    """One line naming the checkpoint, its layout and `requested` when a run at `requested` cannot
+    load it; None when it can."""
+    rng_files = all(rng_file(saved.path, r).is_file() for r in range(requested.world_size))
+    problem = resume_problem(saved.layout, requested, same_world_files=rng_files)
+    return f"{saved.path}: {problem}" if problem else None
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{dotted}."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, current value) for every key whose value differs."""
+    old, new = _flatten(saved), _flatten(current)
+    missing = object()
+    changes = []
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key, missing), new.get(key, missing)
+        if a != b:
+            changes.append((key, None if a is missing else a, None if b is missing else b))
+    return changes

@@ -1,0 +1,204 @@
+"""What `sparserl train`, `serve`, `model make-tiny` refuse before anything starts: one line, exit
+code 2, no traceback; and how a run that would resume is planned from a checkpoint's run.json.
+
+Real files throughout (tiny HF checkpoints, JSONL data, run records); no rank is started.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+from e2e_support import make_assets, subprocess_env, write_config
+
+from sparserl_mcore.cli import main
+from sparserl_mcore.config import load_config, to_dict
+from sparserl_mcore.trainer.preflight import PreflightError, check_run
+from sparserl_mcore.trainer.run_layout import requested_layout
+from sparserl_mcore.trainer.run_record import LATEST, rng_file, write_record
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+    root = tmp_path_factory.mktemp("assets")
+    return root, make_assets(root)
+
+
+def _config(root: pathlib.Path, hf: pathlib.Path, name: str, **sections) -> pathlib.Path:
+    return write_config(root, hf, name, **sections)
+
+
+def _refused(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1, out.err
+    return out.err
+
+
+def _train(cfg: pathlib.Path, *overrides: str, nproc: str = "2") -> list[str]:
+    return ["train", "--config", str(cfg), "--nproc", nproc, *overrides]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nproc", "message"),
+    [
+        ((), "3", "world size 3 is not divisible by TP\\*PP\\*CP = 2\\*1\\*1 = 2"),
+        (("model.hf_path=/nonexistent/model",), "2", "model.hf_path /nonexistent/model: no such directory"),
+        (("parallel.tensor_model_parallel_size=3",), "3", "tensor_model_parallel_size=3 does not divide"),
+        (("reward.name=no_such_pkg.mod:fn",), "2", "cannot import module 'no_such_pkg.mod'"),
+        (("reward.name=nope",), "2", "unknown reward 'nope'"),
+        (("data.answer_key=solution",), "2", "train.jsonl:1: missing key 'solution'"),
+        (
+            ("data.train_path=/nonexistent/train.jsonl",),
+            "2",
+            "dataset /nonexistent/train.jsonl does not exist",
+        ),
+        (("train.prompts_per_step=1", "train.global_batch_size=8"), "4", "cannot fill one micro-batch"),
+    ],
+)
+def test_train_refuses_before_any_rank_starts(assets, capsys, overrides, nproc, message):
+    root, hf = assets
+    cfg = _config(root, hf, "refused")
+    tp1 = (
+        ("parallel.tensor_model_parallel_size=1",) if overrides and overrides[0].startswith("train.") else ()
+    )
+    err = _refused(capsys, *_train(cfg, *tp1, *overrides, nproc=nproc))
+    assert err.startswith("sparserl train: ")
+    assert re.search(message, err), err
+    assert not (root / "refused" / "metrics").exists()  # nothing written
+
+
+def test_train_refuses_bad_data_and_outputs(assets, tmp_path, capsys):
+    root, hf = assets
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": 1\n')
+    cfg = _config(root, hf, "bad_data")
+    assert "bad.jsonl:2: invalid JSON" in _refused(capsys, *_train(cfg, f"data.train_path={bad}"))
+    (tmp_path / "file").write_text("x")
+    err = _refused(capsys, *_train(cfg, f"telemetry.dir={tmp_path / 'file'}"))
+    assert "telemetry.dir" in err and "is not a directory" in err
+
+
+def test_a_malformed_model_directory_is_one_line(assets, tmp_path, capsys):
+    root, hf = assets
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in hf.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(weights[:-100])
+    cfg = _config(root, hf, "broken")
+    err = _refused(capsys, *_train(cfg, f"model.hf_path={broken}"))
+    assert "model.safetensors is not a readable safetensors file" in err
+    config = json.loads((hf / "config.json").read_text())
+    del config["hidden_size"]
+    (broken / "model.safetensors").write_bytes(weights)
+    (broken / "config.json").write_text(json.dumps(config))
+    assert "lacks the required field 'hidden_size'" in _refused(
+        capsys, *_train(cfg, f"model.hf_path={broken}")
+    )
+    assert "lacks the required field 'hidden_size'" in _refused(capsys, "serve", "--hf-dir", str(broken))
+
+
+def test_make_tiny_refuses_bad_arch_and_a_non_empty_folder(tmp_path, capsys):
+    assert "arch='gpt9' is not supported" in _refused(
+        capsys, "model", "make-tiny", "--arch", "gpt9", "--out", str(tmp_path / "x")
+    )
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep").write_text("x")
+    err = _refused(capsys, "model", "make-tiny", "--arch", "qwen2", "--out", str(tmp_path / "full"))
+    assert "not empty; pass --overwrite" in err and (tmp_path / "full" / "keep").read_text() == "x"
+
+
+def test_serve_refuses_a_port_in_use(assets, capsys):
+    import socket
+
+    _, hf = assets
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        assert "cannot listen on 127.0.0.1:" in _refused(capsys, "serve", "--hf-dir", str(hf), "--port", port)
+
+
+def test_refusal_as_a_subprocess_has_no_traceback(assets):
+    root, hf = assets
+    cfg = _config(root, hf, "sub")
+    cmd = [sys.executable, "-m", "sparserl_mcore", *_train(cfg, nproc="3")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert (
+        proc.stderr.startswith("sparserl train: parallel: world size 3")
+        and len(proc.stderr.splitlines()) == 1
+    )
+
+
+# -- resume planning from run.json ---------------------------------------------------------------
+
+
+def _saved(root: pathlib.Path, hf: pathlib.Path, name: str, step: int, **changes) -> pathlib.Path:
+    """A config whose checkpoint.dir holds a (fake-weights) checkpoint at `step` with a real record
+    of that config; `changes` override sections afterwards (the 'new' run)."""
+    cfg_path = _config(root, hf, name)
+    cfg = load_config(cfg_path)
+    step_dir = pathlib.Path(cfg.checkpoint.dir) / f"step_{step:08d}"
+    step_dir.mkdir(parents=True)
+    (step_dir / "metadata.json").write_text("{}")
+    data = {"n": 56, "seed": cfg.train.seed, "shuffle": True, "epoch": 0, "offset": 8}
+    layout = requested_layout(cfg, 2, padded_vocab_size=256)
+    write_record(step_dir, step=step, config=to_dict(cfg), world_size=2, data=data, layout=layout)
+    for rank in range(2):
+        rng_file(step_dir, rank).write_bytes(b"")
+    (step_dir.parent / LATEST).write_text(step_dir.name + "\n")
+    raw = yaml.safe_load(cfg_path.read_text())
+    for section, values in changes.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    cfg_path.write_text(yaml.safe_dump(raw))
+    return cfg_path
+
+
+def test_a_resumed_run_names_its_step_and_every_changed_setting(assets):
+    root, hf = assets
+    path = _saved(root, hf, "resume", 2, train={"steps": 6}, optimizer={"lr": 1e-3})
+    plan = check_run(load_config(path), world_size=2)
+    assert not plan.complete
+    assert plan.notes[0] == f"resuming from {root / 'resume' / 'ckpt' / 'step_00000002'} at step 2 of 6"
+    assert plan.notes[1] == "changed since that run: optimizer.lr 0.003 -> 0.001, train.steps 4 -> 6"
+    assert len(plan.notes) == 2
+
+
+def test_a_changed_layout_is_fine_but_said(assets):
+    root, hf = assets
+    path = _saved(root, hf, "layout", 2, parallel={"tensor_model_parallel_size": 1})
+    notes = check_run(load_config(path), world_size=1).notes
+    assert notes[1].startswith(
+        "parallel layout changed (tensor_model_parallel_size 2 -> 1, world size 2 -> 1)"
+    )
+    assert "RNG streams restart" in notes[1]
+
+
+def test_a_complete_run_does_nothing_and_another_dataset_is_refused(assets, tmp_path):
+    root, hf = assets
+    done = check_run(load_config(_saved(root, hf, "done", 4)), world_size=2)
+    assert done.complete and done.notes[0].startswith("already complete:")
+    assert "is at step 4 and train.steps=4" in done.notes[0]
+    rows = [{"prompt": f"p{i}", "answer": "a"} for i in range(80)]
+    (tmp_path / "more.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = _saved(
+        root, hf, "other_data", 2, data={"train_path": str(tmp_path / "more.jsonl")}, train={"steps": 6}
+    )
+    with pytest.raises(PreflightError, match="cannot resume .*step_00000002: its prompt sampler ran over"):
+        check_run(load_config(path), world_size=2)
+
+
+def test_a_layout_that_cannot_load_is_refused_naming_both_layouts(assets):
+    root, hf = assets
+    path = _saved(root, hf, "optim", 2, optimizer={"distributed": False}, train={"steps": 6})
+    with pytest.raises(PreflightError) as refused:
+        check_run(load_config(path), world_size=2)
+    line = str(refused.value)
+    assert "step_00000002: cannot resume: saved at TP=2 PP=1 CP=1 DP=1" in line
+    assert "distributed optimizer, requested TP=2" in line and "optimizer.distributed=true" in line
