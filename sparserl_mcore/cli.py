@@ -23,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "sparserl_mcore.rollout.cli",
         "run the embedded rollout engine behind an SGLang-style HTTP API",
     ),
+    "sglang-serve": (
+        "sparserl_mcore.sglang.cli",
+        "start SGLang with the sparse-sync weight loader and the KV-compression plugin",
+    ),
     "train": ("sparserl_mcore.trainer.cli", "RL training from a YAML config with dotted overrides"),
     "slurm": ("sparserl_mcore.slurm.cli", "render (and submit) the sbatch job of a run config"),
     "demo": ("sparserl_mcore.demo", "the small end-to-end CPU run behind `make demo`"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -19,6 +20,14 @@ def lowercase_fraction(completion: str, answer: str) -> float:
     (about a quarter of the tiny tokenizer's characters, so every group has reward variance)."""
     del answer
     return sum(c.islower() for c in completion) / max(len(completion), 1)
+
+
+def free_port() -> int:
+    """A loopback port free now (servers under test bind it; the race with other processes is
+    accepted in tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def subprocess_env() -> dict[str, str]:

@@ -20,17 +20,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from e2e_support import free_port
+
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch")
 
 
 def missing_tools() -> list[str]:
     return [tool for tool in DAEMONS if shutil.which(tool) is None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalSlurm:
@@ -97,7 +93,7 @@ class LocalSlurm:
         lines = [
             "ClusterName=sparserl-test",
             f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",
@@ -123,7 +119,7 @@ class LocalSlurm:
         ]
         for node in self.nodes:
             lines.append(
-                f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
+                f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
                 f"CPUs={self.cpus} RealMemory=4000 State=UNKNOWN"
             )
         lines.append(f"PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")

@@ -2,11 +2,13 @@
 
 For one case of WORK/plan.json (TP=2; PP=2; DP=2 with the distributed optimizer) it builds a bf16
 GPTModel from a tiny HF checkpoint, trains a few megatron Adam steps (fp32 master weights), and
-after every step: each rank diffs its own shard (`ShardSyncer`), the stage sources broadcast the
-patch fragments (`DistributedTransport`), and every rank applies them to an HF-layout receiver and
-to a receiver with a different TP size. Both are compared bit for bit with a full HF export
-(`ckpt.hf_io.export_hf_weights`) of the same step. The last step forces a wrong base version on
-rank 1 so the dense fallback runs. The same fragments also go through the directory transport
+after every step: each rank diffs its own shard and encodes its own per-rank fragment
+(`ShardSyncer.local_changes` + `sync.per_rank.encode_fragment`, the trainer's path), the fragments
+are exchanged (all_gather of bytes, standing in for the delivery), and every rank applies them to
+an HF-layout receiver and to a receiver with a different TP size. Both are compared bit for bit
+with a full HF export (`ckpt.hf_io.export_hf_weights`) of the same step. The last step forces a
+wrong base version on rank 1 so the full per-rank fallback runs. The stage-gathered patch
+(`make_patch`, a second syncer on the same model) goes through the directory transport
 (anchor every 2 versions): a follower and a late joiner must end bit-identical to the export.
 Rank results go to WORK/<case>/rank<r>.json.
 """
@@ -176,11 +178,49 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def _exchange(fragment: bytes) -> bytes:
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, fragment)
+    return b"".join(everyone)
+
+
+def _sync_per_rank(rank_syncer, meta, step: int, codec, receivers) -> tuple[int, bool, int]:
+    """(bytes, whether any rank fell back, receivers of this rank that did) for one version."""
+    from sparserl_mcore.sync.codec import PatchError
+    from sparserl_mcore.sync.per_rank import encode_fragment
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    changes = rank_syncer.local_changes()
+    frag = encode_fragment(
+        changes, meta, version=step, base_version=step - 1, fragment=(rank, world), codec=codec
+    )
+    rank_syncer.version = step
+    blob = _exchange(frag)
+    failed = []
+    for receiver in receivers:
+        try:
+            receiver.apply(blob)
+        except PatchError:
+            failed.append(receiver)
+    flag = torch.tensor([len(failed)])
+    dist.all_reduce(flag)
+    if int(flag):
+        owned = [(n, i, None, b) for n, i, b in rank_syncer.owned_elements()]
+        full = _exchange(
+            encode_fragment(owned, meta, version=step, base_version=None, fragment=(rank, world))
+        )
+        for receiver in failed:
+            receiver.apply(full)
+    return len(blob), bool(int(flag)), len(failed)
+
+
 def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
+    import dataclasses
+
     from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
     from sparserl_mcore.sync.codec import CodecConfig
     from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer
-    from sparserl_mcore.sync.transport_dist import BroadcastConfig, DistributedTransport
+    from sparserl_mcore.sync.per_rank import ModelMeta
 
     rt = initialize(
         ParallelConfig(tensor_model_parallel_size=case["tp"], pipeline_model_parallel_size=case["pp"]), seed=0
@@ -191,10 +231,12 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
             codec=CodecConfig(encoding=case["encoding"]), snapshot=case.get("snapshot", "host")
         )
         syncer = ShardSyncer.for_runtime(ddp, layout, rt, optimizer=optimizer, config=config)
+        rank_syncer = ShardSyncer.for_runtime(
+            ddp, layout, rt, optimizer=optimizer, config=dataclasses.replace(config, mirror=False)
+        )
         _check_partition(syncer, rt)
         hf, sharded = _receivers(spec, layout, hf_dir, other_tp=2 if case["tp"] == 1 else 1)
-        # a small bucket size makes the broadcast cut every fragment into several buckets
-        transport = DistributedTransport(None, syncer.groups.source_ranks, BroadcastConfig(bucket_bytes=4096))
+        meta = ModelMeta("bfloat16", layout.hf_shapes)
         gen = torch.Generator().manual_seed(100 + rt.dp_rank)
         results = []
         publisher = _Publisher(syncer, work / case["name"] / "dir")
@@ -204,8 +246,10 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
             parts = syncer.make_patch(step)
             forced = step == case["steps"] and rt.rank == 1
             if forced:
-                hf.version = -1  # this receiver missed a version: the sparse patch must be refused
-            report = transport.sync(parts, syncer.full_parts, [hf, sharded])
+                hf.ledger.version = -1  # this receiver missed a version: the sparse patch must be refused
+            sent, fell_back, local_fallbacks = _sync_per_rank(
+                rank_syncer, meta, step, config.codec, [hf, sharded]
+            )
             publisher.publish(step, parts)
             export = _export(model, layout, rt, work / case["name"] / f"v{step}")
             assert set(export) == set(hf.state) == set(layout.hf_shapes)
@@ -213,8 +257,9 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
             sharded_bad = [n for n in export if not _same(sharded.hf_tensor(n), export[n])]
             assert not hf_bad and not sharded_bad, (step, hf_bad[:3], sharded_bad[:3])
             assert hf.version == sharded.version == step
-            assert report.fell_back == (step == case["steps"]) and report.local_fallbacks == int(forced)
-            results.append({"step": step, "bytes": sum(len(p) for p in parts), "fell_back": report.fell_back})
+            assert fell_back == (step == case["steps"]) and local_fallbacks == int(forced)
+            results.append({"step": step, "bytes": sent, "gathered_bytes": sum(len(p) for p in parts),
+                            "fell_back": fell_back})  # fmt: skip
         publisher.check_late_joiner(export, case["steps"])
         (work / case["name"] / f"rank{rt.rank}.json").write_text(json.dumps(results))
     finally:

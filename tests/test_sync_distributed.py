@@ -1,9 +1,10 @@
 """Learner-side sparse sync over real megatron-core + gloo, 2 ranks: TP=2, PP=2, DP=2 + dist-opt.
 
 A torchrun run of tests/sync_worker.py per layout trains it a few steps and checks, after every
-step, that an HF-layout receiver and a receiver with a different TP size are bit-identical to a
-full HF export, including a forced dense fallback on the last step, and that the directory
-transport fed with the same fragments serves a follower and a late joiner exactly.
+step, that an HF-layout receiver and a receiver with a different TP size, fed the per-rank
+fragments, are bit-identical to a full HF export, including a forced full fallback on the last
+step, and that the directory transport fed with the stage-gathered patches serves a follower and a
+late joiner exactly.
 """
 
 from __future__ import annotations
@@ -65,5 +66,6 @@ def test_sparse_sync_matches_full_export(work, case):
     for rank in range(2):
         rows = json.loads((work / case["name"] / f"rank{rank}.json").read_text())
         assert [r["fell_back"] for r in rows] == [False] * (case["steps"] - 1) + [True]
-        is_source = rank == 0 or case["pp"] == 2  # one fragment per PP stage, from its (tp, dp) = 0 rank
-        assert all((r["bytes"] > 0) == is_source for r in rows)
+        is_source = rank == 0 or case["pp"] == 2  # one gathered fragment per PP stage, from (tp, dp) = 0
+        assert all((r["gathered_bytes"] > 0) == is_source for r in rows)
+        assert all(r["bytes"] > 0 for r in rows)  # per-rank: every rank's fragment, exchanged

@@ -21,7 +21,7 @@ import parity_worker
 def main(work: pathlib.Path, hf_dirs: list[str]) -> int:
     from sparserl_mcore.launch import verify
 
-    found = {"parity": parity_worker.run_layout(1, 3, hf_dirs), "verify": {}}
+    found = {"parity": parity_worker.run_layout(1, 3, "float32", hf_dirs), "verify": {}}
     for hf in hf_dirs:
         name = pathlib.Path(hf).name
         mcore, out = work / f"{name}_mcore", work / f"{name}_out"

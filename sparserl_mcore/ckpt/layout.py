@@ -17,6 +17,9 @@ columns [hf_col, hf_col + local_cols). That one shape covers every layout Megatr
   first/last/middle split, uneven when P does not divide the layer count); its local layer i is
   global layer `layer_offset(p) + i`, as megatron's `get_transformer_layer_offset` numbers them.
 
+`SegmentLayout` holds the index arithmetic any segment-described layout shares (SGLang's fused
+layout in `sparserl_mcore.sglang.layout` reuses it); `ModelLayout` is Megatron's.
+
 Public API (the converter and the sparse sync call these):
     layout = ModelLayout(hf_cfg, tp_size=T, pp_size=P, padded_vocab_size=Vp)   # hf_cfg: HFModelConfig
     layout = ModelLayout(..., stage_layers=(3, 2))     # an explicit split (default: the balanced one)
@@ -82,72 +85,21 @@ class ParamMap:
         return tuple(dict.fromkeys(s.hf_name for s in self.segments if s.hf_name is not None))
 
 
-class ModelLayout:
-    """Megatron <-> HF mapping for one model at one (TP, PP) layout.
+class SegmentLayout:
+    """The per-element and whole-tensor maps every segment-described layout shares.
 
-    `fused_norms=True` names the norms the way the transformer-engine spec does (layer norm fused
-    into linear_qkv / linear_fc1); the local spec keeps separate `input_layernorm` /
-    `pre_mlp_layernorm` modules. The tensor layout is the same.
+    A subclass says which parameters a shard holds (`shard`) and sets `hf_shapes`, `tp_size`,
+    `pp_size`; the index arithmetic over `Segment`s lives here once. `ModelLayout` is Megatron's
+    layout; `sparserl_mcore.sglang.layout.SGLangLayout` is SGLang's (fused qkv_proj / gate_up_proj).
     """
 
-    def __init__(
-        self,
-        hf: HFModelConfig,
-        *,
-        tp_size: int,
-        pp_size: int,
-        padded_vocab_size: int,
-        fused_norms: bool = False,
-        stage_layers: tuple[int, ...] | None = None,
-    ) -> None:
-        _check_layout(hf, tp_size, pp_size, padded_vocab_size)
-        self.hf = hf
-        self.tp_size = tp_size
-        self.pp_size = pp_size
-        self.padded_vocab_size = padded_vocab_size
-        self.fused_norms = fused_norms
-        self.stage_layers = _check_stages(hf, pp_size, stage_layers)
-        self.hf_shapes: dict[str, tuple[int, ...]] = hf.tensor_shapes()
-        self._tables: dict[tuple[ParamMap, str | None, str], dict] = {}
+    hf_shapes: dict[str, tuple[int, ...]]
+    tp_size: int
+    pp_size: int
+    _tables: dict[tuple[ParamMap, str | None, str], dict]
 
-    def __repr__(self) -> str:
-        stages = "" if len(set(self.stage_layers)) == 1 else f", stage_layers={self.stage_layers}"
-        return (
-            f"ModelLayout(arch={self.hf.arch}, tp={self.tp_size}, pp={self.pp_size}{stages}, "
-            f"vocab={self.hf.vocab_size}->{self.padded_vocab_size})"
-        )
-
-    def layer_offset(self, pp_rank: int) -> int:
-        """Global index of stage `pp_rank`'s first decoder layer."""
-        return sum(self.stage_layers[:pp_rank])
-
-    def global_layer(self, pp_rank: int, local_layer: int) -> int:
-        return self.layer_offset(pp_rank) + local_layer
-
-    @functools.cache  # noqa: B019 -- a layout lives as long as its model; shards are few
     def shard(self, tp_rank: int, pp_rank: int) -> dict[str, ParamMap]:
-        """Every local parameter of shard (tp_rank, pp_rank), keyed by its Megatron name."""
-        if not (0 <= tp_rank < self.tp_size and 0 <= pp_rank < self.pp_size):
-            raise ValueError(
-                f"shard (tp_rank={tp_rank}, pp_rank={pp_rank}) is outside tp_size={self.tp_size}, "
-                f"pp_size={self.pp_size}"
-            )
-        params: list[ParamMap] = []
-        if pp_rank == 0:
-            params.append(
-                self._vocab_param("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp_rank)
-            )
-        for local in range(self.stage_layers[pp_rank]):
-            params.extend(self._layer_params(tp_rank, local, self.global_layer(pp_rank, local)))
-        if pp_rank == self.pp_size - 1:
-            h = self.hf.hidden_size
-            params.append(_replicated("decoder.final_layernorm.weight", "model.norm.weight", h, tp_rank))
-            if not self.hf.tie_embeddings:
-                params.append(self._vocab_param("output_layer.weight", "lm_head.weight", tp_rank))
-            elif self.pp_size > 1:  # the last stage's copy of the tied embedding
-                tied = self._vocab_param("output_layer.weight", "model.embed_tokens.weight", tp_rank)
-                params.append(dataclasses.replace(tied, emit=False))
-        return {p.name: p for p in params}
+        raise NotImplementedError
 
     @functools.cache  # noqa: B019
     def _hf_index(self, tp_rank: int, pp_rank: int) -> dict[str, list[ParamMap]]:
@@ -269,16 +221,79 @@ class ModelLayout:
             self._tables[cache_key] = {k: v.to(device) if k != "names" else v for k, v in table.items()}
         return self._tables[cache_key]
 
+
+class ModelLayout(SegmentLayout):
+    """Megatron <-> HF mapping for one model at one (TP, PP) layout.
+
+    `fused_norms=True` names the norms the way the transformer-engine spec does (layer norm fused
+    into linear_qkv / linear_fc1); the local spec keeps separate `input_layernorm` /
+    `pre_mlp_layernorm` modules. The tensor layout is the same.
+    """
+
+    def __init__(
+        self,
+        hf: HFModelConfig,
+        *,
+        tp_size: int,
+        pp_size: int,
+        padded_vocab_size: int,
+        fused_norms: bool = False,
+        stage_layers: tuple[int, ...] | None = None,
+    ) -> None:
+        _check_layout(hf, tp_size, pp_size, padded_vocab_size)
+        self.hf = hf
+        self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.padded_vocab_size = padded_vocab_size
+        self.fused_norms = fused_norms
+        self.stage_layers = _check_stages(hf, pp_size, stage_layers)
+        self.hf_shapes: dict[str, tuple[int, ...]] = hf.tensor_shapes()
+        self._tables: dict[tuple[ParamMap, str | None, str], dict] = {}
+
+    def __repr__(self) -> str:
+        stages = "" if len(set(self.stage_layers)) == 1 else f", stage_layers={self.stage_layers}"
+        return (
+            f"ModelLayout(arch={self.hf.arch}, tp={self.tp_size}, pp={self.pp_size}{stages}, "
+            f"vocab={self.hf.vocab_size}->{self.padded_vocab_size})"
+        )
+
+    def layer_offset(self, pp_rank: int) -> int:
+        """Global index of stage `pp_rank`'s first decoder layer."""
+        return sum(self.stage_layers[:pp_rank])
+
+    def global_layer(self, pp_rank: int, local_layer: int) -> int:
+        return self.layer_offset(pp_rank) + local_layer
+
+    @functools.cache  # noqa: B019 -- a layout lives as long as its model; shards are few
+    def shard(self, tp_rank: int, pp_rank: int) -> dict[str, ParamMap]:
+        """Every local parameter of shard (tp_rank, pp_rank), keyed by its Megatron name."""
+        if not (0 <= tp_rank < self.tp_size and 0 <= pp_rank < self.pp_size):
+            raise ValueError(
+                f"shard (tp_rank={tp_rank}, pp_rank={pp_rank}) is outside tp_size={self.tp_size}, "
+                f"pp_size={self.pp_size}"
+            )
+        params: list[ParamMap] = []
+        if pp_rank == 0:
+            params.append(
+                self._vocab_param("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp_rank)
+            )
+        for local in range(self.stage_layers[pp_rank]):
+            params.extend(self._layer_params(tp_rank, local, self.global_layer(pp_rank, local)))
+        if pp_rank == self.pp_size - 1:
+            h = self.hf.hidden_size
+            params.append(replicated("decoder.final_layernorm.weight", "model.norm.weight", h, tp_rank))
+            if not self.hf.tie_embeddings:
+                params.append(self._vocab_param("output_layer.weight", "lm_head.weight", tp_rank))
+            elif self.pp_size > 1:  # the last stage's copy of the tied embedding
+                tied = self._vocab_param("output_layer.weight", "model.embed_tokens.weight", tp_rank)
+                params.append(dataclasses.replace(tied, emit=False))
+        return {p.name: p for p in params}
+
     # ---- parameter builders ------------------------------------------------------------------------
 
     def _vocab_param(self, name: str, hf_name: str, tp_rank: int) -> ParamMap:
         rows = self.padded_vocab_size // self.tp_size
-        start = tp_rank * rows
-        real = max(0, min(rows, self.hf.vocab_size - start))
-        segs = [Segment(hf_name, 0, real, start)] if real else []
-        if real < rows:
-            segs.append(Segment(None, real, rows - real))
-        return ParamMap(name, (rows, self.hf.hidden_size), tuple(segs), emit=True)
+        return vocab_param(name, hf_name, tp_rank * rows, rows, self.hf.vocab_size, self.hf.hidden_size)
 
     def _layer_params(self, tp_rank: int, local: int, layer: int) -> list[ParamMap]:
         hf, tp = self.hf, self.tp_size
@@ -291,7 +306,7 @@ class ModelLayout:
         )
         mlp_norm = "mlp.linear_fc1.layer_norm_weight" if self.fused_norms else "pre_mlp_layernorm.weight"
         params = [
-            _replicated(m + in_norm, a + "input_layernorm.weight", h, tp_rank),
+            replicated(m + in_norm, a + "input_layernorm.weight", h, tp_rank),
             ParamMap(
                 m + "self_attention.linear_qkv.weight",
                 (qkv_rows, h),
@@ -310,14 +325,10 @@ class ModelLayout:
             )
         if hf.qk_norm:
             params.append(
-                _replicated(
-                    m + "self_attention.q_layernorm.weight", a + "self_attn.q_norm.weight", d, tp_rank
-                )
+                replicated(m + "self_attention.q_layernorm.weight", a + "self_attn.q_norm.weight", d, tp_rank)
             )
             params.append(
-                _replicated(
-                    m + "self_attention.k_layernorm.weight", a + "self_attn.k_norm.weight", d, tp_rank
-                )
+                replicated(m + "self_attention.k_layernorm.weight", a + "self_attn.k_norm.weight", d, tp_rank)
             )
         attn_cols = hf.num_heads * d // tp
         params += [
@@ -327,7 +338,7 @@ class ModelLayout:
                 (Segment(a + "self_attn.o_proj.weight", 0, h, 0, tp_rank * attn_cols),),
                 True,
             ),
-            _replicated(m + mlp_norm, a + "post_attention_layernorm.weight", h, tp_rank),
+            replicated(m + mlp_norm, a + "post_attention_layernorm.weight", h, tp_rank),
             ParamMap(
                 m + "mlp.linear_fc1.weight",
                 (2 * ffn, h),
@@ -375,7 +386,16 @@ def layout_for(spec: ModelSpec) -> ModelLayout:
     )
 
 
-def _replicated(name: str, hf_name: str, size: int, tp_rank: int) -> ParamMap:
+def vocab_param(name: str, hf_name: str, start: int, rows: int, vocab_size: int, hidden: int) -> ParamMap:
+    """A vocab-parallel shard: HF rows [start, start + rows), rows past `vocab_size` are padding."""
+    real = max(0, min(rows, vocab_size - start))
+    segs = [Segment(hf_name, 0, real, start)] if real else []
+    if real < rows:
+        segs.append(Segment(None, real, rows - real))
+    return ParamMap(name, (rows, hidden), tuple(segs), emit=True)
+
+
+def replicated(name: str, hf_name: str, size: int, tp_rank: int) -> ParamMap:
     return ParamMap(name, (size,), (Segment(hf_name, 0, size, 0),), emit=tp_rank == 0)
 
 

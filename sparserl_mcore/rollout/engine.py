@@ -301,12 +301,11 @@ class EmbeddedEngine:
             if self._receiver is None:
                 version = self.scheduler.weight_version
                 self._receiver = sync_apply.HFReceiver(self._wire_state(), version=version)
-            before = dict(self._receiver.digests)
             try:
                 result = self._receiver.apply(patch_bytes)
             except sync_apply.PatchVersionError as exc:
                 raise WeightVersionConflict(str(exc)) from None
-            changed = {n: t for n, t in self._receiver.state.items() if result.digests[n] != before[n]}
+            changed = {n: self._receiver.state[n] for n in result.touched}
             if self._receiver.state is not self.model.params:
                 self.model.update(changed)
             self._set_version(result.version)

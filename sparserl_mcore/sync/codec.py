@@ -13,6 +13,7 @@ from sparserl_mcore.sync.encode import encode_patch, worker_count
 from sparserl_mcore.sync.fragments import decode_fragments, inspect_patch, merge_fragments, split_fragments
 from sparserl_mcore.sync.patch_format import (
     COMPRESSIONS,
+    DIGEST_SCOPES,
     FORMAT_VERSION,
     GAP_WIDTHS,
     MAGIC,
@@ -31,6 +32,7 @@ from sparserl_mcore.sync.patch_format import (
 
 __all__ = [
     "COMPRESSIONS",
+    "DIGEST_SCOPES",
     "FORMAT_VERSION",
     "GAP_WIDTHS",
     "MAGIC",

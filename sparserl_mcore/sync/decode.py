@@ -21,6 +21,7 @@ from sparserl_mcore.sync import positions
 from sparserl_mcore.sync.hashing import DIGEST_BYTES, DTYPES
 from sparserl_mcore.sync.patch_format import (
     COMPRESSIONS,
+    DIGEST_SCOPES,
     FORMAT_VERSION,
     GAP_WIDTHS,
     MAGIC,
@@ -202,6 +203,11 @@ def decode_patch(data: bytes) -> DecodedPatch:
     base = header.get("base_version")
     if base is not None and not isinstance(base, int) or isinstance(base, bool):
         raise PatchError("patch header: base_version must be an integer or null")
+    scope = header.get("digest_scope", "tensor")
+    if scope not in DIGEST_SCOPES:
+        raise PatchError(f"patch header: digest_scope {scope!r} unknown; known: {', '.join(DIGEST_SCOPES)}")
+    if scope == "touched" and base is None and encoding != "overwrite":
+        raise PatchError("a full fragment with touched digests must use the overwrite encoding")
     raw_streams = _streams(compression, _field(header, "streams", dict, "header"), body, raw_len)
     gaps_all = np.frombuffer(raw_streams[0], np.uint8)
     escapes_all = raw_streams[1]
@@ -216,7 +222,7 @@ def decode_patch(data: bytes) -> DecodedPatch:
         if entry.name in seen:
             raise PatchError(f"patch lists tensor {entry.name!r} twice")
         seen.add(entry.name)
-        if base is None and not entry.dense:
+        if base is None and not entry.dense and scope == "tensor":
             raise PatchError(f"full patch (no base version) has a sparse tensor {entry.name!r}")
         ranks = []
         for k, (nnz, gap_width, width, n_escape) in enumerate(entry.runs):
@@ -264,6 +270,7 @@ def decode_patch(data: bytes) -> DecodedPatch:
         model_numel=_field(header, "model_numel", int, "header"),
         tensors=tuple(tensors),
         fragment=_fragment(header),
+        digest_scope=scope,
     )
 
 

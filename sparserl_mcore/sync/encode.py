@@ -182,6 +182,7 @@ def encode_patch(patch: Patch, config: CodecConfig = _DEFAULT_CONFIG) -> bytes:
         "model_tensors": patch.model_tensors,
         "model_numel": patch.model_numel,
         "fragment": list(patch.fragment),
+        **({"digest_scope": patch.digest_scope} if patch.digest_scope != "tensor" else {}),
         "tensors": [entry for entry, _ in encoded],
         "streams": {
             key: [raw.size, len(st)] for key, raw, st in zip(STREAMS, streams, stored_streams, strict=True)

@@ -17,6 +17,8 @@ def merge_fragments(fragments: list[DecodedPatch]) -> DecodedPatch:
     """Join the fragments of one version into one patch; every fragment exactly once, names disjoint."""
     if not fragments:
         raise PatchError("no patch fragments given")
+    if any(f.digest_scope != "tensor" for f in fragments):
+        raise PatchError("fragments with touched digests are applied one by one, not merged")
     first = fragments[0]
     count = first.fragment[1]
     if sorted(f.fragment[0] for f in fragments) != list(range(count)) or any(

@@ -39,6 +39,12 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
     return xxhash.xxh3_128_digest(np.ascontiguousarray(bits_view(tensor)).data)
 
 
+def touched_digest(bits: np.ndarray) -> bytes:
+    """xxh3-128 of the uint16 values at a fragment's positions, in ascending position order (the
+    digest of a `digest_scope="touched"` fragment: what the receiver must hold there afterwards)."""
+    return xxhash.xxh3_128_digest(np.ascontiguousarray(bits, dtype="<u2").data)
+
+
 def model_digest(digests: Mapping[str, bytes], meta: Mapping[str, tuple[str, tuple[int, ...]]]) -> bytes:
     """xxh3-128 over (name, dtype, shape, tensor digest) of every tensor, sorted by name."""
     h = xxhash.xxh3_128()

@@ -113,6 +113,7 @@ class ShardSyncConfig:
 
     codec: CodecConfig = CodecConfig()
     snapshot: str = "host"
+    mirror: bool = True
 
     def __post_init__(self) -> None:
         if self.snapshot not in SNAPSHOT_PLACES:
@@ -153,8 +154,9 @@ class ShardSyncer:
         self.snapshot = {
             n: (self._owned(n).cpu() if on_host else self._owned(n)).clone() for n in self.params
         }
-        self.mirror = self._gather_mirror()
-        self.mirror_digests = {n: tensor_digest(t) for n, t in self.mirror.items()}
+        # the stage-gathered path's HF mirror (one dense gather now); the per-rank path needs none
+        self._mirror = self._gather_mirror() if config.mirror else None
+        self._mirror_digests = {n: tensor_digest(t) for n, t in (self._mirror or {}).items()}
         self.all_digests: dict[str, bytes] = {}
         dtype = dtype_name(next(p for _, p in model.named_parameters()).dtype)
         self.meta = {n: (dtype, shape) for n, shape in layout.hf_shapes.items()}
@@ -189,6 +191,18 @@ class ShardSyncer:
         )
 
     @property
+    def mirror(self) -> dict[str, torch.Tensor]:
+        """The stage's HF tensors on the stage source ({} elsewhere); only with `config.mirror`."""
+        if self._mirror is None:
+            raise RuntimeError("this ShardSyncer was built with mirror=False (per-rank fragments only)")
+        return self._mirror
+
+    @property
+    def mirror_digests(self) -> dict[str, bytes]:
+        self.mirror  # noqa: B018 - raises without a mirror
+        return self._mirror_digests
+
+    @property
     def is_source(self) -> bool:
         return self.rank == self.groups.stage_source
 
@@ -197,18 +211,21 @@ class ShardSyncer:
         start, end = self.owned[name]
         return self.params[name].detach().view(-1)[start:end].view(torch.int16)
 
-    def _changed(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """(owned-slice positions, new uint16 bits) that differ from the snapshot; updates it."""
+    def _changed(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(owned-slice positions, old and new uint16 bits) that differ from the snapshot; updates it."""
         cur, snap = self._owned(name), self.snapshot[name]
         if self.config.snapshot == "device":
             changed = (cur != snap).nonzero().squeeze(1)
-            new = cur.index_select(0, changed)
+            old, new = snap.index_select(0, changed), cur.index_select(0, changed)
             snap.index_copy_(0, changed, new)
-            return changed.cpu().numpy(), new.cpu().numpy().view(np.uint16)
+            return tuple(
+                t.cpu().numpy().view(np.uint16) if t is not changed else t.cpu().numpy()
+                for t in (changed, old, new)
+            )  # type: ignore[return-value]
         cur_bits, snap_bits = cur.cpu().numpy().view(np.uint16), snap.numpy().view(np.uint16)
-        changed, _, new = changed_bits(snap_bits, cur_bits)
+        changed, old, new = changed_bits(snap_bits, cur_bits)
         snap_bits[changed] = new
-        return changed, new
+        return changed, old, new
 
     def _pieces(self) -> Iterator[tuple[str, slice, slice | None, torch.Tensor]]:
         for name, p in self.params.items():
@@ -235,18 +252,38 @@ class ShardSyncer:
 
     def _local_changes(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """(hf_name, hf flat indices, new bits) for every changed element this rank owns."""
+        return [(name, idx, new) for name, idx, _, new in self.local_changes()]
+
+    def local_changes(self) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
+        """(hf_name, hf flat indices, old bits, new bits) of every element this rank owns that changed
+        since the last call (the snapshot moves on); an HF tensor may appear once per local param."""
         out = []
         if self.config.snapshot == "host":  # numpy diffs release the GIL: params run in a pool
             with ThreadPoolExecutor(worker_count()) as pool:
                 found = list(pool.map(self._changed, self.params))
         else:  # device compares stay on this thread (its current CUDA device and stream)
             found = [self._changed(name) for name in self.params]
-        for name, (changed, new_bits) in zip(self.params, found, strict=True):
+        for name, (changed, old_bits, new_bits) in zip(self.params, found, strict=True):
             if not changed.size:
                 continue
             local = torch.from_numpy(changed + self.owned[name][0])
             for hf_name, pos, hf_idx in self.layout.to_hf_index(name, local, self.tp_rank, self.pp_rank):
-                out.append((hf_name, hf_idx.numpy(), new_bits[pos.numpy()]))
+                p = pos.numpy()
+                out.append((hf_name, hf_idx.numpy(), old_bits[p], new_bits[p]))
+        return out
+
+    def owned_elements(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """(hf_name, hf flat indices, current bits) of every element this rank owns (full syncs);
+        also resets the snapshot to the current weights."""
+        out = []
+        for name in self.params:
+            cur = self._owned(name)
+            self.snapshot[name].copy_(cur if self.config.snapshot == "device" else cur.cpu())
+            start, end = self.owned[name]
+            bits = cur.cpu().numpy().view(np.uint16)
+            local = torch.arange(start, end, dtype=torch.int64)
+            for hf_name, pos, hf_idx in self.layout.to_hf_index(name, local, self.tp_rank, self.pp_rank):
+                out.append((hf_name, hf_idx.numpy(), bits[pos.numpy()]))
         return out
 
     def _merge_into_mirror(self, gathered: list[list]) -> list[TensorChange]:

@@ -38,6 +38,7 @@ WIDE_GAP_SHARE = 1 / 8
 # "base": magnitude classes of the base values where the encoder estimates a saving (receivers must
 # hold each touched tensor whole); "plain": one class, decodable without the base
 POSITION_MODELS = ("base", "plain")
+DIGEST_SCOPES = ("tensor", "touched")
 
 
 class PatchError(ValueError):
@@ -147,6 +148,10 @@ class Patch:
     tensors: tuple[TensorChange, ...]
     # (index, count): a version may travel as several fragments (one per PP stage), applied together
     fragment: tuple[int, int] = (0, 1)
+    # "tensor": each digest covers the whole tensor after the patch (and model_digest the model);
+    # "touched": each digest covers only the new values at the fragment's positions and
+    # model_digest is unused: per-rank fragments, made without any rank holding whole tensors
+    digest_scope: str = "tensor"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,6 +193,7 @@ class DecodedPatch:
     model_numel: int
     tensors: tuple[DecodedTensor, ...]
     fragment: tuple[int, int] = (0, 1)
+    digest_scope: str = "tensor"
 
     @property
     def full(self) -> bool:

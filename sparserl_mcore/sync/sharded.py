@@ -9,26 +9,39 @@ unverified and leaves the check to whoever holds the rest. For the same reason s
 cannot decode positions coded against the base (format 3's `base` position model): its sender must
 encode with `CodecConfig(position_model="plain")`, else the patch is rejected (PatchError, nothing
 written) and the transport falls back to a dense sync.
+
+Per-rank fragments (`digest_scope="touched"`, `sync.per_rank`) need no whole tensor: each is
+written and verified against the digest of the values at its own positions, on every copy this
+receiver holds, and rolled back alone; `apply.FragmentLedger` tracks the version. This is how
+one SGLang TP worker applies patches (`sparserl_mcore.sglang.loader`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from sparserl_mcore.ckpt.layout import ModelLayout
-from sparserl_mcore.sync.apply import ApplyResult, check_target, gather_bits, scatter_bits
+from sparserl_mcore.ckpt.layout import SegmentLayout
+from sparserl_mcore.sync.apply import (
+    ApplyResult,
+    FragmentLedger,
+    check_target,
+    decode_parts,
+    gather_bits,
+    scatter_bits,
+)
 from sparserl_mcore.sync.codec import (
     VALUE_ENCODINGS,
+    DecodedPatch,
     DecodedTensor,
     PatchError,
-    decode_fragments,
     resolve_positions,
 )
-from sparserl_mcore.sync.hashing import bits_view, dtype_name, model_digest, tensor_digest
+from sparserl_mcore.sync.hashing import bits_view, dtype_name, model_digest, tensor_digest, touched_digest
 
 Shard = tuple[int, int]  # (tp_rank, pp_rank)
 
@@ -45,12 +58,12 @@ class ShardedReceiver:
 
     def __init__(
         self,
-        layout: ModelLayout,
+        layout: SegmentLayout,
         shards: Mapping[Shard, Mapping[str, torch.Tensor]],
         *,
         version: int | None = None,
     ) -> None:
-        self.layout, self.shards, self.version = layout, shards, version
+        self.layout, self.shards, self.ledger = layout, shards, FragmentLedger(version)
         for (tp, pp), params in shards.items():
             expected = layout.shard(tp, pp)
             if set(params) != set(expected):
@@ -66,7 +79,18 @@ class ShardedReceiver:
                     for name in param.hf_names if param.emit else ():
                         holders.setdefault(name, set()).add((tp, pp))
         self.covered = {n for n, need in holders.items() if need <= set(shards)}
-        self.digests = {n: tensor_digest(self.hf_tensor(n)) for n in sorted(self.covered)}
+        self._digests: dict[str, bytes] | None = None  # of covered tensors, for whole-tensor patches
+
+    @property
+    def version(self) -> int | None:
+        return self.ledger.version
+
+    @property
+    def digests(self) -> dict[str, bytes]:
+        """Whole-tensor digests of the covered tensors (hashed on first use, then kept current)."""
+        if self._digests is None:
+            self._digests = {n: tensor_digest(self.hf_tensor(n)) for n in sorted(self.covered)}
+        return self._digests
 
     def hf_tensor(self, name: str) -> torch.Tensor:
         """Rebuild HF tensor `name` from the held shards (it must be covered)."""
@@ -106,10 +130,70 @@ class ShardedReceiver:
         return VALUE_ENCODINGS[encoding].apply(old, t.stored)
 
     def apply(self, parts: bytes | list[bytes]) -> ApplyResult:
-        """Validate, write every held copy, verify covered tensors; PatchError leaves nothing changed."""
-        patch = decode_fragments(parts)
+        """A whole patch, or touched-scope fragments one by one; PatchError: that one changed nothing."""
+        result = None
+        for patch in decode_parts(parts):
+            result = (
+                self._apply_touched(patch) if patch.digest_scope == "touched" else self._apply_whole(patch)
+            )
+        assert result is not None
+        return result
+
+    def _apply_touched(self, patch: DecodedPatch) -> ApplyResult:
+        self.ledger.check(patch)
+        try:
+            result = self._write_touched(patch)
+        except PatchError as exc:
+            self.ledger.failed(str(exc))
+            raise
+        self.ledger.landed_one(patch)
+        self._digests = None  # whole-tensor digests are rehashed if a whole-tensor patch comes
+        return dataclasses.replace(result, version=self.ledger.version)
+
+    def _write_touched(self, patch: DecodedPatch) -> ApplyResult:
         hf_tensors = {name: (shape, self.dtype) for name, shape in self.layout.hf_shapes.items()}
-        check_target(patch, hf_tensors, self.version)
+        check_target(patch, hf_tensors, None, check_base=False)  # the ledger checked the base
+        planned = []
+        for t in patch.tensors:
+            if t.indices is None:
+                raise PatchError(f"tensor {t.name!r}: a per-rank fragment must list its positions")
+            writes = self._plan(t)
+            held = np.zeros(t.stored.size, bool)
+            for w in writes:
+                held[w.positions] = True
+            if not held.all():
+                raise PatchError(
+                    f"tensor {t.name!r}: the fragment lists {int((~held).sum())} elements "
+                    "this receiver does not hold"
+                )
+            new = self._new_bits(t, writes, patch.encoding)
+            planned.append((t, writes, new, [gather_bits(w.flat, w.index) for w in writes]))
+        for _, writes, new, _ in planned:
+            for w in writes:
+                scatter_bits(w.flat, w.index, new[w.positions])
+        bad = [t.name for t, writes, _, _ in planned if not _copies_match(t, writes)]
+        if bad:
+            for _, writes, _, old in planned:
+                for w, o in zip(writes, old, strict=True):
+                    scatter_bits(w.flat, w.index, o)
+            raise PatchError(
+                f"digest mismatch after applying fragment {patch.fragment} of {patch.version} "
+                f"to {bad[:3]}; rolled back"
+            )
+        return ApplyResult(
+            version=patch.version,
+            changed_elements=sum(t.stored.size for t in patch.tensors),
+            changed_tensors=len(patch.tensors),
+            digests={},
+            touched=tuple(t.name for t in patch.tensors),
+        )
+
+    def _apply_whole(self, patch: DecodedPatch) -> ApplyResult:
+        """Validate, write every held copy, verify covered tensors; PatchError leaves nothing changed."""
+        if (self.ledger.pending is not None or self.ledger.broken is not None) and not patch.full:
+            raise PatchError(f"receiver is between versions ({self.ledger.broken or 'fragments pending'})")
+        hf_tensors = {name: (shape, self.dtype) for name, shape in self.layout.hf_shapes.items()}
+        check_target(patch, hf_tensors, self.ledger.version)
         patch = resolve_positions(patch, self._base_bits)
         planned = []
         for t in patch.tensors:
@@ -136,10 +220,21 @@ class ShardedReceiver:
             raise PatchError(
                 f"digest mismatch after applying patch {patch.version} to {bad[:3]}; rolled back"
             )
-        self.version, self.digests = patch.version, digests
+        self.ledger, self._digests = FragmentLedger(patch.version), digests
         return ApplyResult(
             version=patch.version,
             changed_elements=sum(t.stored.size for t in patch.tensors),
             changed_tensors=len(patch.tensors),
             digests=digests,
+            touched=tuple(t.name for t in patch.tensors),
         )
+
+
+def _copies_match(t: DecodedTensor, writes: list[_Write]) -> bool:
+    """The values now held at the fragment's positions hash to its digest, on every held copy."""
+    got = np.zeros(t.stored.size, np.uint16)
+    for w in writes:
+        got[w.positions] = gather_bits(w.flat, w.index)
+    if touched_digest(got) != t.digest:
+        return False
+    return all(np.array_equal(gather_bits(w.flat, w.index), got[w.positions]) for w in writes)

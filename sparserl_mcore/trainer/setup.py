@@ -163,12 +163,16 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
 
     saved = read_saved_run(resume_from).layout if resume_from else None
     learner = build_learner(cfg, runtime, padded_vocab_size=saved.padded_vocab_size if saved else None)
+    remote = cfg.rollout.engine == "remote"
     syncer = WeightSyncer(
         learner.model,
         learner.layout,
         runtime,
         cfg.sync.codec,
         log.event,
+        remote_urls=cfg.rollout.urls if remote else (),  # every learner rank sends its own fragment
+        token=os.environ.get(cfg.rollout.token_env) if remote and cfg.rollout.token_env else None,
+        timeout_s=cfg.rollout.request_timeout_s,
     )
     evaluator = Evaluator(
         cfg.eval,

@@ -1,28 +1,34 @@
-"""Learner -> rollout engines: sparse BF16 patches after each step, a full sync at start/resume.
+"""Learner -> rollout engines: per-rank sparse BF16 fragments after each step, full ones at start/resume.
 
-Per step (`sync`): `sync.learner.ShardSyncer` diffs every learner rank's OWN BF16 shard against
-its snapshot and maps the changed positions to HF coordinates; each pipeline stage's source rank
-encodes its fragment; the fragments reach the host rank, which hands the concatenated patch to
-every engine (`apply_patch`: in process for the embedded engine, the HTTP weight route for remote
-ones). Nothing dense moves. An fp32 learner (CPU) is diffed through a BF16 shadow of its
-parameters, refreshed before each diff: exactly the values the engines hold.
+Per step (`sync`): every learner rank diffs its OWN BF16 shard against its snapshot
+(`sync.learner.ShardSyncer.local_changes`, HF coordinates) and encodes its own fragment of the
+version (`sync.per_rank.encode_fragment`: touched-value digests, fragment (rank, world)). Nothing
+is gathered on a stage source and no rank holds a mirror of the model. Delivery:
+- remote engines (`remote_urls`): every rank POSTs its fragment to every engine itself;
+- in-process engines (the embedded engine on the host rank): the fragments, already encoded,
+  reach the host (the receiver's own process) in one `gather_object` of bytes.
+Every engine applies each fragment as it lands and moves to the version when all have landed.
+Any failure (digest mismatch, wrong base, unreachable) is shared by one `all_gather_object` of
+names, and the failed engines get a full sync made the same way (each rank its owned elements,
+`overwrite`); an engine failing that too leaves the pool. An fp32 learner (CPU) is diffed through a
+BF16 shadow of its parameters, refreshed before each diff: exactly the values the engines hold.
 
-Start and resume (`full_sync`): the HF tensors are assembled densely once (each stage's mirror,
-then to the host) and sent as a full state dict, so every engine holds exactly bf16(learner) and
-a resumed run continues from the same engine weights as an uninterrupted one. An engine whose
-patch fails verification gets that full state instead (logged); an unreachable engine leaves the
-pool.
+Start and resume (`full_sync`): the same per-rank path with every owned element, so every engine
+holds exactly bf16(learner) and a resumed run continues from the same engine weights.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from sparserl_mcore.sync.codec import CodecConfig
+from sparserl_mcore.sync.hashing import dtype_name
 from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, build_sync_groups, even_ranges
+from sparserl_mcore.sync.per_rank import ModelMeta, encode_fragment
 from sparserl_mcore.trainer.engine_pool import EnginePool, EventSink
 from sparserl_mcore.trainer.learner import unwrap_model
 from sparserl_mcore.trainer.rollouts import HOST_RANK
@@ -44,10 +50,23 @@ class _Bf16Shadow:
 
 
 class WeightSyncer:
-    """Collective `sync`/`full_sync`: every learner rank calls them; only the host talks to engines."""
+    """Collective `sync`/`full_sync`: every learner rank encodes and sends its own fragment.
+
+    remote_urls: engines every rank sends to directly (their generate traffic stays with the host's
+    pool); the host's pools' other engines are in-process and get the fragments through the host.
+    """
 
     def __init__(
-        self, model: torch.nn.Module, layout: Any, runtime: Any, codec: CodecConfig, on_event: EventSink
+        self,
+        model: torch.nn.Module,
+        layout: Any,
+        runtime: Any,
+        codec: CodecConfig,
+        on_event: EventSink,
+        *,
+        remote_urls: Sequence[str] = (),
+        token: str | None = None,
+        timeout_s: float = 600.0,
     ):
         self.layout, self.runtime, self.codec = layout, runtime, codec
         self._on_event = on_event
@@ -56,7 +75,13 @@ class WeightSyncer:
         self._shadow = _Bf16Shadow(core) if next(core.parameters()).dtype == torch.float32 else None
         self._diffed = self._shadow if self._shadow is not None else core
         self._shards: ShardSyncer | None = None
-        self._dense_bytes = 2 * sum(torch.Size(s).numel() for s in layout.hf_shapes.values())
+        self._meta = ModelMeta(dtype_name(torch.bfloat16), layout.hf_shapes)
+        self._dense_bytes = 2 * self._meta.numel
+        self._senders: dict[str, Any] = {}
+        if remote_urls:
+            from sparserl_mcore.rollout.client import RemoteEngine
+
+            self._senders = {u: RemoteEngine(u, token, timeout=timeout_s, retries=1) for u in remote_urls}
 
     def _new_shard_syncer(self, version: int) -> ShardSyncer:
         """Snapshot of the current weights as `version` (after a full sync, or a resume)."""
@@ -74,53 +99,109 @@ class WeightSyncer:
             owned=owned,
             version=version,
             # the snapshot lives where the weights do: on a GPU only changed pairs leave the device
-            config=ShardSyncConfig(codec=self.codec, snapshot="host" if rt.cpu else "device"),
+            config=ShardSyncConfig(codec=self.codec, snapshot="host" if rt.cpu else "device", mirror=False),
+        )
+
+    def _full_fragment(self, version: int) -> bytes:
+        assert self._shards is not None
+        return encode_fragment(
+            [(n, i, None, b) for n, i, b in self._shards.owned_elements()],
+            self._meta,
+            version=version,
+            base_version=None,
+            fragment=(self.runtime.rank, self.runtime.world_size),
+            codec=self.codec,
         )
 
     def full_sync(self, pools: list[EnginePool | None], *, version: int) -> None:
-        """Send every weight (start of a run, resume): engines then hold exactly bf16(learner).
-
-        The shard syncer's construction assembles each stage's HF-layout BF16 mirror on the stage
-        source (its one dense gather); the mirrors reach the host rank and go out as a state dict.
-        """
+        """Send every weight (start of a run, resume): engines then hold exactly bf16(learner)."""
         self._shards = self._new_shard_syncer(version)
-        rt = self.runtime
-        gathered = [None] * rt.world_size if rt.rank == HOST_RANK else None
-        dist.gather_object(self._shards.mirror if self._shards.is_source else {}, gathered, dst=HOST_RANK)
-        if gathered is not None:
-            state = {name: t for part in gathered for name, t in part.items()}
-            for pool in pools:
-                if pool is not None:
-                    pool.for_each(lambda e: e.update_weights(state, version), "full weight sync")
+        failed = self._deliver(self._full_fragment(version), pools, None, "full weight sync")
+        self._drop(pools, failed)
 
     def sync(self, pools: list[EnginePool | None], *, version: int) -> dict[str, float]:
-        """Collective: this version's sparse patch, made from the learner shards, applied by every engine."""
+        """Collective: this version's fragments, one per learner rank, applied by every engine."""
+        assert self._shards is not None, "full_sync must run first"
         if self._shadow is not None:
             self._shadow.refresh()
-        fragments = self._shards.make_patch(version)
-        gathered = [None] * self.runtime.world_size if self.runtime.rank == HOST_RANK else None
-        dist.gather_object(fragments, gathered, dst=HOST_RANK)
-        metrics: dict[str, float] = {}
-        if gathered is not None:
-            blob = b"".join(part for parts in gathered for part in parts)
-            for pool in pools:
-                if pool is not None:
-                    pool.for_each(lambda e: self._apply(e, blob, version), "sparse weight sync")
-            metrics = {
-                "sync/patch_bytes": float(len(blob)),
-                "sync/dense_bytes": float(self._dense_bytes),
-                "sync/ratio_vs_dense": self._dense_bytes / max(len(blob), 1),
-            }
-        return metrics
+        base = self._shards.version
+        if version <= base:
+            raise ValueError(f"version {version} must be newer than the last synced {base}")
+        fragment = encode_fragment(
+            self._shards.local_changes(),
+            self._meta,
+            version=version,
+            base_version=base,
+            fragment=(self.runtime.rank, self.runtime.world_size),
+            codec=self.codec,
+        )
+        self._shards.version = version
+        failed = self._deliver(fragment, pools, None, "sparse weight sync")
+        if failed:  # every rank learned the same names: all send their full fragment to those
+            self._on_event("sync_fallback_full", {"engines": sorted(failed)})
+            failed = self._deliver(self._full_fragment(version), pools, failed, "full fallback sync")
+            self._drop(pools, failed)
+        sent = torch.tensor([len(fragment)], dtype=torch.int64)
+        dist.all_reduce(sent)
+        return {
+            "sync/patch_bytes": float(sent),
+            "sync/dense_bytes": float(self._dense_bytes),
+            "sync/ratio_vs_dense": self._dense_bytes / max(int(sent), 1),
+        }
 
-    def _apply(self, engine: Any, blob: bytes, version: int) -> None:
-        try:
-            engine.apply_patch(blob)
-        except ValueError as exc:  # verification failed on the receiver: fall back to a full sync
-            self._on_event("sync_fallback_full", {"engine": repr(engine), "reason": str(exc)})
-            mirror = self._shards.mirror  # the host is stage 0's source: its HF mirror is current
-            if set(mirror) != set(self.layout.hf_shapes):
-                raise RuntimeError(
-                    f"patch rejected ({exc}) and no full state on the host under PP > 1"
-                ) from exc
-            engine.update_weights(mirror, version)
+    def _deliver(
+        self, fragment: bytes, pools: list[EnginePool | None], only: set[str] | None, what: str
+    ) -> set[str]:
+        """Collective: this rank's fragment to every engine (or those in `only`); the names of the
+        engines that failed, the same set on every rank."""
+        failed: dict[str, str] = {}
+        for name, client in self._senders.items():
+            if only is None or name in only:
+                try:
+                    client.apply_patch(fragment)
+                except Exception as exc:  # noqa: BLE001 - reported below, the learner carries on
+                    failed[name] = f"{type(exc).__name__}: {exc}"
+        local = self._local_engines(pools, only)
+        if self._any_local(local):
+            failed.update(self._deliver_to_host(fragment, local))
+        everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, failed)
+        merged = {k: v for part in everyone for k, v in (part or {}).items()}
+        for name, reason in sorted(merged.items()):
+            self._on_event("sync_engine_failed", {"engine": name, "what": what, "reason": reason})
+        return set(merged)
+
+    def _local_engines(self, pools: list[EnginePool | None], only: set[str] | None) -> dict[str, Any]:
+        """The host's in-process engines (empty on other ranks)."""
+        return {
+            name: engine
+            for pool in pools
+            if pool is not None
+            for name, engine in pool.live.items()
+            if name not in self._senders and (only is None or name in only)
+        }
+
+    def _any_local(self, local: dict[str, Any]) -> bool:
+        """Collective: whether the host has in-process engines to serve (so all ranks join its gather)."""
+        flag = torch.tensor([int(bool(local))], dtype=torch.int64)
+        dist.broadcast(flag, HOST_RANK)
+        return bool(flag)
+
+    def _deliver_to_host(self, fragment: bytes, local: dict[str, Any]) -> dict[str, str]:
+        host = self.runtime.rank == HOST_RANK
+        gathered: list[bytes] | None = [b""] * dist.get_world_size() if host else None
+        dist.gather_object(fragment, gathered, dst=HOST_RANK)
+        failed = {}
+        blob = b"".join(gathered or [])  # the version's fragments, each framed (codec.split_fragments)
+        for name, engine in local.items():
+            try:
+                engine.apply_patch(blob)
+            except Exception as exc:  # noqa: BLE001 - a failing engine must not stop the learner
+                failed[name] = f"{type(exc).__name__}: {exc}"
+        return failed
+
+    def _drop(self, pools: list[EnginePool | None], failed: set[str]) -> None:
+        for pool in pools:
+            if pool is not None:
+                for name in failed & set(pool.live):
+                    pool.remove(name, "weight sync failed twice (sparse and full)")

@@ -1,0 +1,69 @@
+"""`sparserl sglang-serve`: one SGLang server with our sparse-sync loader and KV plugin (launch.py).
+
+Stable command line (the Slurm scripts call it on rollout nodes):
+
+    sparserl sglang-serve --model-path DIR [--host H] [--port P] [--tp-size N] [--token T]
+        [--kv-method M --kv-budget B ...] [--startup-timeout S] [-- <extra sglang.launch_server args>]
+
+The token comes from --token or SPARSERL_SERVE_TOKEN and becomes SGLang's --admin-api-key. The
+KV flags are those of `sparserl serve` (same KVCompressionConfig). Prints
+`sparserl sglang-serve: ready <url>` once GET /health answers 200; exits 0 on SIGTERM/SIGINT
+after stopping SGLang's whole process group, or with SGLang's exit code if it dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from sparserl_mcore.rollout.cli import KV_FLAGS, TOKEN_ENV, _given
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-path", required=True, help="HF checkpoint directory SGLang loads")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address; non-loopback needs a token")
+    parser.add_argument("--port", type=int, default=30000, help="TCP port of the SGLang HTTP server")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel GPUs of this server")
+    parser.add_argument(
+        "--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for weight routes (or ${TOKEN_ENV})"
+    )
+    parser.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
+    kv = parser.add_argument_group("KV compression (omitted: KVCompressionConfig defaults)")
+    for flag, (_, kind, text) in KV_FLAGS.items():
+        kv.add_argument(f"--kv-{flag}", type=kind, default=None, help=text)
+    parser.add_argument("sglang_args", nargs=argparse.REMAINDER, help="after --: passed to SGLang as is")
+
+
+def config_from_args(args: argparse.Namespace):  # -> LaunchConfig
+    from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
+    from sparserl_mcore.sglang.launch import LaunchConfig
+
+    extra = list(args.sglang_args)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    return LaunchConfig(
+        model_path=args.model_path,
+        host=args.host,
+        port=args.port,
+        tp_size=args.tp_size,
+        token=args.token or None,
+        kv=KVCompressionConfig(**_given(args, KV_FLAGS, "kv_")),
+        extra_args=tuple(extra),
+        startup_timeout_s=args.startup_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from sparserl_mcore.sglang.launch import serve
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"sparserl sglang-serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return serve(cfg)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"sparserl sglang-serve: error: {exc}", file=sys.stderr)
+        return 1

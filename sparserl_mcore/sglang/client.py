@@ -1,0 +1,133 @@
+"""Trainer-side client of SGLang workers' weight and pause routes (sglang 0.5.23), and the router list.
+
+The router (sgl-model-gateway) proxies generation but not the weight or pause routes, so every
+learner rank that sends fragments talks to every worker directly; `router_workers` reads the
+worker URLs from the router's `GET /workers` (`{"workers": [{"url": ...}, ...]}`).
+
+Route shapes (sglang 0.5.23 `srt/entrypoints/http_server.py`, bodies from `srt/managers/io_struct.py`):
+`POST /pause_generation` {"mode"}, `/continue_generation`, `/flush_cache`, `/begin_weight_update`
+{"selector"}, `/end_weight_update`, `/update_weights_from_tensor` {"serialized_named_tensors",
+"load_format", "flush_cache", "weight_version"}, `/init_weights_update_group` {"master_address",
+"master_port", "rank_offset", "world_size", "group_name", "backend"},
+`/update_weights_from_distributed` {"names", "dtypes", "shapes", "group_name", "flush_cache",
+"weight_version", "load_format"}. Failures answer HTTP 400 with {"success": false, "message"},
+raised as `RemoteValueError` (a ValueError: the trainer then falls back to a full sync).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import torch
+
+from sparserl_mcore.rollout.client import RemoteEngine
+from sparserl_mcore.sglang.loader import LOADER_PATH, PATCH_TENSOR, VERSION_TENSOR
+
+
+def _payload(named: list[tuple[str, torch.Tensor]]) -> str:
+    """One TP rank's `serialized_named_tensors` entry: a plain pickle of CPU tensors (what SGLang's
+    `SafeUnpickler` admits: `torch._utils._rebuild_tensor_v2` + `torch.storage._load_from_bytes`),
+    base64 for the JSON body."""
+    buf = io.BytesIO()
+    pickle.dump(named, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def patch_payloads(fragments_by_rank: Sequence[bytes]) -> list[str]:
+    """`serialized_named_tensors` carrying fragment r to TP rank r."""
+    return [
+        _payload([(PATCH_TENSOR, torch.frombuffer(bytearray(f), dtype=torch.uint8))])
+        for f in fragments_by_rank
+    ]
+
+
+def version_payloads(version: int, tp_size: int) -> list[str]:
+    """Tell every TP rank it now holds `version` (after a dense NCCL sync)."""
+    return [_payload([(VERSION_TENSOR, torch.tensor([version], dtype=torch.int64))])] * tp_size
+
+
+class SGLangWorker(RemoteEngine):
+    """One SGLang server: generation through `RemoteEngine`, plus the weight-update routes."""
+
+    def __repr__(self) -> str:
+        return f"SGLangWorker({self.url!r})"
+
+    def server_info(self) -> dict[str, Any]:
+        return dict(self._call("GET", "/server_info").json())
+
+    def tp_size(self) -> int:
+        return int(self.server_info().get("tp_size", 1))
+
+    def pause(self, mode: str = "retract") -> None:
+        self._call("POST", "/pause_generation", json={"mode": mode})
+
+    def resume(self) -> None:
+        self._call("POST", "/continue_generation", json={})
+
+    def begin_weight_update(self) -> None:
+        self._call("POST", "/begin_weight_update", json={"selector": "all"})
+
+    def end_weight_update(self) -> None:
+        self._call("POST", "/end_weight_update", json={})
+
+    def send_fragments(self, fragments_by_rank: Sequence[bytes], version: int) -> None:
+        """This learner rank's fragments, one per TP rank of the worker (inside a begin/end session)."""
+        self._update_from_tensor(patch_payloads(fragments_by_rank), version)
+
+    def declare_version(self, version: int, tp_size: int) -> None:
+        self._update_from_tensor(version_payloads(version, tp_size), version)
+
+    def _update_from_tensor(self, payloads: list[str], version: int) -> None:
+        body = {
+            "serialized_named_tensors": payloads,
+            "load_format": LOADER_PATH,
+            "flush_cache": False,  # flushed once per sync, after the last fragment
+            "weight_version": str(version),
+        }
+        self._call("POST", "/update_weights_from_tensor", json=body)
+
+    def init_weights_update_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str = "nccl",
+    ) -> None:  # fmt: skip
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        self._call("POST", "/init_weights_update_group", json=body)
+
+    def update_weights_from_distributed(
+        self, tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]], *, group_name: str, version: int
+    ) -> None:
+        """Announce one bucket that the learner then broadcasts (`flattened_bucket`: one flat tensor)."""
+        body = {
+            "names": [n for n, _, _ in tensors],
+            "dtypes": [str(d).removeprefix("torch.") for _, d, _ in tensors],
+            "shapes": [list(s) for _, _, s in tensors],
+            "group_name": group_name,
+            "flush_cache": False,
+            "weight_version": str(version),
+            "load_format": "flattened_bucket",
+        }
+        self._call("POST", "/update_weights_from_distributed", json=body)
+
+
+def router_workers(router_url: str, *, timeout: float = 10.0) -> list[str]:
+    """Worker URLs the router serves, from its `GET /workers`."""
+    answer = httpx.get(router_url.rstrip("/") + "/workers", timeout=timeout)
+    answer.raise_for_status()
+    body = answer.json()
+    items = body.get("workers", []) if isinstance(body, dict) else body
+    urls = [item if isinstance(item, str) else item.get("url") for item in items]
+    if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+        raise ValueError(f"{router_url}/workers: expected a list of worker URLs, got {body!r:.200}")
+    return urls

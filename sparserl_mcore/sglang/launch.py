@@ -1,0 +1,194 @@
+"""Start one SGLang server with our weight loader and KV plugin, wait for health, tear it down.
+
+`sparserl sglang-serve` runs `python -m sglang.launch_server` (sglang 0.5.23) as a child in its
+own process group with:
+- `--custom-weight-loader sparserl_mcore.sglang.loader.load_patch_fragments` (the sparse sync
+  seam: `/update_weights_from_tensor` with `load_format` set to that path calls it on every TP
+  worker, see docs/sglang.md);
+- the plugin's settings in `SPARSERL_SGLANG` (JSON), read by `sparserl_mcore.sglang.plugin` in
+  every SGLang process; `SGLANG_PLUGINS` is extended with `sparserl` only when the user already
+  restricts the plugins (otherwise every installed plugin loads, ours included);
+- `--admin-api-key <token>` when a token is given: SGLang then requires it on the weight, pause
+  and flush routes (auth level ADMIN_OPTIONAL) while /generate stays open, the same split as
+  `sparserl serve`.
+It then polls `GET /health` until 200 (SGLang answers 503 while starting), prints one
+`sparserl sglang-serve: ready <url>` line, and waits. SIGTERM / SIGINT, a failed start or the
+child's exit end the whole process group (SIGTERM, then SIGKILL after `grace_s`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+
+from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
+from sparserl_mcore.rollout.server import is_loopback
+from sparserl_mcore.sglang.loader import LOADER_PATH
+
+PLUGIN_NAME = "sparserl"  # the entry point name in pyproject.toml (group sglang.srt.plugins)
+PLUGIN_ENV = "SPARSERL_SGLANG"  # JSON settings of the plugin; unset: the plugin stays inert
+SGLANG_MODULE = "sglang.launch_server"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """One SGLang server. extra_args go to SGLang verbatim, after ours (they may override)."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp_size: int = 1
+    token: str | None = None
+    kv: KVCompressionConfig = dataclasses.field(default_factory=KVCompressionConfig)
+    extra_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 1800.0
+    grace_s: float = 30.0
+    python: str = sys.executable
+    module: str = SGLANG_MODULE
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port={self.port}: must be in [1, 65535] (SGLang needs a fixed port)")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size={self.tp_size}: must be >= 1")
+        if self.token is None and not is_loopback(self.host):
+            raise ValueError(
+                f"host={self.host!r} is reachable from the network but no token is set: pass --token "
+                "(or SPARSERL_SERVE_TOKEN) so only the trainer can update weights, or bind 127.0.0.1"
+            )
+        if self.token is not None and len(self.token) < 8:
+            raise ValueError("token is shorter than 8 characters; use a long random string")
+        if self.kv.enabled:
+            raise ValueError(
+                f"kv method {self.kv.method!r}: KV compression inside SGLang is not implemented yet "
+                "(docs/sglang.md); use --kv-method none, or `sparserl serve` for compressed rollouts"
+            )
+        if self.startup_timeout_s <= 0 or self.grace_s <= 0:
+            raise ValueError("startup_timeout_s and grace_s must be > 0 seconds")
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+
+def sglang_argv(cfg: LaunchConfig) -> list[str]:
+    """The child's command line (checked against sglang 0.5.23's own parser in the tests)."""
+    argv = [cfg.python, "-m", cfg.module, "--model-path", cfg.model_path]
+    argv += ["--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp_size)]
+    argv += ["--custom-weight-loader", LOADER_PATH]
+    if cfg.kv.enabled and cfg.kv.method != "streamingllm":
+        # query capture runs inside RadixAttention.forward, which a replayed CUDA graph skips
+        argv += ["--cuda-graph-backend-decode", "disabled"]
+    if cfg.token is not None:
+        argv += ["--admin-api-key", cfg.token]
+    return argv + list(cfg.extra_args)
+
+
+def plugin_settings(cfg: LaunchConfig) -> dict[str, Any]:
+    """What `sparserl_mcore.sglang.plugin` reads from $SPARSERL_SGLANG in every SGLang process."""
+    return {"required": True, "kv": dataclasses.asdict(cfg.kv)}
+
+
+def child_env(cfg: LaunchConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env[PLUGIN_ENV] = json.dumps(plugin_settings(cfg), sort_keys=True)
+    allowed = [p.strip() for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
+    if allowed and PLUGIN_NAME not in allowed:
+        env["SGLANG_PLUGINS"] = ",".join([*allowed, PLUGIN_NAME])
+    return env
+
+
+class ServerProcess:
+    """The SGLang child and its process group; a context manager that always tears down."""
+
+    def __init__(self, cfg: LaunchConfig, *, argv: Sequence[str] | None = None) -> None:
+        self.cfg = cfg
+        self.argv = list(argv) if argv is not None else sglang_argv(cfg)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ServerProcess:
+        self.proc = subprocess.Popen(self.argv, env=child_env(self.cfg), start_new_session=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_healthy(self, stop: threading.Event | None = None) -> None:
+        """Return once GET /health answers 200; raise if the child exits or the timeout passes."""
+        assert self.proc is not None, "start the process first (use it as a context manager)"
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        stop = stop or threading.Event()
+        with httpx.Client(timeout=5.0) as http:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    raise RuntimeError(f"SGLang exited with code {code} before answering /health")
+                try:
+                    if http.get(self.cfg.url + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"SGLang did not answer {self.cfg.url}/health within {self.cfg.startup_timeout_s:g} s"
+                    )
+                if stop.wait(0.5):  # a signal arrived: give up at once
+                    raise InterruptedError("stopped while waiting for SGLang to start")
+
+    def stop(self) -> int | None:
+        """SIGTERM to the process group, SIGKILL after `grace_s`; the child's exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(self.cfg.grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers of the group (schedulers)
+        return self.proc.returncode
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def serve(cfg: LaunchConfig, *, on_ready: Callable[[str], None] | None = None) -> int:
+    """Run until SIGTERM/SIGINT or the child exits; 0 on a signal, else the child's exit code."""
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with ServerProcess(cfg) as server:
+            try:
+                server.wait_healthy(stop)
+            except InterruptedError:
+                return 0
+            (on_ready or _print_ready)(cfg.url)
+            while not stop.wait(0.5):
+                code = server.proc.poll() if server.proc else None
+                if code is not None:
+                    print(f"sparserl sglang-serve: SGLang exited with code {code}", file=sys.stderr)
+                    return code or 1
+            return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _print_ready(url: str) -> None:
+    print(f"sparserl sglang-serve: ready {url}", flush=True)

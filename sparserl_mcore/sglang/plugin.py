@@ -1,0 +1,90 @@
+"""Our SGLang plugin (entry point `sparserl` in group `sglang.srt.plugins`, sglang 0.5.23).
+
+SGLang's `srt/plugins/__init__.py: load_plugins` runs every installed plugin's function in each
+SGLang process (launch_server's main process, every scheduler / TP worker, the detokenizer) and
+then `srt/plugins/hook_registry.py: HookRegistry.apply_hooks` patches the registered targets.
+Both only LOG a failing plugin or a target that does not resolve, so this plugin resolves every
+target itself first and raises SystemExit (not caught there: it is not an Exception) when one is
+missing: a server whose SGLang lacks a hooked name refuses to start instead of running without it.
+
+Inert unless `$SPARSERL_SGLANG` holds our settings (`sparserl sglang-serve` sets it), so installing
+sparserl-mcore next to SGLang changes nothing by itself. Hooks:
+- AROUND `model_executor.model_runner_components.weight_updater.WeightUpdater.update_weights_from_tensor`:
+  our loader's `SyncRejected` becomes `(False, message)`, which SGLang answers as HTTP 400 (an
+  exception there would end the scheduler process).
+KV compression inside SGLang is not implemented in this release of the plugin: settings asking for
+a method other than "none" are refused at start-up (docs/sglang.md, "KV compression").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pkgutil
+from collections.abc import Callable
+from typing import Any
+
+from sparserl_mcore.sglang.launch import PLUGIN_ENV
+
+WEIGHT_UPDATER = ".".join(
+    (
+        "sglang.srt.model_executor.model_runner_components.weight_updater",
+        "WeightUpdater.update_weights_from_tensor",
+    )
+)
+
+
+def settings() -> dict[str, Any] | None:
+    raw = os.environ.get(PLUGIN_ENV)
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"sparserl plugin: ${PLUGIN_ENV} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"sparserl plugin: ${PLUGIN_ENV} must be a JSON object, got {value!r:.100}")
+    return value
+
+
+def missing_targets(targets: list[str]) -> list[str]:
+    """Dotted paths that do not resolve in the running SGLang."""
+    missing = []
+    for target in targets:
+        module, _, attr = target.rpartition(".")
+        try:
+            if not hasattr(pkgutil.resolve_name(module), attr):
+                missing.append(target)
+        except (ImportError, AttributeError, ValueError):
+            missing.append(target)
+    return missing
+
+
+def report_rejections(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook: a sparse patch our loader rejected is a failed update, not a crashed scheduler."""
+    from sparserl_mcore.sglang.loader import SyncRejected
+
+    try:
+        return original(*args, **kwargs)
+    except SyncRejected as exc:
+        return False, f"sparserl patch rejected: {exc}"
+
+
+def register() -> None:
+    """The `sglang.srt.plugins` entry point."""
+    config = settings()
+    if config is None:
+        return
+    kv = dict(config.get("kv") or {})
+    if kv.get("method", "none") != "none":
+        raise SystemExit(
+            f"sparserl plugin: KV compression inside SGLang (method={kv['method']!r}) is not implemented "
+            "in this release; start with --kv-method none (docs/sglang.md)"
+        )
+    targets = [WEIGHT_UPDATER]
+    missing = missing_targets(targets)
+    if missing:
+        raise SystemExit(f"sparserl plugin: this SGLang lacks the hooked names {missing}; pin sglang==0.5.23")
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(WEIGHT_UPDATER, report_rejections, HookType.AROUND)
