@@ -183,6 +183,26 @@ def test_compression_under_retraction(hf_model, method):
     assert engine.pool.num_free == engine.pool.num_pages
 
 
+def test_a_fixed_pool_decodes_more_requests_at_once_under_compression(hf_model):
+    """The memory claim of KV compression as the engine sees it: with the same pool, requests whose KV
+    is capped by the budget hold fewer pages, so more of them decode in each step and fewer are
+    retracted (pool: 8 pages of 4 tokens per request at full length, for 4 requests; 16 requests)."""
+    _, path = hf_model
+    params = SamplingParams(temperature=1.0, max_new_tokens=28, ignore_eos=True)
+    counts = {}
+    for method in ("none", "streamingllm"):
+        kv = KVCompressionConfig(method=method, budget=8, interval=2, window=2, sink_tokens=2)
+        engine = _engine(path, kv_compression=kv, capacity_pages=32, max_running_requests=16)
+        prompts = _prompts(16, lengths=(4,))
+        samples = engine.generate([GenerateRequest(input_ids=q, sampling=params) for q in prompts])
+        assert all(len(s.output_ids) == 28 for s in samples)
+        stats = engine.stats()
+        assert stats["peak_running"] <= 16
+        counts[method] = (stats["batched_requests"] / stats["steps"], stats["retractions"])
+    (dense, dense_retracted), (compressed, compressed_retracted) = counts["none"], counts["streamingllm"]
+    assert compressed > 1.5 * dense and compressed_retracted < dense_retracted, counts
+
+
 def test_concurrent_callers_share_prefix_and_survive_retraction(hf_model):
     """Threads submit overlapping groups into a pool too small for all: radix hits, retractions,
     and every greedy result still equals HF transformers."""
