@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sparserl_mcore.config import TelemetryConfig
-from sparserl_mcore.telemetry.console import backend_note, human_bytes, times
+from sparserl_mcore.telemetry.console import human_bytes, times
 from sparserl_mcore.telemetry.gpu import GpuMonitor
 from sparserl_mcore.telemetry.plot import plot_metrics
 from sparserl_mcore.telemetry.sinks import JsonlSink, MetricsSink, TensorBoardSink, WandbSink
@@ -86,9 +86,6 @@ class MetricsLogger:
         if cfg.wandb_project:
             self._sinks.append(WandbSink(cfg.wandb_project, cfg.wandb_run_name, run_config or {}, self.dir))
         self._gpu = GpuMonitor(device_index, enabled=cfg.gpu_stats)
-        note = backend_note()
-        if note and cfg.progress:
-            self.console.print(f"[dim]{note}[/]", highlight=False)
 
     def log(self, metrics: Mapping[str, float], *, step: int) -> dict[str, float]:
         """Write one step's metrics (plus GPU stats) to every sink; returns what was written."""
