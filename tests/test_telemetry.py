@@ -119,3 +119,42 @@ def test_gpu_monitor_is_silent_without_a_gpu() -> None:
         if not monitor.available
         else set(sample) == {"gpu/mem_used_gib", "gpu/mem_total_gib", "gpu/util_pct"}
     )
+
+
+def test_demo_summary_table_shows_start_end_and_savings(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from sparserl_mcore.demo import summary_table
+
+    rows = [{"step": 0, "eval/pass1_compressed": 0.05, "eval/pass1_dense": 0.04}]
+    for s in range(1, 11):
+        rows.append(
+            {
+                "step": s,
+                "rollout/reward_mean": 0.1 if s <= 5 else 0.3,
+                "rollout/peak_kv_bytes": 8192.0,
+                "rollout/dense_kv_bytes": 18432.0,
+                "sync/patch_bytes": 50_000.0,
+                "sync/dense_bytes": 250_000.0,
+                "train/updates": 4.0,
+                "dgg/gates": 1.0 if s % 2 else 0.0,
+                "correction/vetoed_sequences": 2.0,
+                "train/sequences": 128.0,
+            }
+        )
+    rows.append({"step": 10, "eval/pass1_compressed": 0.45, "eval/pass1_dense": 0.5})
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    console = Console(record=True, width=140)
+    console.print(summary_table(path))
+    text = console.export_text()
+    for expected in (
+        "0.100 -> 0.300",
+        "0.050 -> 0.450 (+0.400)",
+        "0.040 -> 0.500 (+0.460)",
+        "8.2 KB vs 18.4 KB (2.2x less)",
+        "500 KB vs 2.5 MB (5.0x less)",
+        "40 / 5",
+        "20 of 1280",
+    ):
+        assert expected in text, text
