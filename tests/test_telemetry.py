@@ -80,6 +80,8 @@ def test_step_lines_are_short_and_human() -> None:
     assert step_line(0, {"eval/pass1_compressed": 0.0625, "eval/pass1_dense": 0.5}) == (
         "step 0  eval 0.062 compressed KV / 0.500 dense KV"
     )
+    timed = {"time/rollout_s": 1.0, "time/update_s": 3.1, "time/step_s": 4.6}
+    assert step_line(3, timed) == "step 3  4.6 s"  # the step's wall time, not the phases summed again
     assert human_bytes(999) == "999 B" and human_bytes(1.5e6) == "1.5 MB" and human_bytes(250_000) == "250 KB"
     assert times(3.21) == "3.2x" and times(41.7) == "42x"
 

@@ -46,15 +46,21 @@ def step_line(step: int, record: Mapping[str, float]) -> str:
     ]
     if evals:
         parts.append("eval " + " / ".join(evals))
-    parts.append(_saving(record, "rollout/peak_kv_bytes", "rollout/dense_kv_bytes", "KV"))
-    parts.append(_saving(record, "sync/patch_bytes", "sync/dense_bytes", "sync"))
+    for used, dense, label in (
+        ("rollout/peak_kv_bytes", "rollout/dense_kv_bytes", "KV"),
+        ("sync/patch_bytes", "sync/dense_bytes", "sync"),
+    ):
+        saving = _saving(record, used, dense, label)
+        if saving:
+            parts.append(saving)
     for key, label in (("dgg/gates", "gated"), ("correction/vetoed_sequences", "vetoed")):
         if record.get(key):
             parts.append(f"{label} {record[key]:.0f}")
-    seconds = sum(v for k, v in record.items() if k.startswith("time/"))
+    # the step's wall time; records without it (older runs) sum their phases
+    seconds = record.get("time/step_s") or sum(v for k, v in record.items() if k.startswith("time/"))
     if seconds:
         parts.append(f"{seconds:.1f} s")
-    return "  ".join(p for p in parts if p)
+    return "  ".join(parts)
 
 
 def _plain(value: Any) -> Any:

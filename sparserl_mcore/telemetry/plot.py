@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 # A series is a metric key, or (numerator key, denominator key) for a ratio of two metrics.
@@ -85,7 +85,7 @@ def _value(record: Mapping, series: Series) -> float | None:
     return num / den if num is not None and den else None
 
 
-def _series(records: list[Mapping], series: Series) -> tuple[list[int], list[float]]:
+def _series(records: Sequence[Mapping], series: Series) -> tuple[list[int], list[float]]:
     """(steps, values) of one series; a resumed run's re-logged steps keep their latest value."""
     by_step: dict[int, float] = {}
     for r in records:
@@ -99,7 +99,7 @@ def _series(records: list[Mapping], series: Series) -> tuple[list[int], list[flo
 Curve = tuple[tuple[list[int], list[float]], str]
 
 
-def drawable_panels(records: list[Mapping]) -> list[tuple[str, list[Curve], str]]:
+def drawable_panels(records: Sequence[Mapping]) -> list[tuple[str, list[Curve], str]]:
     """(title, [((steps, values), label)], scale) of every panel with at least one logged series."""
     panels = []
     for title, series, scale in PANELS:
