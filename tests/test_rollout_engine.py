@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -301,6 +302,35 @@ def test_weight_updates_flush_cache_and_apply_sync_patches(hf_model):
         qkv_in_out[:, v_cols].t(), hf_state["model.layers.1.self_attn.v_proj.weight"].float()
     )
     assert engine.radix.num_pages == 0
+
+
+def test_fp32_engine_applies_every_fragment_of_a_version_it_receives_at_once(hf_model):
+    """The trainer hands an in-process engine one version's per-rank fragments joined in one blob.
+    An fp32 engine copies the tensors the fragments wrote from its BF16 wire state into its
+    parameters: every fragment's tensors, not only the last one's (a stale tensor made the engine's
+    policy drift from the learner's, step after step)."""
+    from sparserl_mcore.sync.hashing import bits_view, dtype_name
+    from sparserl_mcore.sync.per_rank import ModelMeta, encode_fragment
+
+    _, path = hf_model
+    engine = _engine(path)
+    assert engine.model.dtype == torch.float32
+    wire = {n: t.to(torch.bfloat16).contiguous() for n, t in engine.model.params.items()}
+    meta = ModelMeta(dtype_name(torch.bfloat16), {n: tuple(t.shape) for n, t in wire.items()})
+    owners = ("model.norm.weight", "model.layers.1.mlp.down_proj.weight")  # one tensor per learner rank
+    expected, fragments = {}, []
+    for rank, name in enumerate(owners):
+        new = wire[name].clone()
+        flat = bits_view(new)
+        idx = np.arange(0, flat.size, 3, dtype=np.int64)
+        old = flat[idx].copy()
+        flat[idx] = old + 1  # one ulp up
+        expected[name] = new.float()
+        change = [(name, idx, old, flat[idx].copy())]
+        fragments.append(encode_fragment(change, meta, version=1, base_version=0, fragment=(rank, 2)))
+    assert engine.apply_patch(b"".join(fragments)) == 1
+    for name in owners:
+        assert torch.equal(engine.model.params[name], expected[name]), name
 
 
 def test_bf16_engine_applies_sparse_patch_in_place_and_rejects_bad_one(hf_model):

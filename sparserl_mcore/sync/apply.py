@@ -299,12 +299,13 @@ class HFReceiver:
         return self.ledger.version
 
     def apply(self, data: bytes | list[bytes]) -> ApplyResult:
-        """A whole patch (all-or-nothing), or touched-scope fragments one by one (each all-or-nothing)."""
-        result = None
-        for patch in decode_parts(data):
-            result = self._apply_one(patch)
-        assert result is not None
-        return result
+        """A whole patch (all-or-nothing), or touched-scope fragments one by one (each all-or-nothing).
+        The result's `touched` names the tensors written by every part (a receiver whose state is a
+        copy, like an fp32 engine's BF16 wire state, copies exactly those back)."""
+        results = [self._apply_one(patch) for patch in decode_parts(data)]
+        assert results
+        touched = tuple(dict.fromkeys(name for r in results for name in r.touched))
+        return dataclasses.replace(results[-1], touched=touched)
 
     def _apply_one(self, patch: DecodedPatch) -> ApplyResult:
         if patch.digest_scope == "touched":
