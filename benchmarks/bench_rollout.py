@@ -13,10 +13,14 @@ load; a ratio is the median over rounds of the same-round ratio, with its min-ma
 2. each compression policy at budgets of 25% and 50% of the generated length: mean per-request
    peak KV bytes relative to `none` (goal: <= budget share + one page) and tokens/s relative to
    `none` (goal: >= 0.9);
-3. radix sharing: pool pages holding the prompts of G samples per prompt, radix on vs off (goal:
+3. fixed KV memory: every policy gets the same pool (pages for `--pool-requests` dense requests at
+   full length) and an RL-shaped batch (P prompts x G samples, temperature 1): mean and peak
+   requests decoded per step (the engine admits while pages last and retracts the youngest
+   request when they run out), retractions, and tokens/s relative to `none`;
+4. radix sharing: pool pages holding the prompts of G samples per prompt, radix on vs off (goal:
    <= 1/G + one page per sample);
-4. the matmul layout behind the engine's fp32 CPU weights: F.linear (HF layout) vs input-major;
-5. decode attention alone at this model's shape: the native kernel (rollout/native.py, pages read in
+5. the matmul layout behind the engine's fp32 CPU weights: F.linear (HF layout) vs input-major;
+6. decode attention alone at this model's shape: the native kernel (rollout/native.py, pages read in
    place) vs the torch path (page gather + SDPA), with each one's max error vs a float64 reference.
 
 `python -m benchmarks bench_rollout` (defaults); results are recorded in docs/benchmarks.md ("## Rollout
@@ -47,7 +51,7 @@ from sparserl_mcore.rollout.kvcompress import METHODS, KVCompressionConfig
 from sparserl_mcore.rollout.paged_attention import DecodeLayout, decode_attention
 from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
 
-TABLES = ("throughput", "compression", "radix", "gemm", "decode_attention")
+TABLES = ("throughput", "compression", "fixed_pool", "radix", "gemm", "decode_attention")
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -71,6 +75,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=8, help="samples per prompt (RL-shaped and radix rows)")
     p.add_argument("--rl-prompt-len", type=int, default=128, help="prompt tokens in the RL-shaped row")
     p.add_argument("--radix-prompt-len", type=int, default=200)
+    p.add_argument("--pool-prompts", type=int, default=8, help="P of the fixed-pool row (x --group samples)")
+    p.add_argument("--pool-gen", type=int, default=256, help="generated tokens per request, fixed-pool row")
+    p.add_argument("--pool-requests", type=int, default=8, help="dense full-length requests the pool holds")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per table (systems alternate)")
     p.add_argument(
         "--tables",
@@ -227,6 +234,8 @@ def main(argv: list[str]) -> int:
             _throughput_table(a, path, prompts, base, g)
         if "compression" in tables:
             _compression_table(a, path, prompts, base)
+        if "fixed_pool" in tables:
+            _fixed_pool_table(a, path, g)
         if "radix" in tables:
             _radix_table(a, path, base)
         if "gemm" in tables:
@@ -308,6 +317,59 @@ def _compression_table(a, path, prompts, base) -> None:
         print(
             f"| {method} | {budget} ({budget / a.gen:.0%} of gen) | {ratio:.3f} | {goal:.3f} "
             f"| {_rate_cell(kv_rates)} | {_ratio_cell(kv_rates, none_rates)} |"
+        )
+
+
+def _pool_runner(path, cfg: EngineConfig, prompts, gen: int) -> Runner:
+    """Like `_engine_runner` at temperature 1; its samples slot carries the run's scheduler counters."""
+    engine = EmbeddedEngine(path, cfg)
+    engine.generate(_requests(prompts[:2], 8, 1.0))  # warm-up
+
+    def run() -> tuple[Rate, list]:
+        engine.flush_cache()
+        before = engine.stats()
+        with _Clock(cfg.device) as clock:
+            samples = engine.generate(_requests(prompts, gen, 1.0))
+        after = engine.stats()
+        counts = {k: after[k] - before[k] for k in ("steps", "batched_requests", "retractions")}
+        rate = Rate(sum(len(s.output_ids) for s in samples), clock.wall, clock.cpu)
+        return rate, [counts | {"peak_running": after["peak_running"]}]
+
+    return run
+
+
+def _fixed_pool_table(a, path, g: torch.Generator) -> None:
+    """Every policy at a budget of 25% of the generation, `none` included, on one pool size."""
+    prompts = [
+        torch.randint(100, a.vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.pool_prompts)
+    ]
+    batch = [p for p in prompts for _ in range(a.group)]
+    pages = a.pool_requests * math.ceil((a.prompt_len + a.pool_gen) / a.page_size)
+    base = dict(device=a.device, page_size=a.page_size, capacity_pages=pages, max_running_requests=len(batch))
+    budget = a.pool_gen // 4
+    configs = {"none": KVCompressionConfig()} | {
+        m: KVCompressionConfig(method=m, budget=budget, interval=budget // 4, window=8)
+        for m in METHODS
+        if m != "none"
+    }
+    runners = {
+        m: _pool_runner(path, EngineConfig(**base, kv_compression=kv), batch, a.pool_gen)
+        for m, kv in configs.items()
+    }
+    rates, counts = _alternate(runners, a.repeats)
+    print(
+        f"\nfixed pool: {pages} pages of {a.page_size} tokens ({a.pool_requests} dense requests at "
+        f"full length); {a.pool_prompts} prompts of {a.prompt_len} tokens x G={a.group}, {a.pool_gen} "
+        f"tokens each, temperature 1; budget {budget}; {a.repeats} alternating rounds, tokens per CPU "
+        "second, median (min-max); requests per step and retractions from the last round\n"
+        "| policy | requests decoded per step, mean / peak | retractions | tok/s | vs none |\n"
+        "|---|---|---|---|---|"
+    )
+    for method, kv_rates in rates.items():
+        c = counts[method][0]
+        print(
+            f"| {method} | {c['batched_requests'] / c['steps']:.1f} / {c['peak_running']} "
+            f"| {c['retractions']} | {_rate_cell(kv_rates)} | {_ratio_cell(kv_rates, rates['none'])} |"
         )
 
 

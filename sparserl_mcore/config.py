@@ -43,6 +43,15 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names the dotted key."""
 
 
+# Keys that moved: old dotted key -> (new dotted key, why). An old key is refused with this hint.
+MOVED_KEYS: dict[str, tuple[str, str]] = {
+    "dgg.max_reuse": (
+        "train.reuse_epochs",
+        "batch reuse (K epochs per rollout batch) is the trainer's; DGG only ends it early",
+    ),
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # Generic dataclass <-> plain data conversion
 # ---------------------------------------------------------------------------------------------
@@ -155,6 +164,10 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     dotted = f"{prefix}." if prefix else ""
     unknown = sorted(set(data) - set(fields))
+    for key in unknown:
+        if f"{dotted}{key}" in MOVED_KEYS:
+            new, why = MOVED_KEYS[f"{dotted}{key}"]
+            raise ConfigError(f"{dotted}{key} moved to {new} ({why}); set {new} instead")
     if unknown:
         raise ConfigError(
             f"unknown key {dotted}{unknown[0]}; allowed keys in {prefix or 'the top level'}: "
@@ -413,17 +426,19 @@ class OptimizerConfig:
 class TrainConfig:
     """The loop's size. A step samples prompts_per_step * rollout.group_size sequences, then
     updates on them in optimizer steps of global_batch_size sequences, micro_batch_size sequences
-    per forward/backward on each data-parallel rank."""
+    per forward/backward on each data-parallel rank, for reuse_epochs passes over the batch
+    (K, batch reuse: 1 = single-use GRPO; with `dgg.enabled` DGG may end the reuse early)."""
 
     steps: int = 100
     seed: int = 1234
     prompts_per_step: int = 32
     global_batch_size: int = 256
     micro_batch_size: int = 4
+    reuse_epochs: int = 1
     filter_zero_variance_groups: bool = True
 
     def __post_init__(self) -> None:
-        _positive(self, "steps", "prompts_per_step", "global_batch_size", "micro_batch_size")
+        _positive(self, "steps", "prompts_per_step", "global_batch_size", "micro_batch_size", "reuse_epochs")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} is not a multiple of "

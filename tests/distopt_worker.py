@@ -183,7 +183,7 @@ def rl_update(ddp, optimizer, rt) -> dict:
     from sparserl_mcore.loss.megatron_step import train_on_batch
 
     batch = lw.local_batch(lw.rollout(2), ddp, rt, with_ref=True)
-    gate = DynamicGradientGate(DGGConfig(max_reuse=2))
+    gate = DynamicGradientGate(DGGConfig())
     res = train_on_batch(ddp, optimizer, batch, cfg=lw.UPDATE_CFG, gate=gate, runtime=rt)
     return {
         "metrics": res.metrics,

@@ -44,6 +44,7 @@ CHECKED = (
 UPDATE_CFG = UpdateConfig(
     micro_batch_size=2,
     minibatches_per_epoch=2,
+    epochs=2,
     temperature=0.8,
     vocab_size=VOCAB,
     policy=PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01),
@@ -202,8 +203,8 @@ def run_layout(hf_dir: str, out_file: pathlib.Path, tp: int, pp: int, spike: boo
     result = {"updates": [], "energies": [], "metrics": []}
 
     # 1. one update (K=1, one minibatch); the reduced grads stay in main_grad until the next update.
-    one = dataclasses.replace(UPDATE_CFG, minibatches_per_epoch=1)
-    gate = DynamicGradientGate(DGGConfig(max_reuse=1))
+    one = dataclasses.replace(UPDATE_CFG, minibatches_per_epoch=1, epochs=1)
+    gate = DynamicGradientGate(DGGConfig())
     res = train_on_batch(
         model,
         optimizer,
@@ -218,7 +219,7 @@ def run_layout(hf_dir: str, out_file: pathlib.Path, tp: int, pp: int, spike: boo
     result["energies"] += [d.energy for d in res.decisions]
 
     # 2. K=2 epochs x 2 minibatches (4 updates, window never full: no gating), no reference.
-    gate = DynamicGradientGate(DGGConfig(max_reuse=2))
+    gate = DynamicGradientGate(DGGConfig())
     res = train_on_batch(
         model,
         optimizer,
@@ -245,7 +246,7 @@ SPIKE_STEPS = (3, 7)
 
 def spike_scenario(model, optimizer, runtime) -> dict:
     """3 rollout batches, K=3, window 3 (filled by batch 1): constructed lm_head spikes at k=1, k=2."""
-    gate = DynamicGradientGate(DGGConfig(max_reuse=3, window=3, tau=0.5))
+    gate = DynamicGradientGate(DGGConfig(window=3, tau=0.5))
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=LR,
@@ -261,7 +262,7 @@ def spike_scenario(model, optimizer, runtime) -> dict:
     )
     if runtime.is_last_stage:
         lm_head_weight(model).register_hook(lambda g: g * 30.0 if scheduler.num_steps in SPIKE_STEPS else g)
-    cfg = dataclasses.replace(UPDATE_CFG, minibatches_per_epoch=1)
+    cfg = dataclasses.replace(UPDATE_CFG, minibatches_per_epoch=1, epochs=3)
     batches = []
     for seed in (3, 4, 5):
         res = train_on_batch(

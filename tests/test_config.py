@@ -77,6 +77,8 @@ def test_remote_engine_urls_from_an_override() -> None:
         (["loss.correction.mode=clip"], ["loss.correction", "mode='clip'", "sparse_rl"]),
         (["loss.policy.aggregation=sum"], ["loss.policy", "aggregation='sum'", "seq_mean"]),
         (["dgg.statistic=z"], ["dgg", "statistic='z'", "dg"]),
+        (["dgg.max_reuse=4"], ["dgg.max_reuse moved to train.reuse_epochs", "DGG only ends it early"]),
+        (["train.reuse_epochs=0"], ["train", "reuse_epochs=0", "> 0"]),
         (["rollout.group_size=1"], ["rollout", "group_size=1", ">= 2"]),
         (["train.steps.max=3"], ["train.steps", "expected an integer"]),
         (["train.steps"], ["KEY=VALUE"]),

@@ -113,7 +113,7 @@ def test_three_steps_with_everything_on_then_resume(tmp_path):
         parallel={"tensor_model_parallel_size": 1},
         train={"micro_batch_size": 4},
         loss={"correction": {"mode": "sparse_rl"}},
-        dgg={"enabled": True, "max_reuse": 2, "window": 2},
+        dgg={"enabled": True, "window": 2},  # train.reuse_epochs=2 (e2e_support)
         checkpoint={"every": 1, "save_hf": None},
         eval={"every": 1, "at_start": False},  # inside each step: only the final save follows its line
     )

@@ -63,7 +63,6 @@ def test_state_round_trip_and_config_errors():
     for kwargs, field in [
         ({"window": 1}, "window"),
         ({"statistic": "norm"}, "statistic"),
-        ({"max_reuse": 0}, "max_reuse"),
     ]:
         with pytest.raises(ValueError, match=field):
             DGGConfig(**kwargs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -183,6 +184,26 @@ def test_compression_under_retraction(hf_model, method):
     assert engine.pool.num_free == engine.pool.num_pages
 
 
+def test_a_fixed_pool_decodes_more_requests_at_once_under_compression(hf_model):
+    """The memory claim of KV compression as the engine sees it: with the same pool, requests whose KV
+    is capped by the budget hold fewer pages, so more of them decode in each step and fewer are
+    retracted (pool: 8 pages of 4 tokens per request at full length, for 4 requests; 16 requests)."""
+    _, path = hf_model
+    params = SamplingParams(temperature=1.0, max_new_tokens=28, ignore_eos=True)
+    counts = {}
+    for method in ("none", "streamingllm"):
+        kv = KVCompressionConfig(method=method, budget=8, interval=2, window=2, sink_tokens=2)
+        engine = _engine(path, kv_compression=kv, capacity_pages=32, max_running_requests=16)
+        prompts = _prompts(16, lengths=(4,))
+        samples = engine.generate([GenerateRequest(input_ids=q, sampling=params) for q in prompts])
+        assert all(len(s.output_ids) == 28 for s in samples)
+        stats = engine.stats()
+        assert stats["peak_running"] <= 16
+        counts[method] = (stats["batched_requests"] / stats["steps"], stats["retractions"])
+    (dense, dense_retracted), (compressed, compressed_retracted) = counts["none"], counts["streamingllm"]
+    assert compressed > 1.5 * dense and compressed_retracted < dense_retracted, counts
+
+
 def test_concurrent_callers_share_prefix_and_survive_retraction(hf_model):
     """Threads submit overlapping groups into a pool too small for all: radix hits, retractions,
     and every greedy result still equals HF transformers."""
@@ -281,6 +302,35 @@ def test_weight_updates_flush_cache_and_apply_sync_patches(hf_model):
         qkv_in_out[:, v_cols].t(), hf_state["model.layers.1.self_attn.v_proj.weight"].float()
     )
     assert engine.radix.num_pages == 0
+
+
+def test_fp32_engine_applies_every_fragment_of_a_version_it_receives_at_once(hf_model):
+    """The trainer hands an in-process engine one version's per-rank fragments joined in one blob.
+    An fp32 engine copies the tensors the fragments wrote from its BF16 wire state into its
+    parameters: every fragment's tensors, not only the last one's (a stale tensor made the engine's
+    policy drift from the learner's, step after step)."""
+    from sparserl_mcore.sync.hashing import bits_view, dtype_name
+    from sparserl_mcore.sync.per_rank import ModelMeta, encode_fragment
+
+    _, path = hf_model
+    engine = _engine(path)
+    assert engine.model.dtype == torch.float32
+    wire = {n: t.to(torch.bfloat16).contiguous() for n, t in engine.model.params.items()}
+    meta = ModelMeta(dtype_name(torch.bfloat16), {n: tuple(t.shape) for n, t in wire.items()})
+    owners = ("model.norm.weight", "model.layers.1.mlp.down_proj.weight")  # one tensor per learner rank
+    expected, fragments = {}, []
+    for rank, name in enumerate(owners):
+        new = wire[name].clone()
+        flat = bits_view(new)
+        idx = np.arange(0, flat.size, 3, dtype=np.int64)
+        old = flat[idx].copy()
+        flat[idx] = old + 1  # one ulp up
+        expected[name] = new.float()
+        change = [(name, idx, old, flat[idx].copy())]
+        fragments.append(encode_fragment(change, meta, version=1, base_version=0, fragment=(rank, 2)))
+    assert engine.apply_patch(b"".join(fragments)) == 1
+    for name in owners:
+        assert torch.equal(engine.model.params[name], expected[name]), name
 
 
 def test_bf16_engine_applies_sparse_patch_in_place_and_rejects_bad_one(hf_model):

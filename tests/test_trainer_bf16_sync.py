@@ -26,7 +26,7 @@ def test_bf16_learner_syncs_bit_identically_into_a_bf16_engine(tmp_path):
     found = json.loads((tmp_path / "result.json").read_text())
     assert found["learner_dtypes"] == ["torch.bfloat16"], found
     assert found["optimizers"] == ["DistributedOptimizer"], found
-    assert found["updates"] == [2.0, 2.0], found  # DGG max_reuse=2 epochs, nothing gated or skipped
+    assert found["updates"] == [2.0, 2.0], found  # train.reuse_epochs=2, nothing gated or skipped
     assert all(b > 0 for b in found["patch_bytes"]), found
     assert "sync_fallback_full" not in found["events"], found  # every patch verified on the engine
     assert found["engine_version"] == 2

@@ -51,6 +51,32 @@ def test_digit_chains_follow_the_lagged_sum_and_corruptions_score_their_prefix(t
         task.example([1] * task.lag, offset=9)
 
 
+@pytest.mark.parametrize("slip", [0.6, 1.0])
+def test_slipped_demonstrations_err_only_on_carry_steps_at_the_set_rate(slip: float) -> None:
+    task = DigitChainTask(length=24, carry_slip=slip)
+    rows = list(generate(task, 400, seed=3))
+    carries = slips = 0
+    for row in rows:
+        digits = [int(d) for d in row["prompt"].removeprefix("chain ") + row["solution"]]
+        start = len(digits) - task.length
+        for t in range(start, len(digits)):
+            total = digits[t - 1] + digits[t - 2]  # the rule applied to what the demonstration wrote
+            if total < 10:
+                assert digits[t] == total, row
+                continue
+            carries += 1
+            assert digits[t] in (total % 10, (total + 1) % 10), row
+            slips += digits[t] == (total + 1) % 10
+        clean = DigitChainTask(length=24).example(
+            [int(d) for d in row["prompt"][6:8]], offset=len(row["prompt"]) - 8
+        )
+        assert row["answer"] == clean["answer"]  # the reward always checks the true chain
+    assert abs(slips / carries - slip) < 0.03, (slips, carries)
+    assert sum(r["solution"] != r["answer"] for r in rows) > 0.9 * len(rows)
+    with pytest.raises(ValueError, match="carry_slip"):
+        DigitChainTask(carry_slip=1.5)
+
+
 @pytest.mark.parametrize("task", [RunningSumTask(), RunningSumTask(min_length=3, max_length=20, modulus=7)])
 def test_generated_solutions_verify_and_corruptions_do_not(task: RunningSumTask) -> None:
     for row in generate(task, 200, seed=1):

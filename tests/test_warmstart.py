@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from sparserl_mcore.trainer.warmstart import (
     _batch,
     _encode,
     generate_completions,
+    prepare_policy,
     warm_start,
 )
 
@@ -45,3 +47,22 @@ def test_warm_start_writes_a_loadable_checkpoint_and_is_seeded(tmp_path: Path) -
         warm_start(tiny, rows, tmp_path / "a", cfg)
     with pytest.raises(ValueError, match="warmup_steps"):
         WarmStartConfig(steps=3, warmup_steps=3)
+
+
+def test_prepare_policy_reuses_only_a_warm_start_of_the_same_recipe(tmp_path: Path) -> None:
+    small = {
+        "task": DigitChainTask(length=4, carry_slip=0.6),
+        "model": TinyModelConfig(layers=1, hidden=32, heads=2, kv_heads=1, ffn=64),
+        "cfg": WarmStartConfig(steps=2, batch_size=4, warmup_steps=1),
+        "n_train": 16,
+        "n_eval": 4,
+    }
+    first = prepare_policy(tmp_path, seed=1, **small)
+    assert (
+        first.result is not None
+        and json.loads((first.model_dir / "recipe.json").read_text())["model"]["seed"] == 1
+    )
+    assert prepare_policy(tmp_path, seed=1, **small).result is None  # same recipe: reused
+    assert prepare_policy(tmp_path, seed=2, **small).result is not None  # another seed: rebuilt
+    longer = {**small, "cfg": WarmStartConfig(steps=3, batch_size=4, warmup_steps=1)}
+    assert prepare_policy(tmp_path, seed=2, **longer).result is not None  # another schedule: rebuilt

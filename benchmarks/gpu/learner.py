@@ -114,7 +114,7 @@ def _rl_update(ddp, optimizer, scheduler, tokens: torch.Tensor, rt, micro_batch:
         logp_sparse_BT=logp * mask,
     )
     cfg = megatron_step.UpdateConfig(micro_batch_size=micro_batch, vocab_size=vocab)
-    gate = DynamicGradientGate(DGGConfig(max_reuse=1))
+    gate = DynamicGradientGate(DGGConfig())  # cfg.epochs=1: one update
     megatron_step.train_on_batch(ddp, optimizer, batch, cfg=cfg, gate=gate, runtime=rt, scheduler=scheduler)
 
 

@@ -9,8 +9,10 @@ exceeds tau -- only once the window is full and only at reuse index k > 1 (the f
 fresh rollout batch is never gated; it also keeps feeding the window, so a genuine drift of g is
 learned from first passes and cannot lock the gate shut).
 
-Defaults and why (the paper gives K and the tau range, not the window):
-  max_reuse = 4    the paper's K.
+How many times a batch is reused (K epochs) is not the gate's business: the update step's
+`UpdateConfig.epochs` (run config `train.reuse_epochs`) sets it, the gate only ends the reuse early.
+
+Defaults and why (the paper gives K = 4 and the tau range, not the window):
   tau = 0.5        the top of the paper's recommended 0.1-0.5: fewest false gates of that range.
   window = 8       two rollout batches of history at K = 4: short enough to follow the drift of g
                    during training, long enough for a usable std.
@@ -32,15 +34,12 @@ STATISTICS = ("g", "dg")
 @dataclass(frozen=True, kw_only=True)
 class DGGConfig:
     enabled: bool = True
-    max_reuse: int = 4
     tau: float = 0.5
     window: int = 8
     statistic: str = "g"
     eps: float = 1e-12
 
     def __post_init__(self) -> None:
-        if self.max_reuse < 1:
-            raise ValueError(f"max_reuse={self.max_reuse} must be >= 1 (1 = single-use GRPO)")
         if self.window < 2:
             raise ValueError(f"window={self.window} must be >= 2 (a std needs two values)")
         if self.statistic not in STATISTICS:

@@ -7,8 +7,8 @@ i.e. the log-prob of tokens_BT[:, t] comes from the logits at t - 1, so mask_BT[
     compute_logprobs(model, tokens_BT, *, micro_batch_size, temperature, vocab_size, runtime)
         -> [B, T] float32 on the last pipeline stage, None elsewhere (forward only; pi_old, pi_ref).
     train_on_batch(model, optimizer, batch, *, cfg, gate, runtime, scheduler=None) -> UpdateResult
-        up to K = gate.cfg.max_reuse epochs over the batch, each of `minibatches_per_epoch`
-        optimizer updates; DGG decides between `prepare_grads()` and `step_with_ready_grads()`.
+        up to K = cfg.epochs passes over the batch, each of `minibatches_per_epoch` optimizer
+        updates; DGG decides between `prepare_grads()` and `step_with_ready_grads()`.
 
 Every rank of the job calls both with its DP slice (identical on the TP/PP ranks of one
 model-parallel group). All normalisers are global: the Sparse-RL weight mean and the loss
@@ -43,17 +43,19 @@ from sparserl_mcore.parallel.runtime import Runtime
 
 @dataclass(frozen=True, kw_only=True)
 class UpdateConfig:
-    """How a rollout batch is consumed. K (max reuse) and the gate live in DGGConfig."""
+    """How a rollout batch is consumed: K = `epochs` passes (batch reuse; 1 = single-use GRPO) of
+    `minibatches_per_epoch` optimizer updates each. DGG (DGGConfig) may only end the reuse early."""
 
     micro_batch_size: int = 1
     minibatches_per_epoch: int = 1
+    epochs: int = 1
     temperature: float = 1.0
     vocab_size: int | None = None  # the HF vocabulary; Megatron's padding ids above it are excluded
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "minibatches_per_epoch"):
+        for name in ("micro_batch_size", "minibatches_per_epoch", "epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.temperature <= 0:
@@ -286,7 +288,7 @@ def train_on_batch(
     runtime: Runtime,
     scheduler=None,
 ) -> UpdateResult:
-    """Up to K = gate.cfg.max_reuse epochs over `batch`; a gated update is dropped and ends the reuse.
+    """Up to K = cfg.epochs passes over `batch`; a gated update is dropped and ends the reuse.
 
     Args:
         model: this rank's GPTModel stage wrapped in megatron DistributedDataParallel.
@@ -313,7 +315,7 @@ def train_on_batch(
         data["weights"], data["mask"], correction_metrics = _correct(batch, logp_old, cfg, runtime)
     per_minibatch = batch.tokens_BT.shape[0] // cfg.minibatches_per_epoch
     updates, decisions = [], []
-    for k in range(1, gate.cfg.max_reuse + 1):
+    for k in range(1, cfg.epochs + 1):
         for j in range(cfg.minibatches_per_epoch):
             rows = slice(j * per_minibatch, (j + 1) * per_minibatch)
             record, decision = _one_update(

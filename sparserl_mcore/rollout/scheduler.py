@@ -57,6 +57,8 @@ class SchedulerStats:
     prefill_tokens: int = 0
     failed_steps: int = 0
     failed_requests: int = 0
+    batched_requests: int = 0  # requests summed over forward steps: / steps = mean batch (concurrency)
+    peak_running: int = 0
 
 
 class Scheduler:
@@ -146,6 +148,8 @@ class Scheduler:
         self.stats.steps += 1
         logits = self._forward(decodes, prefills)
         batch = decodes + prefills
+        self.stats.batched_requests += len(batch)
+        self.stats.peak_running = max(self.stats.peak_running, len(batch))
         tokens, logprobs = sample(logits, [r.req.sampling for r in batch], [r.generator for r in batch])
         for r in prefills:
             self._cache_prompt(r)

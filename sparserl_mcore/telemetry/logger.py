@@ -1,8 +1,9 @@
 """`MetricsLogger`: the one object the trainer logs through on its host rank.
 
 It fans each step's scalars out to the configured sinks (JSONL always, TensorBoard, W&B), adds
-GPU memory/utilisation when there is a GPU, prints a one-line summary per step, records events
-(engine failures, skipped non-finite steps, ...) in the JSONL file, and draws the PNG at close.
+GPU memory/utilisation when there is a GPU, prints a short human-formatted line per step (above
+the live progress line, through the same console), records events (engine failures, skipped
+non-finite steps, ...) in the JSONL file, and draws the PNG at close.
 On other ranks build it with `enabled=False`: every method is then a no-op.
 
     logger = MetricsLogger(cfg.telemetry, run_config=to_dict(cfg))
@@ -18,22 +19,48 @@ from pathlib import Path
 from typing import Any
 
 from sparserl_mcore.config import TelemetryConfig
+from sparserl_mcore.telemetry.console import human_bytes, times
 from sparserl_mcore.telemetry.gpu import GpuMonitor
 from sparserl_mcore.telemetry.plot import plot_metrics
 from sparserl_mcore.telemetry.sinks import JsonlSink, MetricsSink, TensorBoardSink, WandbSink
 
-# What the one-line step summary shows: label -> metric key.
-SUMMARY = {
-    "reward": "rollout/reward_mean",
-    "eval(dense)": "eval/pass1_dense",
-    "eval(comp)": "eval/pass1_compressed",
-    "kl": "policy/kl",
-    "|dlogp|": "correction/abs_logp_diff_mean",
-    "gates": "dgg/gates",
-    "vetoed": "correction/vetoed_sequences",
-    "kv": "rollout/peak_kv_bytes",
-    "sync": "sync/patch_bytes",
-}
+
+def _saving(record: Mapping[str, float], used: str, dense: str, label: str) -> str | None:
+    """'KV 16.4 KB (1.8x less)': bytes used, and how many times fewer than dense."""
+    if used not in record:
+        return None
+    ratio = f" ({times(record[dense] / record[used])} less)" if record.get(dense) and record[used] else ""
+    return f"{label} {human_bytes(record[used])}{ratio}"
+
+
+def step_line(step: int, record: Mapping[str, float]) -> str:
+    """The one console line of a step: reward, eval (on eval steps), KV and sync bytes against
+    dense, DGG gates and vetoed sequences when there were any, wall time."""
+    parts = [f"step {step}"]
+    if "rollout/reward_mean" in record:
+        parts.append(f"reward {record['rollout/reward_mean']:.3f}")
+    evals = [
+        f"{record[k]:.3f} {name} KV"
+        for k, name in (("eval/pass1_compressed", "compressed"), ("eval/pass1_dense", "dense"))
+        if k in record
+    ]
+    if evals:
+        parts.append("eval " + " / ".join(evals))
+    for used, dense, label in (
+        ("rollout/peak_kv_bytes", "rollout/dense_kv_bytes", "KV"),
+        ("sync/patch_bytes", "sync/dense_bytes", "sync"),
+    ):
+        saving = _saving(record, used, dense, label)
+        if saving:
+            parts.append(saving)
+    for key, label in (("dgg/gates", "gated"), ("correction/vetoed_sequences", "vetoed")):
+        if record.get(key):
+            parts.append(f"{label} {record[key]:.0f}")
+    # the step's wall time; records without it (older runs) sum their phases
+    seconds = record.get("time/step_s") or sum(v for k, v in record.items() if k.startswith("time/"))
+    if seconds:
+        parts.append(f"{seconds:.1f} s")
+    return "  ".join(parts)
 
 
 def _plain(value: Any) -> Any:
@@ -75,8 +102,7 @@ class MetricsLogger:
         for sink in self._sinks:
             sink.write(step, record)
         if self.cfg.progress:
-            parts = [f"{label}={record[key]:.4g}" for label, key in SUMMARY.items() if key in record]
-            self.console.print(f"[bold cyan]step {step}[/] " + " ".join(parts), soft_wrap=True)
+            self.console.print(step_line(step, record), highlight=False, soft_wrap=True)
         return record
 
     def event(self, kind: str, fields: Mapping[str, Any]) -> None:

@@ -2,7 +2,7 @@
 
 Reading the JSONL file (not in-memory history) means the plot can be redrawn for any run, also a
 killed or resumed one: `python -c "from sparserl_mcore.telemetry import plot_metrics; ..."`.
-A panel whose metrics were never logged says so instead of silently showing an empty frame.
+Only panels with logged data are drawn (a run without KL or without DGG gets no empty frame).
 """
 
 from __future__ import annotations
@@ -10,21 +10,39 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-# (title, [(metric key, legend label)], y scale). The keys are the trainer's metric names. Scales:
+# A series is a metric key, or (numerator key, denominator key) for a ratio of two metrics.
+Series = str | tuple[str, str]
+# (title, [(series, legend label)], y scale). The keys are the trainer's metric names. Scales:
 # "linear", "zero" (linear from 0, so a ratio reads as a height ratio), "log" (ratios of ~100x).
-PANELS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
+PANELS: tuple[tuple[str, tuple[tuple[Series, str], ...], str], ...] = (
     ("train reward (mean)", (("rollout/reward_mean", "reward"),), "linear"),
-    ("eval pass@1", (("eval/pass1_dense", "dense KV"), ("eval/pass1_compressed", "compressed KV")), "linear"),
+    (
+        "greedy eval pass@1 (held-out)",
+        (("eval/pass1_dense", "dense KV"), ("eval/pass1_compressed", "compressed KV")),
+        "linear",
+    ),
+    (
+        "saved vs dense (x less)",
+        (
+            (("rollout/dense_kv_bytes", "rollout/peak_kv_bytes"), "peak KV / request"),
+            (("sync/dense_bytes", "sync/patch_bytes"), "weight sync bytes"),
+        ),
+        "zero",
+    ),
     ("KL(pi_theta || pi_ref)", (("policy/kl", "k3 KL"),), "linear"),
     (
         "mismatch pi_old vs pi_sparse",
         (("correction/abs_logp_diff_mean", "|dlogp| mean"), ("correction/mismatch_kl", "mismatch KL")),
         "linear",
     ),
-    ("DGG", (("dgg/gates", "gated updates"), ("train/epochs", "update epochs")), "linear"),
+    (
+        "updates per rollout batch",
+        (("train/updates", "applied"), ("dgg/gates", "gated by DGG"), ("train/epochs", "epochs run")),
+        "zero",
+    ),
     (
         "Sparse-RL correction",
         (
@@ -59,15 +77,36 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return records
 
 
-def _series(records: list[Mapping], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of one metric; a resumed run's re-logged steps keep their latest value."""
+def _value(record: Mapping, series: Series) -> float | None:
+    if isinstance(series, str):
+        value = record.get(series)
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    num, den = (_value(record, key) for key in series)
+    return num / den if num is not None and den else None
+
+
+def _series(records: Sequence[Mapping], series: Series) -> tuple[list[int], list[float]]:
+    """(steps, values) of one series; a resumed run's re-logged steps keep their latest value."""
     by_step: dict[int, float] = {}
     for r in records:
-        value = r.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            by_step[int(r["step"])] = float(value)
+        value = _value(r, series)
+        if value is not None:
+            by_step[int(r["step"])] = value
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
+
+
+Curve = tuple[tuple[list[int], list[float]], str]
+
+
+def drawable_panels(records: Sequence[Mapping]) -> list[tuple[str, list[Curve], str]]:
+    """(title, [((steps, values), label)], scale) of every panel with at least one logged series."""
+    panels = []
+    for title, series, scale in PANELS:
+        curves = [(data, label) for key, label in series if (data := _series(records, key))[0]]
+        if curves:
+            panels.append((title, curves, scale))
+    return panels
 
 
 def plot_metrics(
@@ -80,25 +119,23 @@ def plot_metrics(
     import matplotlib.pyplot as plt
 
     records = read_metrics(jsonl_path)
-    fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
-    for ax, (panel_title, keys, scale) in zip(axes.flat, PANELS, strict=True):
-        drawn = False
-        for key, label in keys:
-            steps, values = _series(records, key)
-            if steps:
-                ax.plot(steps, values, marker="o", markersize=3, label=label)
-                drawn = True
+    panels = drawable_panels(records)
+    cols = min(4, max(1, len(panels)))
+    rows = max(1, math.ceil(len(panels) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.3 * cols, 3.7 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.remove()
+    for ax, (panel_title, curves, scale) in zip(axes.flat, panels, strict=False):
+        for (steps, values), label in curves:
+            ax.plot(steps, values, marker="o", markersize=3, label=label)
         ax.set_title(panel_title, fontsize=11)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if drawn:
-            ax.legend(fontsize=8)
-            if scale == "log":
-                ax.set_yscale("log")
-            elif scale == "zero":
-                ax.set_ylim(0, ax.get_ylim()[1] * 1.2)  # headroom for the legend
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.legend(fontsize=8)
+        if scale == "log":
+            ax.set_yscale("log")
+        elif scale == "zero":
+            ax.set_ylim(0, ax.get_ylim()[1] * 1.2)  # headroom for the legend
     run_dir = Path(jsonl_path).resolve().parent
     fig.suptitle(title or f"{run_dir}: {len(records)} logged steps", fontsize=13)
     fig.tight_layout()

@@ -191,6 +191,7 @@ class Trainer:
                 metrics.update(self.update(batch, updates_per_epoch))
             self._weights_changed |= metrics["train/updates"] > 0
         if step % cfg.sync.every == 0 and self._weights_changed:  # skipped/gated-only: version kept
+            self.progress.phase("sync")
             with timer("sync"):
                 metrics.update(self.sync_weights(step))
         if cfg.eval.every and step % cfg.eval.every == 0:
@@ -223,8 +224,7 @@ class Trainer:
             self.parts.telemetry.log(metrics, step=self.state.step)
 
     def evaluate(self) -> dict[str, float]:
-        if self.cfg.eval.compressed:
-            self.progress.rollouts(len(self.parts.evaluator.prompts))
+        self.progress.phase("eval")
         return self.parts.evaluator.run(self.parts.pool, self.parts.dense_pool)
 
     def _trim(self, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
@@ -262,7 +262,7 @@ class Trainer:
             logp_ref_BT=logp_ref,
         )
         cfg = dataclasses.replace(learner.update_cfg, minibatches_per_epoch=updates_per_epoch)
-        self.progress.updates(updates_per_epoch * learner.gate.cfg.max_reuse)
+        self.progress.phase(f"update (<= {updates_per_epoch * cfg.epochs} optimizer steps)")
         result = megatron_step.train_on_batch(
             learner.model,
             learner.optimizer,
@@ -272,7 +272,6 @@ class Trainer:
             runtime=rt,
             scheduler=learner.scheduler,
         )
-        self.progress.advance_updates(len(result.updates), info="gated" if result.gated else "")
         skipped = sum(u.get("train/found_inf", 0.0) > 0 for u in result.updates)
         if skipped:
             self.state.skipped_updates += skipped

@@ -36,6 +36,7 @@ from sparserl_mcore.trainer.weight_sync import WeightSyncer
 def update_config(cfg: RunConfig, vocab_size: int) -> megatron_step.UpdateConfig:
     return megatron_step.UpdateConfig(
         micro_batch_size=cfg.train.micro_batch_size,
+        epochs=cfg.train.reuse_epochs,
         temperature=cfg.rollout.sampling.temperature or 1.0,
         vocab_size=vocab_size,
         correction=cfg.loss.correction,

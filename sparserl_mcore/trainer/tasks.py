@@ -4,6 +4,10 @@
 on RECENT generated state, so a policy under a small KV budget (StreamingLLM: sinks + recent
 window) can still solve it, while the evicted positions still shift its distribution: a real
 sampler/learner mismatch for the Sparse-RL correction, not a task compression makes impossible.
+Its demonstrations (`solution`, what the supervised warm start imitates) can carry a systematic
+slip on carry steps (`carry_slip`), while the `answer` the reward checks is always right: the
+warm-started policy then knows the format and most of the rule but is wrong on one sub-case of
+it, which RL can fix for every prompt at once.
 
 `RunningSumTask`: labelled running sums, whose every step copies a prompt digit; any compression
 that evicts the prompt destroys the answer (measured in docs/benchmarks.md, "Warm start").
@@ -103,11 +107,19 @@ class DigitChainTask:
     its place from the recent digits, i.e. learn the local rule that compressed KV still allows.
     Knobs: `length` (difficulty, and the generation length: one token per digit, then EOS), `lag`
     (lag 3 did not start to learn within 1500 warm-start steps of the demo model) and `max_offset`.
+
+    carry_slip: the chance that a demonstration writes a carry step (x[t-1] + x[t-lag] >= 10,
+    45% of the digit pairs) as (x[t-1] + x[t-lag] + 1) mod 10, like a pupil who always carries the
+    one. Each step slips independently and the demonstration continues from what it wrote, so it
+    follows the right rule everywhere else. Above 0.5 a policy that imitates the demonstrations
+    writes the slip greedily (greedy reward near 0) but samples the right digit 1 - carry_slip of
+    the time: the reward, which checks the true chain (`answer`), tells the two apart.
     """
 
     length: int = 40
     lag: int = 2
     max_offset: int = 4
+    carry_slip: float = 0.0
 
     def __post_init__(self) -> None:
         if not 2 <= self.lag <= 6:
@@ -116,27 +128,37 @@ class DigitChainTask:
             raise ValueError(f"length={self.length}: must be >= 1 (digits to generate)")
         if self.max_offset < 0:
             raise ValueError(f"max_offset={self.max_offset}: must be >= 0 (chain digits given in the prompt)")
+        if not 0.0 <= self.carry_slip <= 1.0:
+            raise ValueError(f"carry_slip={self.carry_slip}: must be in [0, 1] (chance a carry step slips)")
 
-    def chain(self, seeds: list[int], n: int) -> str:
-        """The `n` digits that follow `seeds`."""
+    def chain(self, seeds: list[int], n: int, slip_rng: random.Random | None = None) -> str:
+        """The `n` digits that follow `seeds`; with `slip_rng`, carry steps slip at `carry_slip`."""
         digits = list(seeds)
         for _ in range(n):
-            digits.append((digits[-1] + digits[-self.lag]) % 10)
+            total = digits[-1] + digits[-self.lag]
+            slip = slip_rng is not None and total >= 10 and slip_rng.random() < self.carry_slip
+            digits.append((total + slip) % 10)
         return "".join(map(str, digits[len(seeds) :]))
 
     def sample(self, rng: random.Random) -> dict[str, str]:
         seeds = [rng.randrange(10) for _ in range(self.lag)]
-        return self.example(seeds, offset=rng.randint(0, self.max_offset))
+        return self.example(seeds, offset=rng.randint(0, self.max_offset), slip_rng=rng)
 
-    def example(self, seeds: list[int], *, offset: int = 0) -> dict[str, str]:
-        """The prompt holds `seeds` and the first `offset` chain digits; the completion the next `length`."""
+    def example(
+        self, seeds: list[int], *, offset: int = 0, slip_rng: random.Random | None = None
+    ) -> dict[str, str]:
+        """The prompt holds `seeds` and the first `offset` chain digits; the answer the next `length`.
+        The solution is the answer, or with `slip_rng` and `carry_slip` > 0 a demonstration with slips."""
         if len(seeds) != self.lag or not all(0 <= d <= 9 for d in seeds):
             raise ValueError(f"seeds={seeds}: need exactly lag={self.lag} digits 0-9")
         if not 0 <= offset <= self.max_offset:
             raise ValueError(f"offset={offset}: must be in 0..max_offset={self.max_offset}")
         digits = "".join(map(str, seeds)) + self.chain(seeds, offset + self.length)
         given, chain = digits[: self.lag + offset], digits[self.lag + offset :]
-        return {"prompt": CHAIN_PREFIX + given, "answer": chain, "solution": chain}
+        solution = chain
+        if slip_rng is not None and self.carry_slip > 0:
+            solution = self.chain([int(d) for d in given[-self.lag :]], self.length, slip_rng)
+        return {"prompt": CHAIN_PREFIX + given, "answer": chain, "solution": solution}
 
     def completion_tokens(self) -> int:
         """Tokens of the tiny tokenizer in a reference completion, EOS excluded."""
@@ -144,7 +166,8 @@ class DigitChainTask:
 
 
 Task = RunningSumTask | DigitChainTask
-DEMO_TASK = DigitChainTask(length=40, lag=2)  # 9-token prompts, 40-token completions
+# The demo's task: 8-12-token prompts, 24-digit answers; 60% of the demonstrations' carry steps slip.
+DEMO_TASK = DigitChainTask(length=24, lag=2, carry_slip=0.6)
 
 
 def generate(task: Task, n: int, seed: int) -> Iterator[dict[str, str]]:

@@ -1,0 +1,49 @@
+"""GRPO learns, end to end: `sparserl train` on a random tiny Qwen2 with an easy verifiable reward
+(the share of lowercase letters in the completion, ~0.25 for the random policy) must raise the
+step reward by a clear margin within a few steps, with dense rollouts and with SnapKV-compressed
+rollouts under the Sparse-RL correction. A loop that does not learn (a sign error in the
+advantages, weights that never reach the engine, a correction that masks everything) fails it.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+from e2e_support import REPO, make_assets, metrics, subprocess_env, write_config
+
+from sparserl_mcore.parallel.launch import launch_local
+
+TRAIN = str(REPO / "launchers" / "train.py")
+# Mean reward of the last 2 steps minus the first 2. Measured (12 steps, seeded): 0.247 -> 0.800
+# dense, 0.240 -> 0.791 SnapKV-compressed; a run that stops learning half-way stays under it.
+MARGIN = 0.4
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kv", ["none", "snapkv"])
+def test_a_short_grpo_run_raises_an_easy_reward(tmp_path, kv):
+    hf = make_assets(tmp_path)
+    cfg = write_config(
+        tmp_path,
+        hf,
+        kv,
+        parallel={"tensor_model_parallel_size": 1},
+        rollout={
+            "group_size": 8,
+            "sampling": {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True},
+            "kv": {"method": kv, "budget": 8, "interval": 2, "window": 2, "kernel_size": 3},
+        },
+        loss={"policy": {"kl_coef": 0.0}, "correction": {"mode": "sparse_rl" if kv != "none" else "off"}},
+        train={"steps": 12},
+        checkpoint={"every": 0, "save_hf": None},
+        telemetry={"plot": False, "progress": False},
+    )
+    launch_local([TRAIN, "--config", str(cfg)], 1, env=subprocess_env(), timeout=240)
+    records = [r for r in metrics(tmp_path, kv) if "rollout/reward_mean" in r]
+    rewards = [r["rollout/reward_mean"] for r in records]
+    assert len(rewards) == 12, rewards
+    if kv != "none":
+        assert all(r["rollout/peak_kv_bytes"] < r["rollout/dense_kv_bytes"] for r in records)
+    rise = statistics.fmean(rewards[-2:]) - statistics.fmean(rewards[:2])
+    assert rise >= MARGIN, rewards
