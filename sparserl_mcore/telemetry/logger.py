@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from sparserl_mcore.config import TelemetryConfig
 from sparserl_mcore.telemetry.console import human_bytes, times
 from sparserl_mcore.telemetry.gpu import GpuMonitor
@@ -111,7 +113,8 @@ class MetricsLogger:
             return
         plain = {k: _plain(v) for k, v in fields.items()}
         self._jsonl.event(kind, plain)
-        self.console.print(f"[yellow]event[/] {kind}: {plain}", soft_wrap=True)
+        detail = escape(", ".join(f"{k}={v}" for k, v in plain.items()))
+        self.console.print(f"[yellow]{kind.replace('_', ' ')}[/]: {detail}", soft_wrap=True)
 
     def close(self) -> dict[str, Path]:
         """Close the sinks and draw the plot; returns the paths written."""
