@@ -152,8 +152,10 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(cluster, ti
     assert len(stopped) == 1 and stopped[0]["reason"] == "SIGUSR1"
     saved = stopped[0]["step"]
     assert 1 <= saved < 5 and (root / "preempt" / "ckpt" / f"step_{saved:08d}").is_dir()
-    # Slurm holds a requeued job back for a while (BeginTime); release it now
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    # Slurm holds a requeued job back for a while (BeginTime); release it sooner, but not at once:
+    # slurmd refuses a batch launch within about a second of revoking the job's previous
+    # credential ("Job credential revoked", seen once in CI), so leave it a few seconds
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+10")
     info = _wait_job(cluster, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
     print(f"preempted job: {time.monotonic() - started:.0f} s from submission to completion")
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), _diagnose(run_dir)
