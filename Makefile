@@ -54,6 +54,7 @@ bench: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # ---- GPU box without a package index (README "On a GPU") ------------------------------------
 GPU_PYTHON ?= python3

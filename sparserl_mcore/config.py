@@ -23,7 +23,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
 import yaml
 
@@ -36,7 +36,10 @@ from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
 from sparserl_mcore.rollout.protocol import SamplingParams
 from sparserl_mcore.sync.codec import CodecConfig
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class ConfigError(ValueError):
@@ -108,7 +111,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {value!r}")
         return from_dict(tp, value, prefix=key)

@@ -21,7 +21,7 @@ import pathlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
+    from megatron.core.models.gpt import GPTModel
 
     from model_providers.gpt import ModelSpec
     from sparserl_mcore.parallel.config import ParallelConfig
@@ -116,14 +116,14 @@ def spec_for_checkpoint(
     return spec
 
 
-def save_dist(model: torch.nn.Module, ckpt_dir: str | pathlib.Path) -> None:
+def save_dist(model: GPTModel, ckpt_dir: str | pathlib.Path) -> None:
     """Collective over all ranks: write `model`'s sharded state into existing empty `ckpt_dir`."""
     from megatron.core import dist_checkpointing
 
     dist_checkpointing.save(model.sharded_state_dict(), str(ckpt_dir))
 
 
-def load_dist(model: torch.nn.Module, ckpt_dir: str | pathlib.Path) -> None:
+def load_dist(model: GPTModel, ckpt_dir: str | pathlib.Path) -> None:
     """Collective over all ranks: fill `model` (any TP/PP) from a dist checkpoint."""
     from megatron.core import dist_checkpointing
 

@@ -58,7 +58,7 @@ def check_mcore_checkpoint(
     flag in errors); returns (tp, pp)."""
     from sparserl_mcore.ckpt.dist_ckpt import HF_SUBDIR, McoreCheckpointMeta
 
-    meta = McoreCheckpointMeta.read(mcore_dir)
+    meta = McoreCheckpointMeta.read(Path(mcore_dir))
     tp, pp = tp or meta.tensor_model_parallel_size, pp or meta.pipeline_model_parallel_size
     hf = parse_hf_config(Path(mcore_dir) / HF_SUBDIR)
     ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate_model(

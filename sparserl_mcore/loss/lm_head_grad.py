@@ -40,7 +40,8 @@ def leaf_optimizers(optimizer) -> list:
 
 def _owned_grad(param: torch.nn.Parameter, optimizer, dp_group: dist.ProcessGroup) -> Tensor | None:
     """The part of `param`'s reduced gradient this DP rank is responsible for (None: nothing)."""
-    grad = param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
+    main_grad = getattr(param, "main_grad", None)  # megatron DDP's fp32 grad buffer view
+    grad = main_grad if main_grad is not None else param.grad
     if grad is None:
         return None
     distributed = [leaf for leaf in leaf_optimizers(optimizer) if isinstance(leaf, DistributedOptimizer)]

@@ -147,9 +147,16 @@ def compute_logprobs(
 
 
 def _loss_func(
-    mb: dict, logits_BTV: Tensor, *, totals: LossTotals, scale: float, runtime: Runtime, cfg: UpdateConfig
+    mb: dict,
+    logits_BTV: Tensor,
+    *,
+    totals: LossTotals | None,
+    scale: float,
+    runtime: Runtime,
+    cfg: UpdateConfig,
 ):
     """megatron's loss_func contract: (loss, metrics); `scale` undoes its micro-batch/DP averaging."""
+    assert totals is not None, "megatron calls loss_func on the last pipeline stage, which has totals"
     logp, ent = _token_logprobs(
         logits_BTV, mb["tokens"], runtime=runtime, temperature=cfg.temperature, vocab_size=cfg.vocab_size
     )
@@ -312,6 +319,7 @@ def train_on_batch(
     data = _stage_data(batch, logp_old, runtime)
     correction_metrics = {}
     if runtime.is_last_stage:
+        assert logp_old is not None, "the last stage computes pi_old"
         data["weights"], data["mask"], correction_metrics = _correct(batch, logp_old, cfg, runtime)
     per_minibatch = batch.tokens_BT.shape[0] // cfg.minibatches_per_epoch
     updates, decisions = [], []

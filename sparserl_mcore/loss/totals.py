@@ -85,7 +85,7 @@ def _all_reduce_dicts(
     sums: dict[str, Tensor], maxes: dict[str, Tensor], group: dist.ProcessGroup | None
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Two collectives (one SUM, one MAX) over names sorted identically on every rank."""
-    out = []
+    out: list[dict[str, Tensor]] = []
     for values, op in ((sums, dist.ReduceOp.SUM), (maxes, dist.ReduceOp.MAX)):
         names = sorted(values)
         if not names:

@@ -85,6 +85,8 @@ class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
     reproducible and independent of the default stream (point 3 of the module docstring).
     """
 
+    _current_state_name: str  # set by megatron's tracker (untyped to mypy)
+
     def add(self, name: str, seed: int) -> None:
         self._is_initialized = True
         if seed in self.seeds_:

@@ -77,13 +77,12 @@ def _init_process_group(launch: LaunchEnv, backend: str, device: torch.device) -
         return
     store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size))
     _generation += 1
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"sparserl/world{_generation}", store),
         rank=launch.rank,
         world_size=launch.world_size,
-        **kwargs,
+        device_id=device if device.type == "cuda" else None,
     )
 
 

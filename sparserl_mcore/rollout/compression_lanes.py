@@ -41,6 +41,16 @@ class CompressionLanes:
         self.mass = torch.zeros(layers, lanes, kv_heads, 0, device=device) if mass else None
         self._free = list(range(lanes - 1, -1, -1))
 
+    def _ring(self) -> torch.Tensor:
+        if self.queries is None:
+            raise RuntimeError("these lanes keep no query ring (the policy scores without queries)")
+        return self.queries
+
+    def _mass(self) -> torch.Tensor:
+        if self.mass is None:
+            raise RuntimeError("these lanes keep no attention mass (only H2O accumulates it)")
+        return self.mass
+
     @property
     def num_free(self) -> int:
         return len(self._free)
@@ -72,22 +82,23 @@ class CompressionLanes:
 
     def push_queries(self, rows: torch.Tensor, q: torch.Tensor) -> None:
         """Store q [L, R, Hq, d]: query i goes to ring row rows[i] (`ring_row`; rows distinct)."""
-        self.queries.index_copy_(1, rows, q)
+        self._ring().index_copy_(1, rows, q)
 
     def window_queries(self, lanes: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
         """Queries at ring positions ring [B, w] (oldest first) of the B lanes: [B, L, Hq, w, d]."""
-        rows = self.queries.index_select(1, (lanes[:, None] * self.window + ring).view(-1))
+        rows = self._ring().index_select(1, (lanes[:, None] * self.window + ring).view(-1))
         return rows.view(rows.shape[0], *ring.shape, *rows.shape[2:]).permute(1, 0, 3, 2, 4)
 
     def add_mass(self, lanes: torch.Tensor, mass: torch.Tensor) -> None:
         """Add mass [L, len(lanes), Hk, N <= capacity] (slot order) to the given distinct lanes."""
-        self.mass[..., : mass.shape[-1]].index_add_(1, lanes, mass)
+        self._mass()[..., : mass.shape[-1]].index_add_(1, lanes, mass)
 
     def read_mass(self, lanes: torch.Tensor, n: int) -> torch.Tensor:
         """The first n entries of the given lanes: [len(lanes), L, Hk, n] (a copy)."""
-        return self.mass[..., :n].index_select(1, lanes).transpose(0, 1)
+        return self._mass()[..., :n].index_select(1, lanes).transpose(0, 1)
 
     def replace_mass(self, lanes: torch.Tensor, kept: torch.Tensor) -> None:
         """After a compression: lanes hold kept [len(lanes), L, Hk, k] in slots [0, k), zeros after."""
-        self.mass.index_fill_(1, lanes, 0.0)
-        self.mass[..., : kept.shape[-1]].index_copy_(1, lanes, kept.transpose(0, 1))
+        mass = self._mass()
+        mass.index_fill_(1, lanes, 0.0)
+        mass[..., : kept.shape[-1]].index_copy_(1, lanes, kept.transpose(0, 1))

@@ -308,8 +308,9 @@ class EmbeddedEngine:
             changed = {n: self._receiver.state[n] for n in result.touched}
             if self._receiver.state is not self.model.params:
                 self.model.update(changed)
-            self._set_version(result.version)
-            return result.version
+            if result.version is not None:  # None only for a receiver that never held a version
+                self._set_version(result.version)
+            return self.scheduler.weight_version
 
     def _wire_state(self) -> dict[str, torch.Tensor]:
         """The BF16 HF-layout state patches address: the live parameters when they are 16-bit (then

@@ -144,7 +144,7 @@ def decode_attention(
     k = k_rows.index_select(0, layout.pages).view(B, -1, d)  # [B, N * Hk, d], entry-major
     v = v_rows.index_select(0, layout.pages).view(B, -1, d)
     if want_mass and layout.cross_bias is not None:
-        return _cross_head_attention(q, k, v, layout)
+        return _cross_head_attention(q, k, v, layout.cross_bias, entries=N)
     k, v = (x.view(B, N, -1, d).transpose(1, 2) for x in (k, v))  # [B, Hk, N, d]
     Hk = k.shape[1]
     qg = q.view(B, Hk, Hq // Hk, d)  # the g query heads of a KV head act as g query rows
@@ -164,18 +164,19 @@ def decode_attention(
 
 
 def _cross_head_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DecodeLayout
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cross_bias: torch.Tensor, entries: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_attention` with the mass, in five ops: every query scores the keys of ALL KV heads
     in the gathered [B, N * Hk, d] order (one bmm, no head-major copy), `cross_bias` drops the other
     heads' keys to exactly 0 probability, so one softmax is each head's own softmax and one bmm with
     the values gives the output. Hk times the flops of the per-head loop, which on CPU at decode
     sizes costs less than the loop's extra ops for Hk <= 2 (docs/rollout.md, "Compression cost").
-    k, v: the gathered pages [B, N * Hk, d] (entry-major, the pool's order)."""
+    k, v: the gathered pages [B, N * Hk, d] (entry-major, the pool's order); cross_bias and
+    entries (N): the layout's."""
     B, Hq, d = q.shape
-    N = layout.valid.shape[1]
-    Hk = layout.cross_bias.shape[2] // N
-    scores = torch.baddbmm(layout.cross_bias, q.float(), k.float().transpose(1, 2), alpha=1 / math.sqrt(d))
+    N = entries
+    Hk = cross_bias.shape[2] // N
+    scores = torch.baddbmm(cross_bias, q.float(), k.float().transpose(1, 2), alpha=1 / math.sqrt(d))
     probs = scores.softmax(-1)
     out = torch.bmm(probs, v.float()).to(q.dtype)
     # [B, Hk (query group), g, N, Hk (key head)] -> max over the group, own head's keys: [B, Hk, N]

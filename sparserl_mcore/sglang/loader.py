@@ -129,7 +129,8 @@ def receiver_for(model: torch.nn.Module, tp_rank: int, tp_size: int) -> ShardedR
 
 def sglang_layout(model: torch.nn.Module, tp_size: int) -> SGLangLayout:
     """The layout of a loaded SGLang Qwen2 / Qwen3 / Llama model at `tp_size`."""
-    hf = parse_hf_config(model.config.to_dict())
+    config: Any = model.config  # SGLang's model holds the HF PretrainedConfig
+    hf = parse_hf_config(config.to_dict())
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     replicated = embed is not None and getattr(embed, "tp_size", tp_size) == 1 and tp_size > 1
     return SGLangLayout(hf, tp_size=tp_size, replicate_embedding=replicated)

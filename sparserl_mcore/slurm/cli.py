@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sparserl_mcore.config import RunConfig
+    from sparserl_mcore.slurm.layout import RolloutServer
 
 SCRIPT_NAME, CONFIG_NAME = "job.sbatch", "job-config.yaml"
 
@@ -65,7 +66,7 @@ class Job:
     config_path: Path
 
 
-def _rollout_server(asked: str, cfg: RunConfig) -> str:
+def _rollout_server(asked: RolloutServer, cfg: RunConfig) -> RolloutServer:
     """SGLang serves compressed rollouts only once its KV plugin exists (docs/sglang.md): a run
     with rollout.kv.method set gets the embedded servers under `auto`, and is refused under `sglang`."""
     from sparserl_mcore.slurm.layout import LayoutError

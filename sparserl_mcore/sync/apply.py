@@ -113,7 +113,7 @@ def scatter_bits(flat: torch.Tensor, index: np.ndarray | None, values: np.ndarra
 
 @dataclass(frozen=True)
 class ApplyResult:
-    version: int  # the receiver's version afterwards (unchanged while a version's fragments arrive)
+    version: int | None  # the receiver's version afterwards (unchanged while a version's fragments arrive)
     changed_elements: int
     changed_tensors: int
     digests: dict[str, bytes]  # whole-tensor digests (tensor-scope patches; {} for touched fragments)

@@ -18,6 +18,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,7 +28,10 @@ from sparserl_mcore.sync.codec import CodecConfig, encode_patch
 from sparserl_mcore.sync.diff import make_patch
 from sparserl_mcore.sync.hashing import state_dict_digests
 
-QWEN25_05B = {
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+QWEN25_05B: dict[str, Any] = {
     "architectures": ["Qwen2ForCausalLM"],
     "model_type": "qwen2",
     "hidden_size": 896,
@@ -43,18 +47,18 @@ QWEN25_05B = {
     "hidden_act": "silu",
 }
 # `make bench` default: the same architecture, small enough for a shared 2-core box in ~a minute.
-QUICK = {**QWEN25_05B, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+QUICK: dict[str, Any] = {**QWEN25_05B, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32000}  # fmt: skip
 
 
-def _model(args: argparse.Namespace) -> torch.nn.Module:
+def _model(args: argparse.Namespace) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     if args.hf_dir is not None:
         return AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.bfloat16)
     config = Qwen2Config(**(QWEN25_05B if args.full else QUICK))
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).to(torch.bfloat16)
+    return Qwen2ForCausalLM(config).bfloat16()
 
 
 def _hf_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -102,6 +106,7 @@ class MixedPrecisionAdam:
 
     def step(self) -> None:
         for p, m in zip(self.params, self.master, strict=True):
+            assert p.grad is not None  # every parameter is in the loss
             m.grad = p.grad.float()
             p.grad = None
         self.optimizer.step()

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -38,7 +39,16 @@ from sparserl_mcore.sync.codec import CodecConfig, Patch, TensorChange, encode_p
 from sparserl_mcore.sync.diff import changed_bits
 from sparserl_mcore.sync.hashing import bits_view, dtype_name, model_digest, tensor_digest
 
+if TYPE_CHECKING:
+    from sparserl_mcore.parallel.runtime import Runtime
+
 Ranges = dict[str, tuple[int, int]]
+
+
+class NamedParameters(Protocol):
+    """What the syncer diffs: a megatron module, or BF16 copies of an fp32 one's parameters."""
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 def mcore_name(name: str) -> str:
@@ -66,7 +76,7 @@ def distributed_optimizer_ranges(optimizer, model: torch.nn.Module) -> Ranges:
     return {mcore_name(n): by_param.get(p, (0, 0)) for n, p in model.named_parameters()}
 
 
-def even_ranges(model: torch.nn.Module, dp_rank: int, dp_size: int) -> Ranges:
+def even_ranges(model: NamedParameters, dp_rank: int, dp_size: int) -> Ranges:
     """Each param's flat range split evenly over the DP ranks (replicated params, no dist-opt)."""
     out = {}
     for name, p in model.named_parameters():
@@ -85,9 +95,9 @@ class SyncGroups:
     source_ranks: tuple[int, ...]  # global ranks of the stage sources, by pp rank
 
 
-def build_sync_groups(runtime) -> SyncGroups:
+def build_sync_groups(runtime: Runtime) -> SyncGroups:
     """Collective over all learner ranks: find each stage's source rank and group the sources."""
-    coords = [None] * runtime.world_size
+    coords: list[Any] = [None] * runtime.world_size
     dist.all_gather_object(
         coords, (runtime.rank, runtime.pp_rank, runtime.tp_rank, runtime.dp_rank, runtime.cp_rank)
     )
@@ -127,7 +137,7 @@ class ShardSyncer:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: NamedParameters,
         layout: ModelLayout,
         *,
         tp_rank: int,
@@ -215,13 +225,10 @@ class ShardSyncer:
         """(owned-slice positions, old and new uint16 bits) that differ from the snapshot; updates it."""
         cur, snap = self._owned(name), self.snapshot[name]
         if self.config.snapshot == "device":
-            changed = (cur != snap).nonzero().squeeze(1)
-            old, new = snap.index_select(0, changed), cur.index_select(0, changed)
-            snap.index_copy_(0, changed, new)
-            return tuple(
-                t.cpu().numpy().view(np.uint16) if t is not changed else t.cpu().numpy()
-                for t in (changed, old, new)
-            )  # type: ignore[return-value]
+            at = (cur != snap).nonzero().squeeze(1)
+            was, now = snap.index_select(0, at), cur.index_select(0, at)
+            snap.index_copy_(0, at, now)
+            return at.cpu().numpy(), was.cpu().numpy().view(np.uint16), now.cpu().numpy().view(np.uint16)
         cur_bits, snap_bits = cur.cpu().numpy().view(np.uint16), snap.numpy().view(np.uint16)
         changed, old, new = changed_bits(snap_bits, cur_bits)
         snap_bits[changed] = new
@@ -238,9 +245,11 @@ class ShardSyncer:
     def _gather_mirror(self) -> dict[str, torch.Tensor]:
         """The stage's HF tensors, assembled densely on the stage source (once)."""
         pieces = [(n, r, c, t.clone()) for n, r, c, t in self._pieces()]
-        gathered = [None] * dist.get_world_size(self.groups.stage) if self.is_source else None
+        gathered: list[Any] | None = (
+            [None] * dist.get_world_size(self.groups.stage) if self.is_source else None
+        )
         dist.gather_object(pieces, gathered, dst=self.groups.stage_source, group=self.groups.stage)
-        if not self.is_source:
+        if gathered is None:  # not the stage source
             return {}
         mirror: dict[str, torch.Tensor] = {}
         for name, rows, cols, tensor in (item for part in gathered for item in part):
@@ -321,7 +330,7 @@ class ShardSyncer:
     def _model_fields(self) -> dict:
         digests = dict(self.mirror_digests)
         if self.groups.sources is not None and dist.get_world_size(self.groups.sources) > 1:
-            parts = [None] * dist.get_world_size(self.groups.sources)
+            parts: list[Any] = [None] * dist.get_world_size(self.groups.sources)
             dist.all_gather_object(parts, self.mirror_digests, group=self.groups.sources)
             digests = {k: v for part in parts for k, v in part.items()}
         if set(digests) != set(self.layout.hf_shapes):
@@ -339,10 +348,12 @@ class ShardSyncer:
         if version <= self.version:
             raise ValueError(f"version {version} must be newer than the last synced {self.version}")
         local = self._local_changes()
-        gathered = [None] * dist.get_world_size(self.groups.stage) if self.is_source else None
+        gathered: list[Any] | None = (
+            [None] * dist.get_world_size(self.groups.stage) if self.is_source else None
+        )
         dist.gather_object(local, gathered, dst=self.groups.stage_source, group=self.groups.stage)
         base, self.version = self.version, version
-        if not self.is_source:
+        if gathered is None:  # not the stage source
             return []
         changes = self._merge_into_mirror(gathered)
         patch = Patch(
@@ -361,7 +372,7 @@ class ShardSyncer:
         if self.groups.sources is None:
             return []
         first = self.groups.source_ranks[0]
-        gathered = [None] * len(self.groups.source_ranks) if self.rank == first else None
+        gathered: list[Any] | None = [None] * len(self.groups.source_ranks) if self.rank == first else None
         dist.gather_object(parts, gathered, dst=first, group=self.groups.sources)
         return [p for stage in gathered for p in stage] if gathered is not None else []
 

@@ -81,7 +81,7 @@ def encode_fragment(
         parts = per_name[name]
         idx = np.concatenate([p[1] for p in parts]).astype(np.int64, copy=False)
         new = np.concatenate([p[3] for p in parts])
-        old = None if any(p[2] is None for p in parts) else np.concatenate([p[2] for p in parts])  # type: ignore[misc]
+        old = None if any(p[2] is None for p in parts) else np.concatenate([p[2] for p in parts])
         order = np.argsort(idx, kind="stable")
         idx, new = idx[order], new[order]
         if idx.size > 1 and not (np.diff(idx) > 0).all():

@@ -44,7 +44,7 @@ _CHUNK = 1 << 18
 _SAMPLE = 1 << 14
 
 
-def _binary_entropy_bits(k: np.ndarray, n: np.ndarray) -> np.ndarray:
+def _binary_entropy_bits(k: np.ndarray | np.float64, n: np.ndarray | np.float64) -> np.ndarray:
     """n x H(k / n): the bits needed to say which k of n elements changed (0 where k = 0 or n)."""
     p = np.divide(k, n, out=np.zeros_like(k), where=n > 0)
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sparserl_mcore.sync.apply import HFReceiver
 from sparserl_mcore.sync.codec import PatchError
@@ -94,13 +95,14 @@ class DirectoryPublisher:
             raise ValueError(
                 f"version {version} needs a full anchor (anchor_every={self.config.anchor_every})"
             )
-        entry = {"version": version, "base_version": base_version, "patch": [], "full": None}
+        entry: dict[str, Any] = {"version": version, "base_version": base_version, "patch": [], "full": None}
         if parts and base_version is not None:
             for i, part in enumerate(parts):
                 name = f"v{version:010d}.f{i}.patch"
                 atomic_write_bytes(self.root / name, part)
                 entry["patch"].append(name)
         if self.anchor_due(version):
+            assert full is not None  # refused above, before anything was written
             entry["full"] = f"v{version:010d}.full"
             atomic_write_bytes(self.root / entry["full"], full())
         entry["anchor_version"] = version if entry["full"] else self.last_anchor()

@@ -43,7 +43,7 @@ def _check_value(value: Any, key: str, where: str) -> str:
 
 
 def _read_jsonl(path: Path, prompt_key: str, answer_key: str) -> list[Example]:
-    rows = []
+    rows: list[Example] = []
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():

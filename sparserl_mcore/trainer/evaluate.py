@@ -42,6 +42,7 @@ class Evaluator:
         out: list[Any] = [{}]
         if dist.get_rank() == HOST_RANK and self.prompts:
             if self.cfg.compressed:
+                assert compressed is not None, "the host rank holds the compressed engine pool"
                 out[0]["eval/pass1_compressed"] = self._pass_at_1(compressed)
             if self.cfg.dense and dense is not None:
                 out[0]["eval/pass1_dense"] = self._pass_at_1(dense)

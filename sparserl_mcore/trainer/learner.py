@@ -8,11 +8,14 @@ master weights, sharded over DP by megatron's distributed optimizer (the default
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
 )
+from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -68,11 +71,12 @@ def wrap_ddp(
     return DistributedDataParallel(spec.config, ddp_config, model, pg_collection=runtime.groups)
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap_model(model: torch.nn.Module) -> GPTModel:
     """The GPTModel inside megatron's DDP / Float16 wrappers (their own sharded_state_dict adds prefixes)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+    inner: Any = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return inner
 
 
 class NonFiniteGradGuard:

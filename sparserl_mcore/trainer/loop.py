@@ -310,6 +310,8 @@ class Trainer:
             "data": self.state.data,
             "layout": self.layout,
         }
+        if self.cfg.checkpoint.dir is None:
+            raise ValueError("checkpoint.dir is not set: there is nowhere to save the run")
         self._saved_step = self.state.step
         return checkpoint.save_checkpoint(
             self.cfg.checkpoint.dir,

@@ -33,7 +33,9 @@ class PromptData:
         return self.eval[:limit] if limit else list(self.eval)
 
     def decode(self, ids: tuple[int, ...]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence in, one string out
+        return text
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()

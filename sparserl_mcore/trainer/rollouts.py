@@ -76,6 +76,7 @@ def generate_and_score(
     payload: list[Any] = [None]
     if dist.get_rank() == HOST_RANK:
         try:
+            assert pool is not None, "the host rank holds the engine pool"
             requests = make_requests(
                 prompts, tag=tag, group_size=group_size, sampling=sampling, run_seed=run_seed
             )

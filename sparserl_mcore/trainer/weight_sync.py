@@ -19,7 +19,7 @@ holds exactly bf16(learner) and a resumed run continues from the same engine wei
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ class _Bf16Shadow:
         for name, p in self._model.named_parameters():
             self._params[name].copy_(p.detach())
 
-    def named_parameters(self):
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self._params.items())
 
 

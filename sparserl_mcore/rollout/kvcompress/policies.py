@@ -66,6 +66,7 @@ class SnapKV(KVCompressor):
     def _select(
         self, keys: torch.Tensor, queries: torch.Tensor | None, n_keep: int, accumulated: torch.Tensor | None
     ) -> torch.Tensor:
+        assert queries is not None  # select() refused a missing window for this policy
         imp = scoring.importance(keys, queries, self.cfg.kernel_size)
         return self._top_plus_window(imp[:, : self._prefix(keys)], n_keep)
 
@@ -76,6 +77,7 @@ class RKV(KVCompressor):
     def _select(
         self, keys: torch.Tensor, queries: torch.Tensor | None, n_keep: int, accumulated: torch.Tensor | None
     ) -> torch.Tensor:
+        assert queries is not None  # select() refused a missing window for this policy
         lam, prefix = self.cfg.rkv_lambda, self._prefix(keys)
         imp = scoring.importance(keys, queries, self.cfg.kernel_size)[:, :prefix]
         red = scoring.redundancy(keys[:, :prefix], self.cfg.similarity_threshold)
