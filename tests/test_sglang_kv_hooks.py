@@ -6,8 +6,9 @@ plugin registers them: our BEFORE hook, then SGLang's own `ScheduleBatch.prepare
 own `clamp_position(seq_lens)` positions and our AFTER `init_new` hook, then our AROUND hook on
 each layer's real `RadixAttention` (the original forward replaced by a recorder: no attention
 backend runs on CPU). The last test loads the plugin through SGLang's own `load_plugins` in a
-fresh process and checks that SGLang's `HookRegistry` wired the BEFORE hook into the real
-`prepare_for_decode`. `ForwardBatch.init_new` itself needs a ModelRunner and is not run here.
+fresh process and checks that SGLang's `HookRegistry` applied every target (init_new stays a
+classmethod) and that the BEFORE hook now runs inside the real `prepare_for_decode`.
+`ForwardBatch.init_new` itself needs a ModelRunner and is not run here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sglang_kv_world import CFG, HK, HQ, D, L, World, sglang_context, world_with
 
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
 from sparserl_mcore.sglang.kv_hooks import KVHooks
+from sparserl_mcore.sglang.plugin import WEIGHT_UPDATER
 
 pytestmark = pytest.mark.usefixtures(sglang_context.__name__)
 
@@ -146,7 +148,13 @@ from test_sglang_kv_hooks import _batch
 w, a, b = world_with_shared_prefix()
 batch = _batch(w, [a, b])
 batch.prepare_for_decode()  # SGLang's method, now wrapped by our BEFORE hook
-print(json.dumps({{"seq_lens": batch.seq_lens.tolist(), "skip": b.skip_radix_cache_insert}}))
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.plugins.hook_registry import HookRegistry
+print(json.dumps({{
+    "seq_lens": batch.seq_lens.tolist(), "skip": b.skip_radix_cache_insert,
+    "applied": sorted(HookRegistry._patched),  # SGLang's record of the targets it patched
+    "init_new_classmethod": isinstance(ForwardBatch.__dict__["init_new"], classmethod),
+}}))
 """
 
 
@@ -162,7 +170,10 @@ def test_sglangs_load_plugins_wires_the_hooks_or_refuses_to_start(method, ok):
         return
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    hooks = KVHooks(KVCompressionConfig(method=method, **CFG))
+    assert sorted([*(t for t, _ in hooks.targets()), WEIGHT_UPDATER]) == out["applied"]
+    assert out["init_new_classmethod"]
     if method == "snapkv":  # no decode query recorded yet: compression waits one step
-        assert out == {"seq_lens": [11, 25], "skip": False}
+        assert (out["seq_lens"], out["skip"]) == ([11, 25], False)
     else:
-        assert out == {"seq_lens": [11, 17], "skip": True}
+        assert (out["seq_lens"], out["skip"]) == ([11, 17], True)
