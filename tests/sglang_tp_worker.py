@@ -62,11 +62,14 @@ def parsed_launch_argv() -> dict:
 
     cfg = LaunchConfig(
         model_path="/models/qwen", host="0.0.0.0", port=30001, tp_size=2, token="secret-token",
-        kv=KVCompressionConfig(method="none"), extra_args=("--page-size", "1"),
+        kv=KVCompressionConfig(method="snapkv"),
     )  # fmt: skip
     argv = sglang_argv(cfg)
     args = prepare_server_args(argv[3:])  # after `python -m sglang.launch_server`
-    fields = ("model_path", "host", "port", "tp_size", "custom_weight_loader", "admin_api_key", "page_size")
+    fields = (
+        "model_path", "host", "port", "tp_size", "custom_weight_loader", "admin_api_key", "page_size",
+        "disable_overlap_schedule",
+    )  # fmt: skip
     return {
         "module": argv[2],
         **{f: getattr(args, f) for f in fields},

@@ -9,6 +9,7 @@ go to the stand-in's routes of the same names.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -63,6 +64,16 @@ def test_command_line_and_environment():
     env = child_env(cfg, {"SGLANG_PLUGINS": "other"})
     assert env["SGLANG_PLUGINS"] == "other,sparserl" and PLUGIN_ENV in env
     assert "SGLANG_PLUGINS" not in child_env(cfg, {})  # unrestricted: every installed plugin loads
+    assert "--page-size" not in argv and "--disable-overlap-schedule" not in argv  # no KV: SGLang's defaults
+
+
+@pytest.mark.parametrize("method, graphs_off", [("snapkv", True), ("streamingllm", False)])
+def test_kv_compression_launches_with_the_settings_the_plugin_needs(method, graphs_off):
+    cfg = LaunchConfig(model_path="/m", kv=KVCompressionConfig(method=method, budget=256, interval=64))
+    argv = " ".join(sglang_argv(cfg))
+    assert "--page-size 1 --disable-overlap-schedule" in argv
+    assert ("--cuda-graph-backend-decode disabled" in argv) == graphs_off  # query capture runs in Python
+    assert json.loads(child_env(cfg, {})[PLUGIN_ENV])["kv"]["budget"] == 256
 
 
 @pytest.mark.parametrize(
@@ -70,7 +81,9 @@ def test_command_line_and_environment():
     [
         ({"host": "0.0.0.0"}, "no token"),
         ({"port": 0}, "port=0"),
-        ({"kv": KVCompressionConfig(method="snapkv")}, "not implemented"),
+        ({"kv": KVCompressionConfig(method="h2o")}, "does not work inside SGLang"),
+        ({"kv": KVCompressionConfig(method="snapkv"), "extra_args": ("--page-size", "16")}, "--page-size"),
+        ({"kv": KVCompressionConfig(method="rkv"), "extra_args": ("--speculative-algorithm=X",)}, "specul"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(kwargs, message):

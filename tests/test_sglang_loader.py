@@ -96,6 +96,7 @@ def test_launch_argv_is_accepted_by_sglangs_parser(results):
         "tp_size": 2,
         "custom_weight_loader": ["sparserl_mcore.sglang.loader.load_patch_fragments"],
         "admin_api_key": "secret-token",
-        "page_size": 1,
-        "decode_graph": None,
+        "page_size": 1,  # with KV compression the launcher adds these three
+        "disable_overlap_schedule": True,
+        "decode_graph": "disabled",
     }

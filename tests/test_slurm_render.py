@@ -138,9 +138,9 @@ REFUSED = {
         "rollout.kv.method=none",
         "--rollout-server sglang needs GPU nodes",
     ),
-    "sglang-kv": (
-        "--learner-nodes 1 --rollout-nodes 1 --rollout-server sglang",
-        "rollout.kv.method=snapkv: KV compression inside SGLang is not implemented yet",
+    "sglang-h2o": (
+        "--learner-nodes 1 --rollout-nodes 1 --rollout-server sglang rollout.kv.method=h2o",
+        "rollout.kv.method=h2o: this method does not work inside SGLang",
     ),
     "partition": ("--learner-nodes 1 --partition 'gpu;rm'", "--partition 'gpu;rm'"),
     "kv-heads": (

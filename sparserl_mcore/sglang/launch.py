@@ -8,6 +8,9 @@ own process group with:
 - the plugin's settings in `SPARSERL_SGLANG` (JSON), read by `sparserl_mcore.sglang.plugin` in
   every SGLang process; `SGLANG_PLUGINS` is extended with `sparserl` only when the user already
   restricts the plugins (otherwise every installed plugin loads, ours included);
+- with KV compression: `--page-size 1 --disable-overlap-schedule`, and for the policies that score
+  with queries `--cuda-graph-backend-decode disabled` (what the plugin's hooks need,
+  docs/sglang.md "KV compression"); flags it cannot follow are refused (`KV_REFUSED_FLAGS`);
 - `--admin-api-key <token>` when a token is given: SGLang then requires it on the weight, pause
   and flush routes (auth level ADMIN_OPTIONAL) while /generate stays open, the same split as
   `sparserl serve`.
@@ -69,10 +72,7 @@ class LaunchConfig:
         if self.token is not None and len(self.token) < 8:
             raise ValueError("token is shorter than 8 characters; use a long random string")
         if self.kv.enabled:
-            raise ValueError(
-                f"kv method {self.kv.method!r}: KV compression inside SGLang is not implemented yet "
-                "(docs/sglang.md); use --kv-method none, or `sparserl serve` for compressed rollouts"
-            )
+            _check_kv_launch(self.kv, self.extra_args)
         if self.startup_timeout_s <= 0 or self.grace_s <= 0:
             raise ValueError("startup_timeout_s and grace_s must be > 0 seconds")
 
@@ -87,12 +87,43 @@ def sglang_argv(cfg: LaunchConfig) -> list[str]:
     argv = [cfg.python, "-m", cfg.module, "--model-path", cfg.model_path]
     argv += ["--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp_size)]
     argv += ["--custom-weight-loader", LOADER_PATH]
-    if cfg.kv.enabled and cfg.kv.method != "streamingllm":
-        # query capture runs inside RadixAttention.forward, which a replayed CUDA graph skips
-        argv += ["--cuda-graph-backend-decode", "disabled"]
+    if cfg.kv.enabled:
+        # the plugin compresses between steps on the scheduler's own batch (docs/sglang.md)
+        argv += ["--page-size", "1", "--disable-overlap-schedule"]
+        if cfg.kv.method != "streamingllm":
+            # query capture runs inside RadixAttention.forward, which a replayed CUDA graph skips
+            argv += ["--cuda-graph-backend-decode", "disabled"]
     if cfg.token is not None:
         argv += ["--admin-api-key", cfg.token]
     return argv + list(cfg.extra_args)
+
+
+# SGLang flags the KV plugin cannot work with: decode positions and kv lengths would not be the
+# ones it rewrites (speculative / mixed batches), slots are not single tokens (pages), the batch it
+# compresses is not the one the model runs next (DP attention), or it would override ours.
+KV_REFUSED_FLAGS = (
+    "--speculative-algorithm",
+    "--enable-mixed-chunk",
+    "--page-size",
+    "--enable-dp-attention",
+    "--attn-dp-size",
+)
+
+
+def _check_kv_launch(kv: KVCompressionConfig, extra_args: tuple[str, ...]) -> None:
+    from sparserl_mcore.sglang.kv_hooks import SGLANG_METHODS
+
+    if kv.method not in SGLANG_METHODS:
+        raise ValueError(
+            f"kv method {kv.method!r} does not work inside SGLang; choose from {list(SGLANG_METHODS)} "
+            "(h2o needs per-step attention mass; use `sparserl serve` for it)"
+        )
+    for arg in extra_args:
+        if arg.split("=", 1)[0] in KV_REFUSED_FLAGS:
+            raise ValueError(
+                f"{arg}: not supported with KV compression inside SGLang (docs/sglang.md, Limits); "
+                "drop it or use --kv-method none"
+            )
 
 
 def plugin_settings(cfg: LaunchConfig) -> dict[str, Any]:

@@ -12,8 +12,10 @@ sparserl-mcore next to SGLang changes nothing by itself. Hooks:
 - AROUND `model_executor.model_runner_components.weight_updater.WeightUpdater.update_weights_from_tensor`:
   our loader's `SyncRejected` becomes `(False, message)`, which SGLang answers as HTTP 400 (an
   exception there would end the scheduler process).
-KV compression inside SGLang is not implemented in this release of the plugin: settings asking for
-a method other than "none" are refused at start-up (docs/sglang.md, "KV compression").
+- with a KV method other than "none": the compression hooks of `kv_hooks.KVHooks` (BEFORE
+  `ScheduleBatch.prepare_for_decode`, AFTER `ForwardBatch.init_new`, AFTER
+  `ReqToTokenPool.alloc_rows`, AROUND `RadixAttention.forward` for policies scoring with queries);
+  docs/sglang.md, "KV compression".
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pkgutil
 from collections.abc import Callable
 from typing import Any
 
+from sparserl_mcore.sglang.kv_hooks import KVHooks
 from sparserl_mcore.sglang.launch import PLUGIN_ENV
 
 WEIGHT_UPDATER = ".".join(
@@ -75,16 +78,25 @@ def register() -> None:
     config = settings()
     if config is None:
         return
-    kv = dict(config.get("kv") or {})
-    if kv.get("method", "none") != "none":
-        raise SystemExit(
-            f"sparserl plugin: KV compression inside SGLang (method={kv['method']!r}) is not implemented "
-            "in this release; start with --kv-method none (docs/sglang.md)"
-        )
-    targets = [WEIGHT_UPDATER]
-    missing = missing_targets(targets)
+    kv_hooks = _kv_hooks(config)
+    hooks: list[tuple[str, Callable[..., Any], str]] = [(WEIGHT_UPDATER, report_rejections, "AROUND")]
+    if kv_hooks is not None:
+        hooks += [(target, kv_hooks.hook(target), kind) for target, kind in kv_hooks.targets()]
+    missing = missing_targets([target for target, _, _ in hooks])
     if missing:
         raise SystemExit(f"sparserl plugin: this SGLang lacks the hooked names {missing}; pin sglang==0.5.23")
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(WEIGHT_UPDATER, report_rejections, HookType.AROUND)
+    for target, fn, kind in hooks:
+        HookRegistry.register(target, fn, HookType[kind])
+
+
+def _kv_hooks(config: dict[str, Any]) -> KVHooks | None:
+    """The compression hooks for the settings' "kv" section, or None for method "none"."""
+    from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
+
+    try:
+        cfg = KVCompressionConfig(**dict(config.get("kv") or {}))
+        return KVHooks(cfg) if cfg.enabled else None
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"sparserl plugin: bad kv settings in ${PLUGIN_ENV}: {exc}") from None

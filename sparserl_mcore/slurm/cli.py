@@ -67,17 +67,19 @@ class Job:
 
 
 def _rollout_server(asked: RolloutServer, cfg: RunConfig) -> RolloutServer:
-    """SGLang serves compressed rollouts only once its KV plugin exists (docs/sglang.md): a run
-    with rollout.kv.method set gets the embedded servers under `auto`, and is refused under `sglang`."""
+    """SGLang's KV plugin runs snapkv, rkv and streamingllm (docs/sglang.md); a run with another
+    rollout.kv.method (h2o) gets the embedded servers under `auto`, and is refused under `sglang`."""
+    from sparserl_mcore.sglang.kv_hooks import SGLANG_METHODS
     from sparserl_mcore.slurm.layout import LayoutError
 
-    if not cfg.rollout.kv.enabled or asked == "embedded":
+    kv = cfg.rollout.kv
+    if not kv.enabled or kv.method in SGLANG_METHODS or asked == "embedded":
         return asked
     if asked == "sglang":
         raise LayoutError(
-            f"--rollout-server sglang with rollout.kv.method={cfg.rollout.kv.method}: KV compression "
-            "inside SGLang is not implemented yet (docs/sglang.md); use --rollout-server embedded "
-            "or rollout.kv.method=none"
+            f"--rollout-server sglang with rollout.kv.method={kv.method}: this method does not work "
+            f"inside SGLang (it runs {', '.join(SGLANG_METHODS)}; docs/sglang.md); use "
+            "--rollout-server embedded or another method"
         )
     return "embedded"
 

@@ -1,0 +1,181 @@
+"""The plugin's KV-compression hooks on sglang 0.5.23, and the per-process state they share.
+
+One compressed decode step (page size 1, no overlap scheduling, no speculative decoding):
+1. BEFORE `managers/schedule_batch.py: ScheduleBatch.prepare_for_decode`: every request of the
+   batch holds the KV of all its tokens (the last forward wrote it). Each request whose own tail
+   reached the budget is compressed in place (`kv_compaction.SGLangCompactor`); its entries of
+   `seq_lens`, `seq_lens_cpu` and `orig_seq_lens` shrink by what it freed, so SGLang's own
+   `alloc_for_decode` puts the next token's slot right after the kept entries.
+2. AFTER `model_executor/forward_batch_info.py: ForwardBatch.init_new`: SGLang computed the decode
+   positions from the (compacted) `seq_lens`; the positions each row evicted are added back, so
+   RoPE sees the token's true position. Under CUDA graphs the replay copies these positions in.
+3. AROUND `layers/radix_attention.py: RadixAttention.forward` (only for policies that score with
+   the window queries): each decode query is written into a ring of the last `window` queries per
+   request row and layer. A replayed CUDA graph skips this Python code, so the launcher disables
+   decode CUDA graphs for these policies.
+4. AFTER `mem_cache/memory_pool.py: ReqToTokenPool.alloc_rows`: a row taken by a new (or
+   re-admitted) request starts with nothing evicted and an empty query ring.
+The sampled token and its log-prob come from the forward over the compressed cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, build_compressor
+from sparserl_mcore.sglang.kv_compaction import SGLangCompactor
+
+PREPARE_FOR_DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
+INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention.forward"
+ALLOC_ROWS = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc_rows"
+
+# policies that work inside SGLang; h2o needs the attention mass of every decode step, which the
+# attention backends do not expose
+SGLANG_METHODS = ("snapkv", "rkv", "streamingllm")
+
+
+class QueryRing:
+    """The last `window` decode queries of every req_to_token row, per layer: [L, rows, w, Hq, d].
+
+    Allocated at the first recorded query (its head count and dim come from the layer). Memory:
+    L * rows * window * q_heads_per_rank * head_dim * dtype bytes; `rows` is SGLang's request-pool
+    size (--max-running-requests + 1).
+    """
+
+    def __init__(self, layers: int, rows: int, window: int, start_layer: int, device: torch.device) -> None:
+        self.layers, self.rows, self.window, self.start_layer = layers, rows, window, start_layer
+        self.seen = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.buf: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
+        self._cols: torch.Tensor | None = None
+
+    def begin_step(self, rows: torch.Tensor) -> None:
+        """A decode forward over `rows` starts: each row writes its next ring column."""
+        rows = rows.to(torch.int64)
+        self._rows, self._cols = rows, self.seen[rows] % self.window
+        self.seen[rows] += 1
+
+    def record(self, layer_id: int, q: torch.Tensor, q_heads: int) -> None:
+        if self._rows is None or self._cols is None:
+            return
+        q = q.reshape(self._rows.numel(), q_heads, -1)
+        if self.buf is None:
+            shape = (self.layers, self.rows, self.window, q_heads, q.shape[-1])
+            self.buf = torch.zeros(shape, dtype=q.dtype, device=q.device)
+        self.buf[layer_id - self.start_layer, self._rows, self._cols] = q
+
+    def window_queries(self, row: int) -> torch.Tensor | None:
+        """[L * Hq, w', d], oldest first (w' = queries seen, at most window); None before any."""
+        seen = min(int(self.seen[row]), self.window)
+        if seen == 0 or self.buf is None:
+            return None
+        total = int(self.seen[row])
+        cols = [(total - seen + j) % self.window for j in range(seen)]
+        q = self.buf[:, row, cols]  # [L, w', Hq, d]
+        return q.transpose(1, 2).reshape(-1, seen, q.shape[-1])
+
+    def reset_rows(self, rows: list[int]) -> None:
+        if rows:
+            self.seen[torch.tensor(rows, device=self.seen.device)] = 0
+
+
+class KVHooks:
+    """The hook functions (bound methods) and the state they share in one SGLang scheduler process."""
+
+    def __init__(self, cfg: KVCompressionConfig) -> None:
+        if cfg.method not in SGLANG_METHODS:
+            raise ValueError(
+                f"kv method {cfg.method!r} does not work inside SGLang (choose from {list(SGLANG_METHODS)}): "
+                "h2o needs per-step attention mass that SGLang's attention backends do not return"
+            )
+        compressor = build_compressor(cfg)
+        assert compressor is not None
+        self.cfg, self.compressor = cfg, compressor
+        self.compactor: SGLangCompactor | None = None
+        self.ring: QueryRing | None = None
+
+    def targets(self) -> list[tuple[str, str]]:
+        """(dotted path, hook type name) of every hook this configuration needs."""
+        hooks = [(PREPARE_FOR_DECODE, "BEFORE"), (INIT_NEW, "AFTER"), (ALLOC_ROWS, "AFTER")]
+        if self.compressor.needs_window_queries:
+            hooks.append((ATTENTION, "AROUND"))
+        return hooks
+
+    def hook(self, target: str) -> Any:
+        return {
+            PREPARE_FOR_DECODE: self.before_prepare_for_decode,
+            INIT_NEW: self.after_init_new,
+            ALLOC_ROWS: self.after_alloc_rows,
+            ATTENTION: self.around_attention,
+        }[target]
+
+    def _bind(self, batch: Any) -> SGLangCompactor:
+        """Build the state on the first decode batch (the pools exist only then) and refuse what
+        cannot work: checked once, on the objects SGLang really uses."""
+        if self.compactor is None:
+            if not batch.spec_algorithm.is_none():
+                raise SystemExit("sparserl plugin: KV compression does not support speculative decoding")
+            if batch.enable_overlap:
+                raise SystemExit("sparserl plugin: KV compression needs --disable-overlap-schedule")
+            try:
+                self.compactor = SGLangCompactor(self.cfg, self.compressor, batch.tree_cache)
+            except ValueError as exc:
+                raise SystemExit(f"sparserl plugin: {exc}") from None
+            if self.compressor.needs_window_queries:
+                kv, rows = self.compactor.kv, self.compactor.req_to_token.shape[0]
+                self.ring = QueryRing(
+                    kv.layer_num, rows, self.cfg.window, kv.start_layer, self.compactor.evicted.device
+                )
+        return self.compactor
+
+    def before_prepare_for_decode(self, batch: Any, *args: Any, **kwargs: Any) -> None:
+        """Compress the due requests and shrink their kv lengths before SGLang allocates the next slot."""
+        compactor = self._bind(batch)
+        shrink = [0] * len(batch.reqs)
+        for i, req in enumerate(batch.reqs):
+            if not compactor.due(req):
+                continue
+            queries = None
+            if self.ring is not None:
+                queries = self.ring.window_queries(req.kv.req_pool_idx)
+                if queries is None:  # no decode query yet (a prompt above the budget): next step
+                    continue
+            before = req.kv.kv_committed_len
+            shrink[i] = before - compactor.compress(req, queries).kv_len
+        if any(shrink):
+            delta = torch.tensor(shrink, dtype=batch.seq_lens_cpu.dtype)
+            batch.seq_lens_cpu = batch.seq_lens_cpu - delta
+            batch.seq_lens = batch.seq_lens - delta.to(batch.seq_lens.device, batch.seq_lens.dtype)
+            if batch.orig_seq_lens is not None:
+                batch.orig_seq_lens = batch.orig_seq_lens - delta.to(
+                    batch.orig_seq_lens.device, batch.orig_seq_lens.dtype
+                )
+
+    def after_init_new(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """Decode positions = SGLang's (kv length - 1) + what the row evicted."""
+        if self.compactor is None or not forward_batch.forward_mode.is_decode():
+            return forward_batch
+        rows = forward_batch.req_pool_indices.to(torch.int64)
+        offset = self.compactor.evicted[rows].to(
+            forward_batch.positions.device, forward_batch.positions.dtype
+        )
+        forward_batch.positions = forward_batch.positions + offset
+        if self.ring is not None:
+            self.ring.begin_step(rows)
+        return forward_batch
+
+    def after_alloc_rows(self, rows: list[int] | None, *args: Any, **kwargs: Any) -> None:
+        if rows and self.compactor is not None:
+            self.compactor.reset_rows(rows)
+        if rows and self.ring is not None:
+            self.ring.reset_rows(rows)
+
+    def around_attention(
+        self, original: Any, layer: Any, q: Any, k: Any, v: Any, forward_batch: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if self.ring is not None and forward_batch.forward_mode.is_decode():
+            self.ring.record(layer.layer_id, q, layer.tp_q_head_num)
+        return original(layer, q, k, v, forward_batch, *args, **kwargs)
