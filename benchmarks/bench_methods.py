@@ -181,11 +181,12 @@ def plot(results_dir: Path, arms: list[str], seeds: list[int], out_png: Path) ->
 
     keys = (
         ("rollout/reward_mean", "train reward (mean over seeds)"),
-        ("eval/pass1_dense", "greedy eval, dense KV (32 prompts)"),
-        ("eval/pass1_compressed", "greedy eval, compressed KV (32 prompts)"),
+        ("eval/pass1_dense", "greedy eval, dense KV (64 held-out prompts)"),
+        ("eval/pass1_compressed", "greedy eval, compressed KV (64 held-out prompts)"),
     )
     fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 4.2))
     for arm in arms:
+        color = f"C{sorted(ARMS).index(arm)}"  # one color per arm in every panel (a has no compressed eval)
         runs = [read_metrics(results_dir / f"seed{s}" / arm / "metrics.jsonl") for s in seeds]
         for ax, (key, title) in zip(axes, keys, strict=True):
             per_step: dict[int, list[float]] = {}
@@ -195,7 +196,14 @@ def plot(results_dir: Path, arms: list[str], seeds: list[int], out_png: Path) ->
                         per_step.setdefault(r["step"], []).append(r[key])
             xs = sorted(s for s, v in per_step.items() if len(v) == len(runs))
             if xs:
-                ax.plot(xs, [statistics.fmean(per_step[s]) for s in xs], marker="o", markersize=2, label=arm)
+                ax.plot(
+                    xs,
+                    [statistics.fmean(per_step[s]) for s in xs],
+                    marker="o",
+                    markersize=2,
+                    color=color,
+                    label=arm,
+                )
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("RL step (same rollouts per step in every arm)")
             ax.grid(alpha=0.3)
