@@ -9,9 +9,10 @@ Route shapes (sglang 0.5.23 `srt/entrypoints/http_server.py`, bodies from `srt/m
 {"selector"}, `/end_weight_update`, `/update_weights_from_tensor` {"serialized_named_tensors",
 "load_format", "flush_cache", "weight_version"}, `/init_weights_update_group` {"master_address",
 "master_port", "rank_offset", "world_size", "group_name", "backend"},
-`/update_weights_from_distributed` {"names", "dtypes", "shapes", "group_name", "flush_cache",
-"weight_version", "load_format"}. Failures answer HTTP 400 with {"success": false, "message"},
-raised as `RemoteValueError` (a ValueError: the trainer then falls back to a full sync).
+`/destroy_weights_update_group` {"group_name"}, `/update_weights_from_distributed` {"names",
+"dtypes", "shapes", "group_name", "flush_cache", "weight_version", "load_format"}. Failures answer
+HTTP 400 with {"success": false, "message"}, raised as `RemoteValueError` (a ValueError: the trainer
+then falls back to a full sync).
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ class SGLangWorker(RemoteEngine):
             "backend": backend,
         }
         self._call("POST", "/init_weights_update_group", json=body)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._call("POST", "/destroy_weights_update_group", json={"group_name": group_name})
 
     def update_weights_from_distributed(
         self, tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]], *, group_name: str, version: int
