@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -79,12 +80,15 @@ class Worker:
             get_model_runner=None,
         )  # fmt: skip
         self.versions: list[str | None] = []
+        scheduler = SimpleNamespace(
+            record_weight_version_change=lambda new_version: self.versions.append(new_version)
+        )
         self.routes: list[str] = []
         self.paused = False
         self.manager = SchedulerWeightUpdaterManager(
             tp_worker=_TpWorker(SimpleNamespace(weight_updater=updater)), draft_worker=None,
             memory_saver_adapter=None, flush_cache=lambda **_: True, is_fully_idle=lambda **_: True,
-            scheduler=SimpleNamespace(record_weight_version_change=lambda new_version: self.versions.append(new_version)),
+            scheduler=scheduler,
         )  # fmt: skip
         self.group = get_parallel().tp_group.cpu_group
 
@@ -239,9 +243,10 @@ def sparse_patch(worker: Any, hf_dir: Path, old: dict, new: dict, *, version: in
 
 
 def sender_main(argv: list[str]) -> None:
-    """The trainer's side: dense B (v1), sparse B -> C (v2), dense D (v3, as after a rejected patch)."""
+    """The trainer's side: dense B (v1), sparse B -> C (v2), dense D (v3, as after a rejected patch),
+    a dense sync that fails on every worker (v4), then dense D again (v5)."""
     from sparserl_mcore.sglang.client import SGLangWorker
-    from sparserl_mcore.sglang.dense_sync import DenseSyncConfig, dense_sync
+    from sparserl_mcore.sglang.dense_sync import DenseSyncConfig, DenseSyncError, dense_sync
 
     master_port, hf_dir, states, out = int(argv[0]), Path(argv[1]), Path(argv[2]), Path(argv[3])
     workers = [SGLangWorker(u, retries=0, timeout=120) for u in argv[4:]]
@@ -264,6 +269,16 @@ def sender_main(argv: list[str]) -> None:
     stats = dense_sync(workers, sorted(state["D"].items()), version=3, cfg=cfg)  # same port again
     found["stats_v3"] = [stats.buckets, stats.bytes, stats.workers]
     check("after_v3", "D")
+    # a bucket SGLang's load_weights refuses (wrong shape): every worker of the group fails, at once
+    bad = dict(state["B"], **{"model.norm.weight": torch.zeros(7, dtype=torch.bfloat16)})
+    start = time.monotonic()
+    try:
+        dense_sync(workers, sorted(bad.items()), version=4, cfg=cfg)
+    except DenseSyncError as exc:
+        found["failed"] = {"workers": exc.workers, "message": str(exc), "seconds": time.monotonic() - start}
+    check("after_failure", "D")
+    dense_sync(workers, sorted(state["D"].items()), version=5, cfg=cfg)  # and a dense sync recovers
+    check("after_v5", "D")
     found["state_bytes"] = sum(t.numel() * t.element_size() for t in state["D"].values())
     out.write_text(json.dumps(found))
     for w in workers:
