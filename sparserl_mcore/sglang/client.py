@@ -104,7 +104,7 @@ class SGLangWorker(RemoteEngine):
             "group_name": group_name,
             "backend": backend,
         }
-        self._call("POST", "/init_weights_update_group", json=body)
+        self._call("POST", "/init_weights_update_group", json=body, retries=0)  # joins a rendezvous
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._call("POST", "/destroy_weights_update_group", json={"group_name": group_name})
@@ -112,7 +112,8 @@ class SGLangWorker(RemoteEngine):
     def update_weights_from_distributed(
         self, tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]], *, group_name: str, version: int
     ) -> None:
-        """Announce one bucket that the learner then broadcasts (`flattened_bucket`: one flat tensor)."""
+        """Announce one bucket, which the sender broadcasts while this call waits (`flattened_bucket`:
+        one flat uint8 tensor). Never retried: a second call would wait for a second broadcast."""
         body = {
             "names": [n for n, _, _ in tensors],
             "dtypes": [str(d).removeprefix("torch.") for _, d, _ in tensors],
@@ -122,7 +123,7 @@ class SGLangWorker(RemoteEngine):
             "weight_version": str(version),
             "load_format": "flattened_bucket",
         }
-        self._call("POST", "/update_weights_from_distributed", json=body)
+        self._call("POST", "/update_weights_from_distributed", json=body, retries=0)  # joins a broadcast
 
 
 def router_workers(router_url: str, *, timeout: float = 10.0) -> list[str]:

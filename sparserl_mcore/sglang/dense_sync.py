@@ -78,7 +78,9 @@ class DenseSyncConfig:
 
 
 class DenseWorker(Protocol):
-    """What the sync needs of one SGLang server (`client.SGLangWorker`)."""
+    """What the sync needs of one SGLang server (`client.SGLangWorker`, which never retries
+    `init_weights_update_group` / `update_weights_from_distributed`: a repeated call would join
+    the collective a second time)."""
 
     url: str
 
@@ -103,6 +105,8 @@ class DenseWorker(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class DenseSyncStats:
+    """What one dense sync sent: broadcasts, bytes per broadcast receiver, workers reached."""
+
     buckets: int
     bytes: int
     workers: int
@@ -112,6 +116,8 @@ def plan_buckets(named: Named, bucket_bytes: int) -> list[list[tuple[str, torch.
     """Consecutive tensors, at most `bucket_bytes` per bucket (a larger tensor alone). Refuses
     what `FlattenedTensorBucket.empty` would refuse on the receivers: a tensor whose byte offset
     in its bucket is not a multiple of its element size (mixed dtypes in a bad order)."""
+    if not named:
+        raise ValueError("no tensors to send: a dense sync needs the whole HF state")
     buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, tensor in named:
@@ -245,7 +251,10 @@ def _send(
             sent += flat.numel()
         completed = True
     finally:  # abort: a failed bucket may have left a broadcast waiting for a worker that never joins
-        group.shutdown() if completed else group.abort()
+        if completed:
+            group.shutdown()
+        else:
+            group.abort()
         run.each(lambda w: w.destroy_weights_update_group(group_name))
     return sent
 
