@@ -167,3 +167,20 @@ def test_a_failed_bucket_fails_the_group_at_once_and_a_dense_sync_recovers(found
         assert rank["routes"][-3:] == ["/end_weight_update", "/continue_generation", "/check"]
     for rank in _ranks(found, "after_v5"):
         assert rank["mismatched"] == [] and rank["receiver_version"] == 5
+
+
+def test_buckets_keep_order_respect_the_bound_and_refuse_what_sglang_would():
+    from sparserl_mcore.sglang.dense_sync import flatten, plan_buckets
+
+    t = {
+        n: torch.full((s,), i, dtype=torch.bfloat16)
+        for i, (n, s) in enumerate([("a", 4), ("b", 4), ("c", 20)])
+    }
+    plan = plan_buckets(list(t.items()), bucket_bytes=16)
+    assert [[n for n, _ in b] for b in plan] == [["a", "b"], ["c"]]  # c (40 bytes) goes alone
+    flat = flatten(plan[0], "cpu")
+    assert flat.dtype == torch.uint8 and torch.equal(flat[8:].view(torch.bfloat16), t["b"])
+    with pytest.raises(ValueError, match="unaligned"):  # FlattenedTensorBucket.empty refuses this
+        plan_buckets([("x", torch.zeros(1, dtype=torch.bfloat16)), ("y", torch.zeros(1))], bucket_bytes=64)
+    with pytest.raises(ValueError, match="no tensors"):
+        plan_buckets([], bucket_bytes=64)
