@@ -196,6 +196,11 @@ def dense_sync(
     declare `version` to their sparse receivers. Raises DenseSyncError naming all `workers` if any
     step fails on any of them (their weights are then mixed: drop them or sync them again)."""
     plan = plan_buckets(named, cfg.bucket_bytes)  # a bad state is refused before any worker pauses
+    urls = [w.url for w in workers]
+    if not urls or len(set(urls)) != len(urls):
+        raise ValueError(
+            f"workers={urls}: need at least one, each once (a worker's ranks join the group once)"
+        )
     group_name = f"{cfg.group_prefix}-{version}-{uuid.uuid4().hex[:8]}"
     with ThreadPoolExecutor(max_workers=max(1, len(workers))) as pool:
         run = _Fanout(pool, workers, cfg.timeout_s)
@@ -296,5 +301,5 @@ class _Fanout:
         late = [url for url, f in zip(self.urls, futures, strict=True) if f in pending]
         if failed or late:
             raise DenseSyncError(
-                f"dense sync failed: {failed}; no answer in {self.timeout_s} s: {late}", self.urls
+                f"dense sync failed: {failed}; still waiting (timeout {self.timeout_s} s): {late}", self.urls
             )
