@@ -153,9 +153,11 @@ class RemoteEngine:
             return False
 
     # -- transport ---------------------------------------------------------------------------
-    def _call(self, method: str, route: str, **kwargs: Any) -> httpx.Response:
+    def _call(self, method: str, route: str, *, retries: int | None = None, **kwargs: Any) -> httpx.Response:
+        """`retries` overrides the engine's for one route (0 where repeating the call is unsafe)."""
         last, retry_after = "", 0.0
-        for attempt in range(self.retries + 1):
+        attempts = (self.retries if retries is None else retries) + 1
+        for attempt in range(attempts):
             if attempt:
                 time.sleep(max(self.backoff_s * 2 ** (attempt - 1), retry_after))
             try:
@@ -172,9 +174,7 @@ class RemoteEngine:
                 raise kind(f"{self.url}{route}: HTTP {code}: {detail}", status_code=code)
             last = f"HTTP {code}: {detail}"
             retry_after = _retry_after(response)
-        raise RemoteEngineError(
-            f"{self.url}{route}: failed after {self.retries + 1} attempts; last error {last}"
-        )
+        raise RemoteEngineError(f"{self.url}{route}: failed after {attempts} attempts; last error {last}")
 
 
 def _buckets(state: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:

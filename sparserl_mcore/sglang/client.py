@@ -9,9 +9,10 @@ Route shapes (sglang 0.5.23 `srt/entrypoints/http_server.py`, bodies from `srt/m
 {"selector"}, `/end_weight_update`, `/update_weights_from_tensor` {"serialized_named_tensors",
 "load_format", "flush_cache", "weight_version"}, `/init_weights_update_group` {"master_address",
 "master_port", "rank_offset", "world_size", "group_name", "backend"},
-`/update_weights_from_distributed` {"names", "dtypes", "shapes", "group_name", "flush_cache",
-"weight_version", "load_format"}. Failures answer HTTP 400 with {"success": false, "message"},
-raised as `RemoteValueError` (a ValueError: the trainer then falls back to a full sync).
+`/destroy_weights_update_group` {"group_name"}, `/update_weights_from_distributed` {"names",
+"dtypes", "shapes", "group_name", "flush_cache", "weight_version", "load_format"}. Failures answer
+HTTP 400 with {"success": false, "message"}, raised as `RemoteValueError` (a ValueError: the trainer
+then falls back to a full sync).
 """
 
 from __future__ import annotations
@@ -103,12 +104,16 @@ class SGLangWorker(RemoteEngine):
             "group_name": group_name,
             "backend": backend,
         }
-        self._call("POST", "/init_weights_update_group", json=body)
+        self._call("POST", "/init_weights_update_group", json=body, retries=0)  # joins a rendezvous
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._call("POST", "/destroy_weights_update_group", json={"group_name": group_name})
 
     def update_weights_from_distributed(
         self, tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]], *, group_name: str, version: int
     ) -> None:
-        """Announce one bucket that the learner then broadcasts (`flattened_bucket`: one flat tensor)."""
+        """Announce one bucket, which the sender broadcasts while this call waits (`flattened_bucket`:
+        one flat uint8 tensor). Never retried: a second call would wait for a second broadcast."""
         body = {
             "names": [n for n, _, _ in tensors],
             "dtypes": [str(d).removeprefix("torch.") for _, d, _ in tensors],
@@ -118,7 +123,7 @@ class SGLangWorker(RemoteEngine):
             "weight_version": str(version),
             "load_format": "flattened_bucket",
         }
-        self._call("POST", "/update_weights_from_distributed", json=body)
+        self._call("POST", "/update_weights_from_distributed", json=body, retries=0)  # joins a broadcast
 
 
 def router_workers(router_url: str, *, timeout: float = 10.0) -> list[str]:

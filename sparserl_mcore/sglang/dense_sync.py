@@ -1,0 +1,305 @@
+"""Dense weight sync into SGLang workers: bucketed broadcast over SGLang's weight-update group.
+
+The first sync of a run, a resume and the fallback after a rejected sparse patch send every weight.
+SGLang 0.5.23 receives them with (file: symbol, paths under `sglang/srt/`):
+- `model_executor/model_runner_components/weight_updater.py: WeightUpdater.init_weights_update_group`:
+  TP rank r of a worker joins group `group_name` as rank `rank_offset + r` through
+  `utils/common.py: init_custom_process_group` (`torch.distributed.rendezvous("tcp://addr:port")`,
+  a `PrefixStore(group_name, store)`, then torch's `_new_process_group_helper` with no global ranks).
+  The sender is rank 0: it hosts the TCP store, so it must join while the workers join.
+- `managers/scheduler_components/weight_updater.py:
+  SchedulerWeightUpdaterManager.update_weights_from_distributed` (only inside a
+  `begin_weight_update` / `end_weight_update` session): every TP rank calls
+  `WeightUpdater.receive_weights_from_distributed` (with `load_format="flattened_bucket"`:
+  `_receive_bucketed_weights_from_distributed` allocates `weight_sync/tensor_bucket.py:
+  FlattenedTensorBucket.empty(names, dtypes, shapes)`, ONE uint8 tensor of the tensors' bytes back
+  to back, and `torch.distributed.broadcast(..., src=0)` into it), then
+  `WeightUpdater.load_weights_from_distributed` -> the model's own `load_weights` (HF names; each
+  rank keeps its shard).
+So one bucket = one HTTP call per worker, which blocks in that broadcast, overlapping the sender's
+broadcast of the same bytes: the calls run on threads while the sender broadcasts.
+
+Around the buckets, per worker: `/pause_generation` (retract), `/begin_weight_update`, ...,
+the version marker through our loader (`client.version_payloads`: the sparse receiver's base),
+`/end_weight_update`, `/flush_cache`, `/continue_generation`. A dense sync is all or nothing for
+the workers of one group: a broadcast needs every member, so one failed worker fails them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any, Literal, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
+
+T = TypeVar("T")
+Named = Sequence[tuple[str, torch.Tensor]]
+
+
+class DenseSyncError(RuntimeError):
+    """The dense sync did not complete on these workers: their weights are undefined (mixed)."""
+
+    def __init__(self, message: str, workers: Sequence[str]) -> None:
+        super().__init__(message)
+        self.workers = list(workers)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DenseSyncConfig:
+    """master_address / master_port: where the sender (group rank 0) hosts the group's TCP store;
+    every worker must reach it. backend: "nccl" (tensors broadcast from `device`) or "gloo" (CPU).
+    bucket_bytes: at most this many bytes per broadcast (a larger tensor goes alone); the sender
+    and each receiver hold one bucket at a time besides the model. timeout_s: bounds each
+    collective and each HTTP wait, so a dead worker cannot stall the trainer forever."""
+
+    master_address: str
+    master_port: int
+    backend: Literal["nccl", "gloo"] = "nccl"
+    device: str = "cuda"
+    bucket_bytes: int = 512 * 2**20
+    timeout_s: float = 600.0
+    group_prefix: str = "sparserl-dense"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port={self.master_port}: must be a TCP port (1..65535)")
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend={self.backend!r}: use 'nccl' (GPU) or 'gloo' (CPU)")
+        if self.backend == "gloo" and self.device != "cpu":
+            raise ValueError(f"backend='gloo' broadcasts CPU tensors: set device='cpu' (got {self.device!r})")
+        if self.bucket_bytes < 1 or self.timeout_s <= 0:
+            raise ValueError(f"bucket_bytes={self.bucket_bytes}, timeout_s={self.timeout_s}: must be > 0")
+
+
+class DenseWorker(Protocol):
+    """What the sync needs of one SGLang server (`client.SGLangWorker`, which never retries
+    `init_weights_update_group` / `update_weights_from_distributed`: a repeated call would join
+    the collective a second time)."""
+
+    url: str
+
+    def tp_size(self) -> int: ...
+    def pause(self, mode: str = "retract") -> None: ...
+    def resume(self) -> None: ...
+    def flush_cache(self) -> None: ...
+    def begin_weight_update(self) -> None: ...
+    def end_weight_update(self) -> None: ...
+    def declare_version(self, version: int, tp_size: int) -> None: ...
+    def destroy_weights_update_group(self, group_name: str) -> None: ...
+
+    def init_weights_update_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str = "nccl",
+    ) -> None: ...  # fmt: skip
+
+    def update_weights_from_distributed(
+        self, tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]], *, group_name: str, version: int
+    ) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseSyncStats:
+    """What one dense sync sent: broadcasts, bytes per broadcast receiver, workers reached."""
+
+    buckets: int
+    bytes: int
+    workers: int
+
+
+def plan_buckets(named: Named, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors, at most `bucket_bytes` per bucket (a larger tensor alone). Refuses
+    what `FlattenedTensorBucket.empty` would refuse on the receivers: a tensor whose byte offset
+    in its bucket is not a multiple of its element size (mixed dtypes in a bad order)."""
+    if not named:
+        raise ValueError("no tensors to send: a dense sync needs the whole HF state")
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        if size % tensor.element_size():
+            raise ValueError(
+                f"{name}: {tensor.dtype} at byte offset {size} of its bucket is unaligned; order the "
+                "tensors by element size (largest first)"
+            )
+        buckets[-1].append((name, tensor))
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+def flatten(bucket: Named, device: str) -> torch.Tensor:
+    """The bucket's bytes back to back, as `FlattenedTensorBucket` lays them out (uint8)."""
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
+    return torch.cat(parts).to(device)
+
+
+def tcp_url(address: str, port: int) -> str:
+    """`tcp://host:port`, IPv6 in brackets (SGLang's `utils/network.py: NetworkAddress.to_tcp`)."""
+    host = f"[{address}]" if ":" in address and not address.startswith("[") else address
+    return f"tcp://{host}:{port}"
+
+
+def open_update_group(cfg: DenseSyncConfig, world_size: int, group_name: str) -> C10dBackend:
+    """Rank 0 of the group the workers join in `init_weights_update_group`; blocks until all
+    `world_size` ranks have joined.
+
+    Built to match SGLang's `init_custom_process_group` key for key: the same `rendezvous`
+    (this rank hosts the TCP store), `PrefixStore(group_name)`, then what torch's
+    `_new_process_group_helper` does for one backend (`PrefixStore(f"{group_name}/")`,
+    `PrefixStore(f"{device}/")`, the backend, `_set_sequence_number_for_group`, which exchanges a
+    sequence number through the store). Not that helper itself: on a trainer whose default group
+    is bound to a GPU (`parallel.runtime` passes `device_id`) it would build the NCCL communicator
+    by splitting the trainer's own world communicator, which the workers are not part of."""
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    url = tcp_url(cfg.master_address, cfg.master_port)
+    store, _, _ = next(dist.rendezvous(url, 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    device = "cuda" if cfg.backend == "nccl" else "cpu"
+    prefixed = dist.PrefixStore(
+        f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    )
+    backend: C10dBackend
+    if cfg.backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        backend = ProcessGroupNCCL(prefixed, 0, world_size, options)
+    else:
+        backend = dist.ProcessGroupGloo(prefixed, 0, world_size, timeout)
+    backend._set_sequence_number_for_group()
+    return backend
+
+
+def broadcast(group: C10dBackend, flat: torch.Tensor) -> None:
+    """What the receivers' `torch.distributed.broadcast(flat, src=0, group=...)` meets."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    backend: Any = group  # torch's stubs omit Backend.broadcast, which every backend has
+    backend.broadcast([flat], options).wait()
+
+
+def dense_sync(
+    workers: Sequence[DenseWorker], named: Named, *, version: int, cfg: DenseSyncConfig
+) -> DenseSyncStats:
+    """Send every tensor of `named` (HF names, the dtype the workers serve) to every worker, then
+    declare `version` to their sparse receivers. Raises DenseSyncError naming all `workers` if any
+    step fails on any of them (their weights are then mixed: drop them or sync them again)."""
+    plan = plan_buckets(named, cfg.bucket_bytes)  # a bad state is refused before any worker pauses
+    urls = [w.url for w in workers]
+    if not urls or len(set(urls)) != len(urls):
+        raise ValueError(
+            f"workers={urls}: need at least one, each once (a worker's ranks join the group once)"
+        )
+    group_name = f"{cfg.group_prefix}-{version}-{uuid.uuid4().hex[:8]}"
+    with ThreadPoolExecutor(max_workers=max(1, len(workers))) as pool:
+        run = _Fanout(pool, workers, cfg.timeout_s)
+        tp = dict(zip((w.url for w in workers), run.each(lambda w: w.tp_size()), strict=True))
+        run.each(lambda w: w.pause("retract"))
+        try:
+            run.each(lambda w: w.begin_weight_update())
+            try:
+                sent = _send(run, plan, group_name, tp, version, cfg)
+                run.each(lambda w: w.declare_version(version, tp[w.url]))
+            finally:
+                run.each(lambda w: w.end_weight_update())
+            run.each(lambda w: w.flush_cache())
+        finally:
+            run.each(lambda w: w.resume())
+    return DenseSyncStats(buckets=len(plan), bytes=sent, workers=len(workers))
+
+
+def _send(
+    run: _Fanout,
+    plan: list[list[tuple[str, torch.Tensor]]],
+    group_name: str,
+    tp: dict[str, int],
+    version: int,
+    cfg: DenseSyncConfig,
+) -> int:
+    """Open the group, broadcast every bucket while each worker's HTTP call receives it, close it."""
+    offsets, world = {}, 1
+    for url, size in tp.items():
+        offsets[url], world = world, world + size
+    group = run.during(
+        lambda w: w.init_weights_update_group(
+            master_address=cfg.master_address,
+            master_port=cfg.master_port,
+            rank_offset=offsets[w.url],
+            world_size=world,
+            group_name=group_name,
+            backend=cfg.backend,
+        ),
+        lambda: open_update_group(cfg, world, group_name),
+    )
+    sent, completed = 0, False
+    try:
+        for bucket in plan:
+            meta = [(n, t.dtype, tuple(t.shape)) for n, t in bucket]
+            flat = flatten(bucket, cfg.device)
+            run.during(
+                lambda w, meta=meta: w.update_weights_from_distributed(  # type: ignore[misc]
+                    meta, group_name=group_name, version=version
+                ),
+                lambda flat=flat: broadcast(group, flat),  # type: ignore[misc]
+            )
+            sent += flat.numel()
+        completed = True
+    finally:  # abort: a failed bucket may have left a broadcast waiting for a worker that never joins
+        if completed:
+            group.shutdown()
+        else:
+            group.abort()
+        run.each(lambda w: w.destroy_weights_update_group(group_name))
+    return sent
+
+
+class _Fanout:
+    """One call on every worker at once (threads: each HTTP call may block in a collective)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, workers: Sequence[DenseWorker], timeout_s: float) -> None:
+        self.pool, self.workers, self.timeout_s = pool, list(workers), timeout_s
+        self.urls = [w.url for w in workers]
+
+    def each(self, call: Callable[[DenseWorker], T]) -> list[T]:
+        """`call` on every worker; raises DenseSyncError if any failed or did not answer in time."""
+        futures = [self.pool.submit(call, w) for w in self.workers]
+        self._settle(futures)
+        return [f.result() for f in futures]
+
+    def during(self, call: Callable[[DenseWorker], object], local: Callable[[], T]) -> T:
+        """`call` on every worker while this process runs its side of the collective they join.
+
+        A worker failing before it joins leaves `local` waiting for a rank that never comes: the
+        collective's own timeout (`timeout_s`) ends that wait."""
+        futures = [self.pool.submit(call, w) for w in self.workers]
+        try:
+            result = local()
+        except Exception as exc:
+            answers = [f"{u}: {f.exception()}" for u, f in zip(self.urls, futures, strict=True) if f.done()]
+            raise DenseSyncError(f"dense sync: {exc}; worker answers so far: {answers}", self.urls) from exc
+        self._settle(futures)
+        return result
+
+    def _settle(self, futures: Sequence[Future[Any]]) -> None:
+        done, pending = wait(futures, timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
+        failed = [
+            f"{url}: {type(f.exception()).__name__}: {f.exception()}"
+            for url, f in zip(self.urls, futures, strict=True)
+            if f in done and f.exception() is not None
+        ]
+        late = [url for url, f in zip(self.urls, futures, strict=True) if f in pending]
+        if failed or late:
+            raise DenseSyncError(
+                f"dense sync failed: {failed}; still waiting (timeout {self.timeout_s} s): {late}", self.urls
+            )
