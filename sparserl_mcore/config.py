@@ -261,15 +261,19 @@ class ModelConfig:
 class RolloutConfig:
     """Who generates and how: G samples per prompt with (optionally) compressed KV.
 
-    engine: "embedded" runs the engine in the trainer process; "remote" talks to `sparserl serve`
-    (or SGLang) servers at `urls` over HTTP. token_env names an environment variable holding the
-    servers' bearer token (the token itself never sits in a config file).
+    engine: "embedded" runs the engine in the trainer process; "remote" talks to servers at `urls`
+    over HTTP. server: what those servers are, since the two speak different weight-update routes:
+    "sparserl" (`sparserl serve`: /update_weights_from_patch) or "sglang" (`sparserl sglang-serve`:
+    SGLang's /update_weights_from_tensor with our loader, bracketed by pause / begin / end / flush /
+    continue; `sparserl slurm` sets it for the servers it starts). token_env names an environment
+    variable holding the servers' bearer token (the token itself never sits in a config file).
     request_timeout_s / max_retries bound how long a dead or hung engine can stall a step.
     tensor_parallel_size: GPUs per rollout server (SGLang's --tp-size) where servers are started
     for the run (`sparserl slurm`); the embedded engine runs on one device.
     """
 
     engine: Literal["embedded", "remote"] = "embedded"
+    server: Literal["sparserl", "sglang"] = "sparserl"
     urls: tuple[str, ...] = ()
     token_env: str | None = None
     tensor_parallel_size: int = 1
@@ -290,6 +294,8 @@ class RolloutConfig:
             )
         if any(not u.startswith(("http://", "https://")) for u in self.urls):
             raise ValueError(f"urls={list(self.urls)}: each must start with http:// or https://")
+        if self.server == "sglang" and self.engine != "remote":
+            raise ValueError("server='sglang' names remote servers: set engine=remote and urls, or drop it")
         _positive(self, "request_timeout_s", "tensor_parallel_size")
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries}: must be >= 0")

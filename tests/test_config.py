@@ -59,6 +59,9 @@ def test_dotted_overrides_are_typed_by_the_schema() -> None:
 def test_remote_engine_urls_from_an_override() -> None:
     cfg = build("rollout.engine=remote", "rollout.urls=[http://a:1, http://b:2]")
     assert cfg.rollout.urls == ("http://a:1", "http://b:2")
+    assert cfg.rollout.server == "sparserl"  # `sparserl serve` unless said otherwise
+    sglang = build("rollout.engine=remote", "rollout.urls=[http://a:1]", "rollout.server=sglang")
+    assert sglang.rollout.server == "sglang"
 
 
 @pytest.mark.parametrize(
@@ -83,6 +86,8 @@ def test_remote_engine_urls_from_an_override() -> None:
         (["train.steps.max=3"], ["train.steps", "expected an integer"]),
         (["train.steps"], ["KEY=VALUE"]),
         (["rollout.engine=remote"], ["needs urls"]),
+        (["rollout.server=vllm"], ["rollout.server", "'vllm'", "sparserl, sglang"]),
+        (["rollout.server=sglang"], ["server='sglang' names remote servers", "engine=remote"]),
         (["sync.transport=http"], ["unknown key sync.transport", "codec", "every"]),
         (["rollout.sampling.seed=3"], ["rollout.sampling.seed=3", "from train.seed"]),
         (["train.prompts_per_step=3"], ["3 * 8 = 24", "global_batch_size=256"]),

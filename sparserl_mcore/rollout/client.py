@@ -92,15 +92,19 @@ class RemoteEngine:
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
         if not requests:
             return []
-        answer = self._call("POST", "/generate", json=generate_body(requests)).json()
+        answer = self._call("POST", "/generate", json=self._generate_body(requests)).json()
         if not isinstance(answer, list) or len(answer) != len(requests):
             raise RemoteEngineError(
                 f"{self.url}/generate: expected {len(requests)} results, got {answer!r:.200}"
             )
         try:
-            return [read_sample(obj, req) for obj, req in zip(answer, requests, strict=True)]
+            return [self._read_sample(obj, req) for obj, req in zip(answer, requests, strict=True)]
         except (KeyError, TypeError, ValueError) as exc:
             raise RemoteEngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
+
+    # The /generate dialect (SGLang's own differs in a few names: `sglang.client.SGLangWorker`).
+    _generate_body = staticmethod(generate_body)
+    _read_sample = staticmethod(read_sample)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Send HF-named tensors in buckets of about `bucket_bytes`, each a safetensors body.

@@ -27,6 +27,7 @@ import httpx
 import torch
 
 from sparserl_mcore.rollout.client import RemoteEngine
+from sparserl_mcore.sglang import wire
 from sparserl_mcore.sglang.loader import LOADER_PATH, PATCH_TENSOR, VERSION_TENSOR
 
 
@@ -53,7 +54,11 @@ def version_payloads(version: int, tp_size: int) -> list[str]:
 
 
 class SGLangWorker(RemoteEngine):
-    """One SGLang server: generation through `RemoteEngine`, plus the weight-update routes."""
+    """One SGLang server: generation through `RemoteEngine` in SGLang's /generate dialect
+    (`sglang.wire`), plus the weight-update routes."""
+
+    _generate_body = staticmethod(wire.generate_body)
+    _read_sample = staticmethod(wire.read_sample)
 
     def __repr__(self) -> str:
         return f"SGLangWorker({self.url!r})"

@@ -106,9 +106,11 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
     rc = cfg.rollout
     if rc.engine == "remote" and compressed:
         from sparserl_mcore.rollout.client import RemoteEngine
+        from sparserl_mcore.sglang.client import SGLangWorker
 
         token = os.environ.get(rc.token_env) if rc.token_env else None
-        return {url: RemoteEngine(url, token, timeout=rc.request_timeout_s, retries=0) for url in rc.urls}
+        kind = SGLangWorker if rc.server == "sglang" else RemoteEngine
+        return {url: kind(url, token, timeout=rc.request_timeout_s, retries=0) for url in rc.urls}
     from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
     from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
 
@@ -171,6 +173,7 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         cfg.sync.codec,
         log.event,
         remote_urls=cfg.rollout.urls if remote else (),  # every learner rank sends its own fragment
+        remote_server=cfg.rollout.server,
         token=os.environ.get(cfg.rollout.token_env) if remote and cfg.rollout.token_env else None,
         timeout_s=cfg.rollout.request_timeout_s,
     )

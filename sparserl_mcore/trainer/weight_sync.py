@@ -5,6 +5,9 @@ Per step (`sync`): every learner rank diffs its OWN BF16 shard against its snaps
 version (`sync.per_rank.encode_fragment`: touched-value digests, fragment (rank, world)). Nothing
 is gathered on a stage source and no rank holds a mirror of the model. Delivery:
 - remote engines (`remote_urls`): every rank POSTs its fragment to every engine itself;
+  SGLang workers (`remote_server="sglang"`) get it split per SGLang TP rank, inside one
+  pause / begin ... end / flush / continue bracket per sync made by the host rank
+  (`sglang.trainer_sync.SGLangDelivery`);
 - in-process engines (the embedded engine on the host rank): the fragments, already encoded,
   reach the host (the receiver's own process) in one `gather_object` of bytes.
 Every engine applies each fragment as it lands and moves to the version when all have landed.
@@ -19,7 +22,8 @@ holds exactly bf16(learner) and a resumed run continues from the same engine wei
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,7 +32,7 @@ import torch.distributed as dist
 from sparserl_mcore.sync.codec import CodecConfig
 from sparserl_mcore.sync.hashing import dtype_name
 from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, build_sync_groups, even_ranges
-from sparserl_mcore.sync.per_rank import ModelMeta, encode_fragment
+from sparserl_mcore.sync.per_rank import Change, ModelMeta, encode_fragment
 from sparserl_mcore.trainer.engine_pool import EnginePool, EventSink
 from sparserl_mcore.trainer.learner import unwrap_model
 from sparserl_mcore.trainer.rollouts import HOST_RANK
@@ -65,6 +69,7 @@ class WeightSyncer:
         on_event: EventSink,
         *,
         remote_urls: Sequence[str] = (),
+        remote_server: str = "sparserl",
         token: str | None = None,
         timeout_s: float = 600.0,
     ):
@@ -78,7 +83,15 @@ class WeightSyncer:
         self._meta = ModelMeta(dtype_name(torch.bfloat16), layout.hf_shapes)
         self._dense_bytes = 2 * self._meta.numel
         self._senders: dict[str, Any] = {}
-        if remote_urls:
+        self._sglang: Any = None  # SGLangDelivery when the remote servers are SGLang
+        self._remote = set(remote_urls)
+        if remote_urls and remote_server == "sglang":
+            from sparserl_mcore.sglang.trainer_sync import SGLangDelivery
+
+            self._sglang = SGLangDelivery(
+                remote_urls, layout.hf, host_rank=HOST_RANK, token=token, timeout_s=timeout_s
+            )
+        elif remote_urls:
             from sparserl_mcore.rollout.client import RemoteEngine
 
             self._senders = {u: RemoteEngine(u, token, timeout=timeout_s, retries=1) for u in remote_urls}
@@ -102,21 +115,25 @@ class WeightSyncer:
             config=ShardSyncConfig(codec=self.codec, snapshot="host" if rt.cpu else "device", mirror=False),
         )
 
-    def _full_fragment(self, version: int) -> bytes:
-        assert self._shards is not None
-        return encode_fragment(
-            [(n, i, None, b) for n, i, b in self._shards.owned_elements()],
-            self._meta,
+    def _encoder(self, version: int, base_version: int | None) -> Callable[[Sequence[Change]], bytes]:
+        """This rank's fragment of `version` for a list of changes (base None: a full fragment)."""
+        return partial(
+            encode_fragment,
+            meta=self._meta,
             version=version,
-            base_version=None,
+            base_version=base_version,
             fragment=(self.runtime.rank, self.runtime.world_size),
             codec=self.codec,
         )
 
+    def _full_changes(self) -> list[Change]:
+        assert self._shards is not None
+        return [(n, i, None, b) for n, i, b in self._shards.owned_elements()]
+
     def full_sync(self, pools: list[EnginePool | None], *, version: int) -> None:
         """Send every weight (start of a run, resume): engines then hold exactly bf16(learner)."""
         self._shards = self._new_shard_syncer(version)
-        failed = self._deliver(self._full_fragment(version), pools, None, "full weight sync")
+        failed, _ = self._deliver(self._full_changes(), version, None, pools, None, "full weight sync")
         self._drop(pools, failed)
 
     def sync(self, pools: list[EnginePool | None], *, version: int) -> dict[str, float]:
@@ -127,21 +144,16 @@ class WeightSyncer:
         base = self._shards.version
         if version <= base:
             raise ValueError(f"version {version} must be newer than the last synced {base}")
-        fragment = encode_fragment(
-            self._shards.local_changes(),
-            self._meta,
-            version=version,
-            base_version=base,
-            fragment=(self.runtime.rank, self.runtime.world_size),
-            codec=self.codec,
-        )
+        changes = self._shards.local_changes()
         self._shards.version = version
-        failed = self._deliver(fragment, pools, None, "sparse weight sync")
+        failed, size = self._deliver(changes, version, base, pools, None, "sparse weight sync")
         if failed:  # every rank learned the same names: all send their full fragment to those
             self._on_event("sync_fallback_full", {"engines": sorted(failed)})
-            failed = self._deliver(self._full_fragment(version), pools, failed, "full fallback sync")
+            failed, _ = self._deliver(
+                self._full_changes(), version, None, pools, failed, "full fallback sync"
+            )
             self._drop(pools, failed)
-        sent = torch.tensor([len(fragment)], dtype=torch.int64)
+        sent = torch.tensor([size], dtype=torch.int64)
         dist.all_reduce(sent)
         return {
             "sync/patch_bytes": float(sent),
@@ -150,26 +162,48 @@ class WeightSyncer:
         }
 
     def _deliver(
-        self, fragment: bytes, pools: list[EnginePool | None], only: set[str] | None, what: str
-    ) -> set[str]:
-        """Collective: this rank's fragment to every engine (or those in `only`); the names of the
-        engines that failed, the same set on every rank."""
+        self,
+        changes: Sequence[Change],
+        version: int,
+        base_version: int | None,
+        pools: list[EnginePool | None],
+        only: set[str] | None,
+        what: str,
+    ) -> tuple[set[str], int]:
+        """Collective: this rank's changes to every engine (or those in `only`); the names of the
+        engines that failed (the same set on every rank) and the bytes of this rank's fragment
+        (for SGLang: its per-SGLang-TP-rank fragments, one set per distinct worker TP size)."""
+        encode = self._encoder(version, base_version)
         failed: dict[str, str] = {}
+        size = 0
+        if self._sglang is not None:
+            sizes: list[int] = []
+
+            def counted(part: Sequence[Change]) -> bytes:
+                blob = encode(part)
+                sizes.append(len(blob))
+                return blob
+
+            failed.update(self._sglang.deliver(changes, counted, version=version, only=only))
+            size = sum(sizes)
+        local = self._local_engines(pools, only)
+        any_local = self._any_local(local)
+        whole = encode(changes) if self._senders or any_local else b""
+        size = size or len(whole)
         for name, client in self._senders.items():
             if only is None or name in only:
                 try:
-                    client.apply_patch(fragment)
+                    client.apply_patch(whole)
                 except Exception as exc:  # noqa: BLE001 - reported below, the learner carries on
                     failed[name] = f"{type(exc).__name__}: {exc}"
-        local = self._local_engines(pools, only)
-        if self._any_local(local):
-            failed.update(self._deliver_to_host(fragment, local))
+        if any_local:
+            failed.update(self._deliver_to_host(whole, local))
         everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, failed)
         merged = {k: v for part in everyone for k, v in (part or {}).items()}
         for name, reason in sorted(merged.items()):
             self._on_event("sync_engine_failed", {"engine": name, "what": what, "reason": reason})
-        return set(merged)
+        return set(merged), size
 
     def _local_engines(self, pools: list[EnginePool | None], only: set[str] | None) -> dict[str, Any]:
         """The host's in-process engines (empty on other ranks)."""
@@ -178,7 +212,7 @@ class WeightSyncer:
             for pool in pools
             if pool is not None
             for name, engine in pool.live.items()
-            if name not in self._senders and (only is None or name in only)
+            if name not in self._remote and (only is None or name in only)
         }
 
     def _any_local(self, local: dict[str, Any]) -> bool:

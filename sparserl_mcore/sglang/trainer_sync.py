@@ -1,0 +1,136 @@
+"""The trainer's weight delivery into SGLang workers: per-rank fragments, one bracket per sync.
+
+SGLang has no `/update_weights_from_patch`; a fragment reaches our loader through
+`/update_weights_from_tensor`, which SGLang 0.5.23 accepts only inside a begin/end weight-update
+session (`SchedulerWeightUpdaterManager.update_weights_from_tensor`). So one sync is, per worker:
+
+1. the host rank: `/server_info` (the worker's TP size, first time only), `/pause_generation`
+   {"mode": "retract"}, `/begin_weight_update`; the outcome (and TP sizes) reach every rank in one
+   broadcast, so no rank sends before the session is open;
+2. every learner rank: its own changes split per SGLang TP rank (`split_by_receiver` with
+   `SGLangLayout`), one fragment each, in ONE `send_fragments` call (fragment = (learner rank,
+   learner ranks): the worker's ledger moves to the version when every rank's has landed);
+3. the failures of all ranks are gathered (so the host closes the session only after every rank
+   has sent), then the host: `/end_weight_update`, `/flush_cache`, `/continue_generation`, for
+   every worker whose session it opened, failed or not (a worker must never stay paused).
+
+Collective over the default group (the learner ranks); every rank returns the same failure map.
+A full sync is the same path with every owned element (`overwrite`, base None), which a worker
+whose patch was rejected accepts (its ledger is `broken` until a full version lands).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from model_providers.hf_config import HFModelConfig
+from sparserl_mcore.sglang.client import SGLangWorker
+from sparserl_mcore.sglang.layout import SGLangLayout
+from sparserl_mcore.sync.per_rank import Change, split_by_receiver
+
+# (changes of one SGLang TP rank) -> encoded fragment of this learner rank
+Encode = Callable[[Sequence[Change]], bytes]
+
+
+def _reason(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class SGLangDelivery:
+    """SGLang workers by URL; `deliver` is one bracketed sync of this rank's changes."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        hf: HFModelConfig,
+        *,
+        host_rank: int,
+        token: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.workers = {u: SGLangWorker(u, token, timeout=timeout_s, retries=1) for u in urls}
+        self._hf = hf
+        self._host_rank = host_rank
+        self._tp: dict[str, int] = {}  # worker -> its TP size, learned by the host at the first sync
+        self._layouts: dict[int, SGLangLayout] = {}
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+
+    def deliver(
+        self, changes: Sequence[Change], encode: Encode, *, version: int, only: set[str] | None
+    ) -> dict[str, str]:
+        """Collective: this rank's `changes` of `version` to every worker (or those in `only`); the
+        workers that failed, with why, the same map on every rank."""
+        targets = [u for u in self.workers if only is None or u in only]
+        if not targets:
+            return {}
+        host = dist.get_rank() == self._host_rank
+        opened: list[str] = []
+        failed: dict[str, str] = {}
+        if host:
+            for url in targets:
+                try:
+                    self._open(url)
+                    opened.append(url)
+                except Exception as exc:  # noqa: BLE001 - this worker is reported, the others go on
+                    failed[url] = f"opening the update session: {_reason(exc)}"
+        box: list[Any] = [(failed, self._tp)]
+        dist.broadcast_object_list(box, src=self._host_rank)  # nobody sends before the sessions are open
+        failed, tp = box[0]
+        self._tp.update(tp)
+        mine: dict[str, str] = {}
+        by_tp: dict[int, list[bytes]] = {}
+        for url in targets:
+            if url in failed:
+                continue
+            try:
+                size = self._tp[url]
+                if size not in by_tp:
+                    by_tp[size] = [encode(c) for c in split_by_receiver(changes, self._layout(size))]
+                self.workers[url].send_fragments(by_tp[size], version)
+            except Exception as exc:  # noqa: BLE001 - reported below; the learner carries on
+                mine[url] = _reason(exc)
+        everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)  # every rank has sent before the host closes
+        for part in everyone:
+            failed.update(part or {})
+        if host:
+            for url in opened:
+                problem = self._close(url)
+                if problem and url not in failed:
+                    failed[url] = problem
+        box = [failed]
+        dist.broadcast_object_list(box, src=self._host_rank)
+        return dict(box[0])
+
+    def _open(self, url: str) -> None:
+        worker = self.workers[url]
+        if url not in self._tp:
+            self._tp[url] = worker.tp_size()
+        worker.pause("retract")
+        worker.begin_weight_update()
+
+    def _close(self, url: str) -> str:
+        """End the session, flush, resume: each tried even when an earlier one failed."""
+        worker = self.workers[url]
+        problems = []
+        for what, call in (
+            ("end_weight_update", worker.end_weight_update),
+            ("flush_cache", worker.flush_cache),
+            ("continue_generation", worker.resume),
+        ):
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - the next step must still run
+                problems.append(f"{what}: {_reason(exc)}")
+        return "; ".join(problems)
+
+    def _layout(self, tp_size: int) -> SGLangLayout:
+        if tp_size not in self._layouts:
+            self._layouts[tp_size] = SGLangLayout(self._hf, tp_size=tp_size)
+        return self._layouts[tp_size]

@@ -1,0 +1,74 @@
+"""SGLang 0.5.23's native POST /generate, as the trainer uses it (batch of token-id prompts).
+
+`rollout.http_wire` speaks `sparserl serve`'s dialect of the same route, which differs from
+SGLang's where this module adapts (read in the 0.5.23 wheel, file: symbol):
+- request: SGLang's sampling dict becomes `sampling/sampling_params.py: SamplingParams(**dict)`
+  (`managers/tokenizer_manager.py`, `sampling_params_class(**sampling_kwargs)`), a msgspec struct
+  that refuses unknown keys: our `seed` is SGLang's `sampling_seed`, and is left out when unset.
+  Everything else (`input_ids`, `rid`, `return_logprob`, per-request `sampling_params`) is
+  `managers/io_struct.py: GenerateReqInput` as ours.
+- response (`managers/tokenizer_manager.py: TokenizerManager._handle_batch_output`): `output_ids`,
+  `meta_info` with `id`, `finish_reason` ({"type": "stop"|"length"|"abort", ...}),
+  `cached_tokens`, `weight_version` (SGLang's label string: the version our sync sent, or
+  "default" on a worker that never got our weights) and `output_token_logprobs` as
+  [logprob, token_id, text|null] (`detokenize_logprob_tokens`). There is no `kv_stats`: SGLang
+  reports none, so samples carry zero `KVStats` (the trainer's KV metrics read 0 for SGLang).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from sparserl_mcore.rollout.protocol import GenerateRequest, KVStats, Sample, SamplingParams
+
+
+def sampling_json(params: SamplingParams) -> dict[str, Any]:
+    """Our sampling settings under SGLang's `SamplingParams` names."""
+    out: dict[str, Any] = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "max_new_tokens": params.max_new_tokens,
+        "stop_token_ids": list(params.stop_token_ids),
+        "stop": list(params.stop),
+        "ignore_eos": params.ignore_eos,
+    }
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed
+    return out
+
+
+def generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
+    """One batch /generate body: token ids in, per-request sampling, log-probs of every output token."""
+    return {
+        "input_ids": [list(r.input_ids) for r in requests],
+        "sampling_params": [sampling_json(r.sampling) for r in requests],
+        "rid": [r.rid or uuid.uuid4().hex for r in requests],
+        "return_logprob": True,
+    }
+
+
+def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
+    """One SGLang response object as a `Sample`; KeyError / TypeError / ValueError when malformed
+    or when the worker does not hold weights this trainer sent (its label is not a version)."""
+    meta = obj["meta_info"]
+    output_ids = tuple(int(t) for t in obj["output_ids"])
+    items = meta["output_token_logprobs"]
+    if [int(item[1]) for item in items] != list(output_ids):
+        raise ValueError(f"request {request.rid}: output_token_logprobs do not match output_ids")
+    label = str(meta["weight_version"])
+    if not label.isdigit():
+        raise ValueError(f"weight_version={label!r}: this worker holds no weights synced by the trainer")
+    return Sample(
+        rid=str(meta["id"]),
+        prompt_ids=request.input_ids,
+        output_ids=output_ids,
+        output_logprobs=tuple(float(item[0]) for item in items),
+        finish_reason=meta["finish_reason"]["type"],
+        kv_stats=KVStats(),
+        weight_version=int(label),
+        cached_prompt_tokens=int(meta.get("cached_tokens", 0)),
+    )

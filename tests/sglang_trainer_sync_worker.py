@@ -1,0 +1,84 @@
+"""Learner half of tests/test_sglang_trainer_sync.py: the trainer's own learner and `WeightSyncer`
+feeding SGLang workers (tests/sglang_dense_world.py) over HTTP.
+
+    torchrun --nproc_per_node 2 tests/sglang_trainer_sync_worker.py CONFIG.yaml OUT_DIR STATES_DIR URL...
+
+Learner built as `sparserl train` does (`trainer.setup.build_learner`: bf16, TP=2 over gloo), and
+`WeightSyncer(remote_server="sglang")`: the full sync at start (v0), an RL update and a sparse
+sync (v1), then worker 0 is told it holds another version (so its next patch is rejected), an RL
+update and a sparse sync (v2: rejected on worker 0, full fallback there). After each sync the
+learner exports HF safetensors (`Learner.export_hf`, a dense gather independent of the sync) into
+STATES_DIR/v<N>.safetensors and the host asks every worker rank to compare its parameters with
+SGLang's own `load_weights` of that export (the world's /check route).
+Results: OUT_DIR/result.json (host rank).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+
+def main() -> int:
+    import torch.distributed as dist
+    from learner_support import rl_update
+    from safetensors.torch import load_file, save_file
+
+    from sparserl_mcore.config import load_config
+    from sparserl_mcore.parallel import initialize, shutdown
+    from sparserl_mcore.sglang.client import SGLangWorker
+    from sparserl_mcore.trainer.setup import build_learner
+    from sparserl_mcore.trainer.weight_sync import WeightSyncer
+
+    cfg = load_config(sys.argv[1], ["model.params_dtype=bf16"])
+    out, states, urls = pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]), sys.argv[4:]
+    rt = initialize(cfg.parallel, seed=cfg.train.seed)
+    found: dict = {"events": [], "checks": {}, "patch_bytes": []}
+    try:
+        learner = build_learner(cfg, rt)
+        events = found["events"]
+        syncer = WeightSyncer(
+            learner.model, learner.layout, rt, cfg.sync.codec, lambda k, d: events.append([k, d]),
+            remote_urls=urls, remote_server="sglang", timeout_s=120,
+        )  # fmt: skip
+        workers = [SGLangWorker(u, retries=0, timeout=120) for u in urls]
+
+        def check(version: int) -> None:
+            exported = learner.export_hf(str(out / f"hf{version}"), runtime=rt, source_dir=cfg.model.hf_path)
+            if rt.rank == 0:
+                state: dict = {}
+                for f in sorted(exported.glob("*.safetensors")):
+                    state.update(load_file(f))
+                save_file(state, str(states / f"v{version}.safetensors"))
+                found["checks"][version] = [
+                    w._call("POST", "/check", json={"state": f"v{version}"}).json()["message"]
+                    for w in workers
+                ]
+            dist.barrier()
+
+        syncer.full_sync([None], version=0)
+        check(0)
+        found["updates"] = [rl_update(learner, rt, seed=1)["train/updates"]]
+        found["patch_bytes"].append(syncer.sync([None], version=1)["sync/patch_bytes"])
+        check(1)
+        if rt.rank == 0:  # worker 0 now believes it holds v99: the v2 patch (base v1) must be rejected
+            w = workers[0]
+            w.pause("retract")
+            w.begin_weight_update()
+            w.declare_version(99, w.tp_size())
+            w.end_weight_update()
+            w.resume()
+        dist.barrier()
+        found["updates"].append(rl_update(learner, rt, seed=2)["train/updates"])
+        found["patch_bytes"].append(syncer.sync([None], version=2)["sync/patch_bytes"])
+        check(2)
+        if rt.rank == 0:
+            (out / "result.json").write_text(json.dumps(found))
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The trainer's weight sync into SGLang 0.5.23's REAL weight-update path on CPU.
+
+Processes: a TP=1 and a TP=2 SGLang worker (tests/sglang_dense_world.py: SGLang's
+`Qwen2ForCausalLM`, `WeightUpdater`, `SchedulerWeightUpdaterManager` and our loader through its
+plugin, behind a stdlib HTTP front that parses bodies into SGLang's own `io_struct` classes), and
+two learner ranks over gloo (tests/sglang_trainer_sync_worker.py: `build_learner` at TP=2 and
+`WeightSyncer(remote_server="sglang")`). Each learner rank sends its own fragments, split per
+SGLang TP rank; the host rank brackets each sync. After the full sync, a sparse sync, and a
+sparse sync that one worker rejects (full fallback), every SGLang parameter must be bit-equal to
+SGLang's own `load_weights` of the learner's HF export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from e2e_support import make_assets, subprocess_env, write_config
+from sglang_cpu import require_sglang
+from test_sglang_dense import _port, _wait_ready
+
+from sparserl_mcore.parallel.launch import launch_local
+from sparserl_mcore.sglang.client import SGLangWorker
+
+HERE = Path(__file__).parent
+BRACKET = [
+    "/pause_generation",
+    "/begin_weight_update",
+    "/update_weights_from_tensor",  # learner rank 0's fragments (or rank 1's: they race)
+    "/update_weights_from_tensor",
+    "/end_weight_update",
+    "/flush_cache",
+    "/continue_generation",
+]
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    require_sglang()
+    root = tmp_path_factory.mktemp("sglang-trainer")
+    hf = make_assets(root)
+    cfg = write_config(root, hf, "sglang", train={"micro_batch_size": 4})
+    env = {**subprocess_env(), "PYTHONPATH": os.pathsep.join((str(HERE.parent), str(HERE)))}
+    world = [sys.executable, str(HERE / "sglang_dense_world.py")]
+    procs, fronts = [], []
+    try:
+        for tp in (1, 2):
+            tp_port, url_file = _port(), root / f"tp{tp}.url"
+            for rank in range(tp):
+                args = [str(a) for a in (rank, tp, tp_port, hf, root, url_file)]
+                procs.append(
+                    subprocess.Popen(
+                        [*world, "worker", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                    )
+                )
+            fronts.append((procs[-tp], url_file))
+        deadline = time.monotonic() + 300
+        urls = [_wait_ready(p, f, deadline) for p, f in fronts]
+        worker = str(HERE / "sglang_trainer_sync_worker.py")
+        launch_local([worker, str(cfg), str(root), str(root), *urls], 2, env=env, timeout=400)
+        for url in urls:
+            with SGLangWorker(url, retries=0) as w:
+                w._call("POST", "/shutdown", json={})
+        for p in procs:
+            log = p.communicate(timeout=60)[0].decode(errors="replace")
+            assert p.returncode == 0, log[-3000:]
+        return json.loads((root / "result.json").read_text())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _ranks(found: dict, version: int) -> list[dict]:
+    return [rank for worker in found["checks"][str(version)] for rank in worker]
+
+
+@pytest.mark.parametrize("version", [0, 1, 2])
+def test_every_sglang_parameter_is_bf16_of_the_learner(found, version):
+    ranks = _ranks(found, version)
+    assert len(ranks) == 3  # the TP=1 worker + both ranks of the TP=2 worker
+    for rank in ranks:
+        assert rank["params"] > 0 and rank["mismatched"] == [], rank["mismatched"]
+        assert rank["receiver_version"] == version and rank["broken"] is None
+
+
+def test_the_updates_moved_the_weights(found):
+    assert found["updates"] == [2.0, 2.0], found["updates"]  # train.reuse_epochs=2, nothing gated
+    assert all(b > 0 for b in found["patch_bytes"]), found["patch_bytes"]
+
+
+def test_a_rejected_patch_gets_the_full_fallback_on_that_worker_only(found):
+    fallbacks = [d for kind, d in found["events"] if kind == "sync_fallback_full"]
+    assert len(fallbacks) == 1 and len(fallbacks[0]["engines"]) == 1, found["events"]
+    failed = [d for kind, d in found["events"] if kind == "sync_engine_failed"]
+    assert [d["what"] for d in failed] == ["sparse weight sync"], failed  # the fallback landed
+    assert "based on version 1, the receiver holds 99" in failed[0]["reason"], failed
+
+
+def _syncs(routes: list[str]) -> list[list[str]]:
+    """A rank's routes cut at each /check, without the probes (/health, /server_info) and /check."""
+    out, current = [], []
+    for route in routes:
+        if route == "/check":
+            out.append(current)
+            current = []
+        elif route not in ("/health", "/server_info"):
+            current.append(route)
+    return out
+
+
+def test_each_sync_is_one_bracket_in_order(found):
+    marker = [*BRACKET[:3], "/end_weight_update", "/continue_generation"]  # the test's planted version
+    for index, worker in enumerate(found["checks"]["2"]):
+        for rank in worker:
+            full, sparse, rejected = _syncs(rank["routes"])
+            assert full == BRACKET and sparse == BRACKET, (full, sparse)
+            # worker 0: the planted marker, the rejected v2 bracket, then its full-fallback bracket
+            assert rejected == (marker + BRACKET + BRACKET if index == 0 else BRACKET), rejected
