@@ -239,3 +239,49 @@ def test_the_rollout_entry_refuses_a_bad_config_in_one_line(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "missing required key data" in proc.stderr
+
+
+def _learner_overrides(script: str) -> list[str]:
+    """The overrides the rendered script passes to the learners (`TOPOLOGY`), for one server URL:
+    its value lines, the server-kind block and the TOPOLOGY line, run by bash."""
+    lines = script.splitlines()
+    values = [ln for ln in lines if ln.startswith(("ROLLOUT_SERVER=", "RANKS_PER_NODE=", "ROLLOUT_TP="))]
+    start = lines.index("SERVERS_PER_NODE=$RANKS_PER_NODE  # the embedded engine: one per GPU")
+    block = lines[start : lines.index("fi", start) + 1]
+    topology = [ln for ln in lines if ln.startswith("TOPOLOGY=(rollout")]
+    program = "\n".join(
+        [*values, 'join() { local IFS=,; echo "$*"; }', "URLS=(http://a:1)", *block, *topology,
+         'printf "%s\\n" "${TOPOLOGY[@]}"']
+    )  # fmt: skip
+    proc = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True)
+    return proc.stdout.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("name", "server"), [("partition-time-sglang", "sglang"), ("disaggregated-cpu", "sparserl")]
+)
+def test_the_learners_are_told_which_servers_the_job_started(tiny, name, server):
+    root, hf = tiny
+    overrides = _learner_overrides(_render(root, hf, LAYOUTS[name]))
+    assert f"rollout.server={server}" in overrides, overrides
+    cfg = load_config(_config(root, hf), overrides)
+    assert (cfg.rollout.engine, cfg.rollout.server, cfg.rollout.urls) == ("remote", server, ("http://a:1",))
+
+
+def test_auto_leaves_the_server_kind_to_the_job():
+    """Under --rollout-server auto only the script knows (sglang importable on the node or not)."""
+    from sparserl_mcore.slurm.layout import SlurmLayout
+    from sparserl_mcore.slurm.render import topology_overrides
+
+    def layout(server: str, gpus: int) -> SlurmLayout:
+        return SlurmLayout(
+            learner_nodes=1, rollout_nodes=1, gpus_per_node=gpus, ranks_per_node=max(gpus, 2), partition=None,
+            time="1:00:00", stop_before_s=300, job_name="j", rollout_server=server, rollout_port=30000,
+        )  # fmt: skip
+
+    def kinds(server: str, gpus: int) -> list[str]:
+        return [o for o in topology_overrides(layout(server, gpus), ["http://a:1"]) if "server" in o]
+
+    assert kinds("auto", 8) == []
+    assert kinds("sglang", 8) == ["rollout.server=sglang"]
+    assert kinds("embedded", 8) == kinds("auto", 0) == ["rollout.server=sparserl"]

@@ -37,13 +37,24 @@ NETWORK_NOTE = (
 
 
 REMOTE_OVERRIDES = ("rollout.engine=remote", f"rollout.token_env={SERVE_TOKEN_ENV}")
+# `--rollout-server` (what the job starts) -> `rollout.server` (which weight routes the trainer calls)
+SERVER_API = {"sglang": "sglang", "embedded": "sparserl"}
 
 
 def topology_overrides(layout: SlurmLayout, urls: Sequence[str]) -> list[str]:
-    """Config overrides that point the learners at the job's own rollout servers."""
+    """Config overrides that point the learners at the job's own rollout servers. Under
+    `--rollout-server auto` the job decides on the node whether they are SGLang, and its script
+    sets `rollout.server` then (`_ROLLOUTS`); here only a known kind is set."""
     if layout.rollout_nodes == 0:
         return []
-    return [*REMOTE_OVERRIDES, f"rollout.urls=[{','.join(urls)}]"]
+    server = _server(layout)
+    kind = [f"rollout.server={SERVER_API[server]}"] if server in SERVER_API else []
+    return [*REMOTE_OVERRIDES, *kind, f"rollout.urls=[{','.join(urls)}]"]
+
+
+def _server(layout: SlurmLayout) -> str:
+    """The servers the job starts: `sparserl serve` on CPU nodes, else as asked (or auto)."""
+    return "embedded" if layout.cpu else layout.rollout_server
 
 
 def render(cfg: RunConfig, layout: SlurmLayout, *, run_dir: str, config_path: str, command: str) -> str:
@@ -90,7 +101,7 @@ def _rollout_summary(cfg: RunConfig, layout: SlurmLayout) -> str:
     sglang = f"SGLang servers of TP={rtp} ({n // rtp} per node)"
     embedded = f"`sparserl serve` ({n} per node)"
     kinds = {"sglang": sglang, "embedded": embedded, "auto": f"{sglang} if sglang imports, else {embedded}"}
-    return f"{layout.rollout_nodes} node(s): {kinds['embedded' if layout.cpu else layout.rollout_server]}"
+    return f"{layout.rollout_nodes} node(s): {kinds[_server(layout)]}"
 
 
 def _sbatch_lines(layout: SlurmLayout, run_dir: str) -> str:
@@ -130,7 +141,7 @@ def _values(cfg: RunConfig, layout: SlurmLayout, run_dir: str, config_path: str)
     if layout.rollout_nodes:
         values |= {
             "ROLLOUT_TP": cfg.rollout.tensor_parallel_size,
-            "ROLLOUT_SERVER": "embedded" if layout.cpu else layout.rollout_server,
+            "ROLLOUT_SERVER": _server(layout),
             "ROLLOUT_DEVICE": "cpu" if layout.cpu else "cuda",
             "ROLLOUT_PORT": layout.rollout_port,
             "SERVER_START_TIMEOUT_S": layout.server_start_timeout_s,
@@ -204,7 +215,11 @@ if [ "$ROLLOUT_SERVER" = auto ]; then
     if python -c 'import sglang' 2>/dev/null; then ROLLOUT_SERVER=sglang; else ROLLOUT_SERVER=embedded; fi
 fi
 SERVERS_PER_NODE=$RANKS_PER_NODE  # the embedded engine: one per GPU
-if [ "$ROLLOUT_SERVER" = sglang ]; then SERVERS_PER_NODE=$((RANKS_PER_NODE / ROLLOUT_TP)); fi
+SERVER_API=sparserl  # rollout.server: which weight-update routes the learners call
+if [ "$ROLLOUT_SERVER" = sglang ]; then
+    SERVERS_PER_NODE=$((RANKS_PER_NODE / ROLLOUT_TP))
+    SERVER_API=sglang
+fi
 URLS=()
 for node in "${ROLLOUTS[@]}"; do
     addr=$(node_addr "$node")
@@ -236,7 +251,8 @@ done
 
 def _rollouts() -> str:
     urls = '"rollout.urls=[$(join "${URLS[@]}")]"'
-    return _ROLLOUTS + f"TOPOLOGY=({' '.join(REMOTE_OVERRIDES)} {urls})\n"
+    server = '"rollout.server=$SERVER_API"'
+    return _ROLLOUTS + f"TOPOLOGY=({' '.join(REMOTE_OVERRIDES)} {server} {urls})\n"
 
 
 _LEARNERS = r"""STATUS=0
