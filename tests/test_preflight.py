@@ -6,11 +6,13 @@ Real files throughout (tiny HF checkpoints, JSONL data, run records); no rank is
 
 from __future__ import annotations
 
+import http.server
 import json
 import pathlib
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 import yaml
@@ -202,3 +204,68 @@ def test_a_layout_that_cannot_load_is_refused_naming_both_layouts(assets):
     line = str(refused.value)
     assert "step_00000002: cannot resume: saved at TP=2 PP=1 CP=1 DP=1" in line
     assert "distributed optimizer, requested TP=2" in line and "optimizer.distributed=true" in line
+
+
+class _Front(http.server.BaseHTTPRequestHandler):
+    """GET /server_info as SGLang answers it (a JSON object of its settings, tp_size among them)
+    on the "sglang" server, 404 (no such route, as `sparserl serve`) on the other."""
+
+    def do_GET(self) -> None:
+        sglang = self.server.kind == "sglang"  # type: ignore[attr-defined]
+        body = json.dumps({"tp_size": 2, "version": "0.5.23"}).encode() if sglang else b"{}"
+        self.send_response(200 if sglang and self.path == "/server_info" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def fronts():
+    urls = {}
+    servers = []
+    for kind in ("sglang", "sparserl"):
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Front)
+        server.kind = kind  # type: ignore[attr-defined]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        urls[kind] = f"http://127.0.0.1:{server.server_address[1]}"
+    yield urls
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("said", "started", "message"),
+    [
+        (
+            "sparserl",
+            "sglang",
+            "answers as an SGLang server, but rollout.server=sparserl; set rollout.server=sglang",
+        ),
+        (
+            "sglang",
+            "sparserl",
+            "answers as `sparserl serve` .*, but rollout.server=sglang; set rollout.server=sparserl",
+        ),
+    ],
+)
+def test_remote_servers_of_the_other_kind_are_refused(assets, capsys, fronts, said, started, message):
+    root, hf = assets
+    cfg = _config(root, hf, "kinds")
+    remote = ("rollout.engine=remote", f"rollout.urls=[{fronts[started]}]", f"rollout.server={said}")
+    err = _refused(capsys, *_train(cfg, *remote))
+    assert re.search(message, err), err
+    # the right kind (and an unreachable server, left to the run) passes
+    ok = load_config(
+        cfg,
+        [
+            "rollout.engine=remote",
+            f"rollout.urls=[{fronts[said]},http://127.0.0.1:9]",
+            f"rollout.server={said}",
+        ],
+    )
+    check_run(ok, world_size=2)

@@ -141,3 +141,26 @@ def router_workers(router_url: str, *, timeout: float = 10.0) -> list[str]:
     if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
         raise ValueError(f"{router_url}/workers: expected a list of worker URLs, got {body!r:.200}")
     return urls
+
+
+def server_kind(url: str, token: str | None = None, *, timeout: float = 5.0) -> str | None:
+    """ "sglang" or "sparserl" from one GET /server_info, None when the server does not say.
+
+    SGLang answers a JSON object with its launch settings (`tp_size` among them); `sparserl serve`
+    has no such route (404). Anything else (unreachable, still starting, a proxy's error) is
+    left to the run itself: a dead server leaves the pool at its first call.
+    """
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        answer = httpx.get(url.rstrip("/") + "/server_info", headers=headers, timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    if answer.status_code == 404:
+        return "sparserl"
+    if answer.status_code != 200:
+        return None
+    try:
+        body = answer.json()
+    except ValueError:
+        return None
+    return "sglang" if isinstance(body, dict) and "tp_size" in body else None

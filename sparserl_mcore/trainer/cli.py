@@ -62,7 +62,7 @@ def main(config: str, overrides: list[str], *, nproc: int | None = None) -> int:
     if os.environ.get(CHECKED_ENV) != "1":
         launch = launch_env()
         try:
-            plan = check_run(cfg, world_size=nproc or launch.world_size)
+            plan = check_run(cfg, world_size=nproc or launch.world_size, probe_servers=launch.rank == 0)
         except PreflightError as exc:
             _say(str(exc), error=True)
             return 2

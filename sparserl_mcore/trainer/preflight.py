@@ -10,6 +10,9 @@ torchrun or srun run it themselves). It needs neither megatron nor a process gro
 - reward: the function imports and accepts reward.kwargs;
 - outputs: telemetry.dir, checkpoint.dir and checkpoint.save_hf are directories or can be made;
   a remote engine's token variable is set;
+- remote servers (`probe_servers`, the launching rank only): each one that answers is the kind
+  `rollout.server` says (`sglang.client.server_kind`: one GET /server_info), since SGLang and
+  `sparserl serve` take weights through different routes and a mix-up would fail at the first sync;
 - resume (`run_record`): what the run continues from and which settings changed since; refused
   when the prompt data or its seed changed (the sampler could not continue); "complete" when the
   checkpoint is already at train.steps, so nothing is run and nothing is overwritten.
@@ -46,13 +49,32 @@ class RunPlan:
     complete: bool = False
 
 
-def check_run(cfg: RunConfig, *, world_size: int) -> RunPlan:
+def check_run(cfg: RunConfig, *, world_size: int, probe_servers: bool = True) -> RunPlan:
     """Run every check of the module docstring; raises PreflightError on the first problem."""
     _check_model(cfg, world_size)
     n_train = _check_data(cfg)
     _check_reward(cfg)
     _check_outputs(cfg)
+    if probe_servers:
+        _check_servers(cfg)
     return _resume_plan(cfg, world_size, n_train)
+
+
+def _check_servers(cfg: RunConfig) -> None:
+    from sparserl_mcore.sglang.client import server_kind
+
+    rc = cfg.rollout
+    if rc.engine != "remote":
+        return
+    token = os.environ.get(rc.token_env) if rc.token_env else None
+    for url in rc.urls:
+        kind = server_kind(url, token)
+        if kind is not None and kind != rc.server:
+            what = "an SGLang server" if kind == "sglang" else "`sparserl serve` (no GET /server_info)"
+            raise PreflightError(
+                f"rollout.urls: {url} answers as {what}, but rollout.server={rc.server}; "
+                f"set rollout.server={kind}"
+            )
 
 
 def _check_hf(path: str, key: str, cfg: RunConfig) -> Any:
