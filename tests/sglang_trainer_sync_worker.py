@@ -4,7 +4,8 @@ feeding SGLang workers (tests/sglang_dense_world.py) over HTTP.
     torchrun --nproc_per_node 2 tests/sglang_trainer_sync_worker.py CONFIG.yaml OUT_DIR STATES_DIR URL...
 
 Learner built as `sparserl train` does (`trainer.setup.build_learner`: bf16, TP=2 over gloo), and
-`WeightSyncer(remote_server="sglang")`: the full sync at start (v0), an RL update and a sparse
+`WeightSyncer(remote_server="sglang")`: the full sync at start (v0; worker 1 has a stale
+weight-update session open, as left by a trainer that died mid-sync), an RL update and a sparse
 sync (v1), then worker 0 is told it holds another version (so its next patch is rejected), an RL
 update and a sparse sync (v2: rejected on worker 0, full fallback there). After each sync the
 learner exports HF safetensors (`Learner.export_hf`, a dense gather independent of the sync) into
@@ -57,6 +58,9 @@ def main() -> int:
                 ]
             dist.barrier()
 
+        if rt.rank == 0:  # worker 1 has a session left open (as by a trainer that died mid-sync)
+            workers[1].begin_weight_update()
+        dist.barrier()
         syncer.full_sync([None], version=0)
         check(0)
         found["updates"] = [rl_update(learner, rt, seed=1)["train/updates"]]

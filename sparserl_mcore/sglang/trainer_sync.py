@@ -5,8 +5,9 @@ SGLang has no `/update_weights_from_patch`; a fragment reaches our loader throug
 session (`SchedulerWeightUpdaterManager.update_weights_from_tensor`). So one sync is, per worker:
 
 1. the host rank: `/server_info` (the worker's TP size, first time only), `/pause_generation`
-   {"mode": "retract"}, `/begin_weight_update`; the outcome (and TP sizes) reach every rank in one
-   broadcast, so no rank sends before the session is open;
+   {"mode": "retract"}, `/begin_weight_update` (a session left open by a trainer that died
+   mid-sync is ended first); the outcome (and TP sizes) reach every rank in one broadcast, so no
+   rank sends before the session is open;
 2. every learner rank: its own changes split per SGLang TP rank (`split_by_receiver` with
    `SGLangLayout`), one fragment each, in ONE `send_fragments` call (fragment = (learner rank,
    learner ranks): the worker's ledger moves to the version when every rank's has landed);
@@ -27,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from model_providers.hf_config import HFModelConfig
+from sparserl_mcore.rollout.client import RemoteValueError
 from sparserl_mcore.sglang.client import SGLangWorker
 from sparserl_mcore.sglang.layout import SGLangLayout
 from sparserl_mcore.sync.per_rank import Change, split_by_receiver
@@ -113,7 +115,16 @@ class SGLangDelivery:
         if url not in self._tp:
             self._tp[url] = worker.tp_size()
         worker.pause("retract")
-        worker.begin_weight_update()
+        try:
+            worker.begin_weight_update()
+        except RemoteValueError as exc:
+            # 0.5.23 refuses a second session (`SchedulerWeightUpdaterManager.begin_weight_update`:
+            # "a weight-update session is already open"): one left by a trainer that died mid-sync
+            # (the run resumes with a full sync, so closing it loses nothing)
+            if "already open" not in str(exc):
+                raise
+            worker.end_weight_update()
+            worker.begin_weight_update()
 
     def _close(self, url: str) -> str:
         """End the session, flush, resume: each tried even when an earlier one failed."""
