@@ -6,9 +6,8 @@ plugin, behind a stdlib HTTP front that parses bodies into SGLang's own `io_stru
 two learner ranks over gloo (tests/sglang_trainer_sync_worker.py: `build_learner` at TP=2 and
 `WeightSyncer(remote_server="sglang")`). Each learner rank sends its own fragments, split per
 SGLang TP rank; the host rank brackets each sync (ending a stale session first). After the full
-sync, a sparse sync, and a
-sparse sync that one worker rejects (full fallback), every SGLang parameter must be bit-equal to
-SGLang's own `load_weights` of the learner's HF export.
+sync, a sparse sync, and a sparse sync that one worker rejects (full fallback), every SGLang
+parameter must be bit-equal to SGLang's own `load_weights` of the learner's HF export.
 """
 
 from __future__ import annotations
