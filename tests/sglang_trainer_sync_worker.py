@@ -7,7 +7,8 @@ Learner built as `sparserl train` does (`trainer.setup.build_learner`: bf16, TP=
 `WeightSyncer(remote_server="sglang")`: the full sync at start (v0; worker 1 has a stale
 weight-update session open, as left by a trainer that died mid-sync), an RL update and a sparse
 sync (v1), then worker 0 is told it holds another version (so its next patch is rejected), an RL
-update and a sparse sync (v2: rejected on worker 0, full fallback there). After each sync the
+update and a sparse sync (v2: rejected on worker 0, full fallback there); then worker 0 stops,
+so v3 fails there twice and drops it, and v4 goes to worker 1 only. After each sync the
 learner exports HF safetensors (`Learner.export_hf`, a dense gather independent of the sync) into
 STATES_DIR/v<N>.safetensors and the host asks every worker rank to compare its parameters with
 SGLang's own `load_weights` of that export (the world's /check route).
@@ -45,6 +46,8 @@ def main() -> int:
         )  # fmt: skip
         workers = [SGLangWorker(u, retries=0, timeout=120) for u in urls]
 
+        live = list(workers)
+
         def check(version: int) -> None:
             exported = learner.export_hf(str(out / f"hf{version}"), runtime=rt, source_dir=cfg.model.hf_path)
             if rt.rank == 0:
@@ -54,7 +57,7 @@ def main() -> int:
                 save_file(state, str(states / f"v{version}.safetensors"))
                 found["checks"][version] = [
                     w._call("POST", "/check", json={"state": f"v{version}"}).json()["message"]
-                    for w in workers
+                    for w in live
                 ]
             dist.barrier()
 
@@ -77,6 +80,16 @@ def main() -> int:
         found["updates"].append(rl_update(learner, rt, seed=2)["train/updates"])
         found["patch_bytes"].append(syncer.sync([None], version=2)["sync/patch_bytes"])
         check(2)
+        if rt.rank == 0:  # worker 0 stops: v3 fails there twice (sparse, full) and drops it; v4 skips it
+            workers[0]._call("POST", "/shutdown", json={})
+        live.pop(0)
+        dist.barrier()
+        seen = len(events)
+        for version in (3, 4):
+            rl_update(learner, rt, seed=version)
+            syncer.sync([None], version=version)
+        found["late_events"] = events[seen:]
+        check(4)
         if rt.rank == 0:
             (out / "result.json").write_text(json.dumps(found))
     finally:

@@ -6,8 +6,9 @@ plugin, behind a stdlib HTTP front that parses bodies into SGLang's own `io_stru
 two learner ranks over gloo (tests/sglang_trainer_sync_worker.py: `build_learner` at TP=2 and
 `WeightSyncer(remote_server="sglang")`). Each learner rank sends its own fragments, split per
 SGLang TP rank; the host rank brackets each sync (ending a stale session first). After the full
-sync, a sparse sync, and a sparse sync that one worker rejects (full fallback), every SGLang
-parameter must be bit-equal to SGLang's own `load_weights` of the learner's HF export.
+sync, a sparse sync, a sparse sync that one worker rejects (full fallback), and two more after
+that worker stopped (dropped, then skipped), every SGLang parameter must be bit-equal to SGLang's
+own `load_weights` of the learner's HF export.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def found(tmp_path_factory: pytest.TempPathFactory) -> dict:
         urls = [_wait_ready(p, f, deadline) for p, f in fronts]
         worker = str(HERE / "sglang_trainer_sync_worker.py")
         launch_local([worker, str(cfg), str(root), str(root), *urls], 2, env=env, timeout=400)
-        for url in urls:
+        for url in urls[1:]:  # the learners stopped worker 0 themselves
             with SGLangWorker(url, retries=0) as w:
                 w._call("POST", "/shutdown", json={})
         for p in procs:
@@ -80,10 +81,10 @@ def _ranks(found: dict, version: int) -> list[dict]:
     return [rank for worker in found["checks"][str(version)] for rank in worker]
 
 
-@pytest.mark.parametrize("version", [0, 1, 2])
+@pytest.mark.parametrize("version", [0, 1, 2, 4])
 def test_every_sglang_parameter_is_bf16_of_the_learner(found, version):
     ranks = _ranks(found, version)
-    assert len(ranks) == 3  # the TP=1 worker + both ranks of the TP=2 worker
+    assert len(ranks) == (3 if version < 4 else 2)  # TP=1 worker + both ranks of TP=2 (only those at v4)
     for rank in ranks:
         assert rank["params"] > 0 and rank["mismatched"] == [], rank["mismatched"]
         assert rank["receiver_version"] == version and rank["broken"] is None
@@ -95,11 +96,21 @@ def test_the_updates_moved_the_weights(found):
 
 
 def test_a_rejected_patch_gets_the_full_fallback_on_that_worker_only(found):
-    fallbacks = [d for kind, d in found["events"] if kind == "sync_fallback_full"]
-    assert len(fallbacks) == 1 and len(fallbacks[0]["engines"]) == 1, found["events"]
-    failed = [d for kind, d in found["events"] if kind == "sync_engine_failed"]
+    events = found["events"][: len(found["events"]) - len(found["late_events"])]  # up to v2
+    fallbacks = [d for kind, d in events if kind == "sync_fallback_full"]
+    assert len(fallbacks) == 1 and len(fallbacks[0]["engines"]) == 1, events
+    failed = [d for kind, d in events if kind == "sync_engine_failed"]
     assert [d["what"] for d in failed] == ["sparse weight sync"], failed  # the fallback landed
     assert "based on version 1, the receiver holds 99" in failed[0]["reason"], failed
+
+
+def test_a_worker_failing_the_full_fallback_too_is_dropped_for_good(found):
+    late = [(kind, d.get("what")) for kind, d in found["late_events"]]
+    assert late == [
+        ("sync_engine_failed", "sparse weight sync"),  # v3, worker 0 gone
+        ("sync_fallback_full", None),
+        ("sync_engine_failed", "full fallback sync"),
+    ], late  # and nothing at v4: worker 0 is no longer sent to
 
 
 def _syncs(routes: list[str]) -> list[list[str]]:

@@ -85,6 +85,7 @@ class WeightSyncer:
         self._senders: dict[str, Any] = {}
         self._sglang: Any = None  # SGLangDelivery when the remote servers are SGLang
         self._remote = set(remote_urls)
+        self._dropped: set[str] = set()  # engines a full sync failed on: out of the pool for good
         if remote_urls and remote_server == "sglang":
             from sparserl_mcore.sglang.trainer_sync import SGLangDelivery
 
@@ -174,6 +175,8 @@ class WeightSyncer:
         engines that failed (the same set on every rank) and the bytes of this rank's fragment
         (for SGLang: its per-SGLang-TP-rank fragments, one set per distinct worker TP size)."""
         encode = self._encoder(version, base_version)
+        # remote engines dropped earlier get nothing more (every rank dropped the same ones)
+        remote = (self._remote if only is None else only & self._remote) - self._dropped
         failed: dict[str, str] = {}
         size = 0
         if self._sglang is not None:
@@ -184,14 +187,14 @@ class WeightSyncer:
                 sizes.append(len(blob))
                 return blob
 
-            failed.update(self._sglang.deliver(changes, counted, version=version, only=only))
+            failed.update(self._sglang.deliver(changes, counted, version=version, only=remote))
             size = sum(sizes)
         local = self._local_engines(pools, only)
         any_local = self._any_local(local)
         whole = encode(changes) if self._senders or any_local else b""
         size = size or len(whole)
         for name, client in self._senders.items():
-            if only is None or name in only:
+            if name in remote:
                 try:
                     client.apply_patch(whole)
                 except Exception as exc:  # noqa: BLE001 - reported below, the learner carries on
@@ -235,6 +238,7 @@ class WeightSyncer:
         return failed
 
     def _drop(self, pools: list[EnginePool | None], failed: set[str]) -> None:
+        self._dropped |= failed
         for pool in pools:
             if pool is not None:
                 for name in failed & set(pool.live):
