@@ -56,8 +56,7 @@ def main() -> int:
                     state.update(load_file(f))
                 save_file(state, str(states / f"v{version}.safetensors"))
                 found["checks"][version] = [
-                    w._call("POST", "/check", json={"state": f"v{version}"}).json()["message"]
-                    for w in live
+                    w._call("POST", "/check", json={"state": f"v{version}"}).json()["message"] for w in live
                 ]
             dist.barrier()
 
