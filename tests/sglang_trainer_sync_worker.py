@@ -4,7 +4,8 @@ feeding SGLang workers (tests/sglang_dense_world.py) over HTTP.
     torchrun --nproc_per_node 2 tests/sglang_trainer_sync_worker.py CONFIG.yaml OUT_DIR STATES_DIR URL...
 
 Learner built as `sparserl train` does (`trainer.setup.build_learner`: bf16, TP=2 over gloo), and
-`WeightSyncer(remote_server="sglang")`: the full sync at start (v0; worker 1 has a stale
+`WeightSyncer(remote_server="sglang")`, full syncs cut into 3 pieces per rank: the full sync at
+start (v0; worker 1 has a stale
 weight-update session open, as left by a trainer that died mid-sync), an RL update and a sparse
 sync (v1), then worker 0 is told it holds another version (so its next patch is rejected), an RL
 update and a sparse sync (v2: rejected on worker 0, full fallback there); then worker 0 stops,
@@ -23,12 +24,15 @@ import sys
 
 
 def main() -> int:
+    import math
+
     import torch.distributed as dist
     from learner_support import rl_update
     from safetensors.torch import load_file, save_file
 
     from sparserl_mcore.config import load_config
     from sparserl_mcore.parallel import initialize, shutdown
+    from sparserl_mcore.sglang import trainer_sync
     from sparserl_mcore.sglang.client import SGLangWorker
     from sparserl_mcore.trainer.setup import build_learner
     from sparserl_mcore.trainer.weight_sync import WeightSyncer
@@ -39,6 +43,9 @@ def main() -> int:
     found: dict = {"events": [], "checks": {}, "patch_bytes": []}
     try:
         learner = build_learner(cfg, rt)
+        numel = sum(math.prod(shape) for shape in learner.layout.hf_shapes.values())
+        trainer_sync.FULL_CHUNK_ELEMENTS = numel // 5  # a full sync: 3 POSTs per rank and worker
+        found["pieces"] = trainer_sync.full_sync_pieces(numel, rt.world_size)
         events = found["events"]
         syncer = WeightSyncer(
             learner.model, learner.layout, rt, cfg.sync.codec, lambda k, d: events.append([k, d]),

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from e2e_support import make_assets, subprocess_env, write_config
 from sglang_cpu import require_sglang
@@ -27,6 +28,7 @@ from test_sglang_dense import _port, _wait_ready
 
 from sparserl_mcore.parallel.launch import launch_local
 from sparserl_mcore.sglang.client import SGLangWorker
+from sparserl_mcore.sglang.trainer_sync import split_even
 
 HERE = Path(__file__).parent
 BRACKET = [
@@ -126,12 +128,25 @@ def _syncs(routes: list[str]) -> list[list[str]]:
 
 
 def test_each_sync_is_one_bracket_in_order(found):
+    assert found["pieces"] == 3
+    # a full sync: each of the 2 learner ranks sends its share in 3 pieces
+    full_bracket = [*BRACKET[:2], *["/update_weights_from_tensor"] * 6, *BRACKET[4:]]
     marker = [*BRACKET[:3], "/end_weight_update", "/continue_generation"]  # the test's planted version
     for index, worker in enumerate(found["checks"]["2"]):
         for rank in worker:
             full, sparse, rejected = _syncs(rank["routes"])
             # worker 1: the stale session, refused by begin, ended, then begun again
-            stale = ["/begin_weight_update", *BRACKET[:2], "/end_weight_update", *BRACKET[1:]]
-            assert full == (stale if index == 1 else BRACKET) and sparse == BRACKET, (full, sparse)
+            stale = ["/begin_weight_update", *BRACKET[:2], "/end_weight_update", *full_bracket[1:]]
+            assert full == (stale if index == 1 else full_bracket) and sparse == BRACKET, (full, sparse)
             # worker 0: the planted marker, the rejected v2 bracket, then its full-fallback bracket
-            assert rejected == (marker + BRACKET + BRACKET if index == 0 else BRACKET), rejected
+            assert rejected == (marker + BRACKET + full_bracket if index == 0 else BRACKET), rejected
+
+
+def test_a_full_sync_is_cut_into_equal_pieces_even_when_short():
+    changes = [("a", np.arange(5), None, np.arange(5)), ("b", np.arange(3), np.arange(3), np.arange(3))]
+    for pieces, sizes in ((1, [8]), (3, [3, 3, 2]), (9, [1] * 8 + [0])):
+        parts = split_even(changes, pieces)
+        assert [sum(len(c[1]) for c in p) for p in parts] == sizes
+        names = [(name, int(i)) for part in parts for name, idx, _, _ in part for i in idx]
+        assert names == [("a", i) for i in range(5)] + [("b", i) for i in range(3)]  # each once, in order
+    assert split_even([], 2) == [[], []]

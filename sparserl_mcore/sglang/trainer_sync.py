@@ -10,7 +10,9 @@ session (`SchedulerWeightUpdaterManager.update_weights_from_tensor`). So one syn
    rank sends before the session is open;
 2. every learner rank: its own changes split per SGLang TP rank (`split_by_receiver` with
    `SGLangLayout`), one fragment each, in ONE `send_fragments` call (fragment = (learner rank,
-   learner ranks): the worker's ledger moves to the version when every rank's has landed);
+   learner ranks): the worker's ledger moves to the version when every rank's has landed); a full
+   sync is cut into `full_sync_pieces` such calls per rank (fragment = (rank * pieces + piece,
+   ranks * pieces)), so no request body holds more than about `FULL_CHUNK_ELEMENTS`;
 3. the failures of all ranks are gathered (so the host closes the session only after every rank
    has sent), then the host: `/end_weight_update`, `/flush_cache`, `/continue_generation`, for
    every worker whose session it opened, failed or not (a worker must never stay paused).
@@ -33,8 +35,38 @@ from sparserl_mcore.sglang.client import SGLangWorker
 from sparserl_mcore.sglang.layout import SGLangLayout
 from sparserl_mcore.sync.per_rank import Change, split_by_receiver
 
-# (changes of one SGLang TP rank) -> encoded fragment of this learner rank
-Encode = Callable[[Sequence[Change]], bytes]
+# (changes of one SGLang TP rank, fragment (index, count)) -> one encoded fragment
+Encode = Callable[[Sequence[Change], tuple[int, int]], bytes]
+
+# Elements one learner rank sends per POST in a full sync (bf16: 128 MiB, ~170 MiB of base64 JSON
+# that SGLang's HTTP server parses whole): a 7B model's share of one of 8 ranks (1.9 GB) would
+# otherwise be one 2.5 GB body per worker, 8 at once.
+FULL_CHUNK_ELEMENTS = 64 * 2**20
+
+
+def full_sync_pieces(numel: int, world: int) -> int:
+    """Fragments each learner rank cuts its share of a full sync into (the same on every rank:
+    the version is complete when all `world * pieces` have landed)."""
+    return max(1, -(-numel // (world * FULL_CHUNK_ELEMENTS)))
+
+
+def split_even(changes: Sequence[Change], pieces: int) -> list[list[Change]]:
+    """`changes` cut into exactly `pieces` consecutive parts of about equal element counts (a
+    tensor may straddle two; a part may be empty when there are fewer elements than parts)."""
+    total = sum(len(idx) for _, idx, _, _ in changes)
+    per = max(1, -(-total // pieces))
+    out: list[list[Change]] = [[] for _ in range(pieces)]
+    slot, room = 0, per
+    for name, idx, old, new in changes:
+        start = 0
+        while start < len(idx):
+            take = min(room, len(idx) - start)
+            cut = slice(start, start + take)
+            out[slot].append((name, idx[cut], None if old is None else old[cut], new[cut]))
+            start, room = start + take, room - take
+            if room == 0:
+                slot, room = min(slot + 1, pieces - 1), per if slot + 1 < pieces else total
+    return out
 
 
 def _reason(exc: Exception) -> str:
@@ -64,10 +96,17 @@ class SGLangDelivery:
             worker.close()
 
     def deliver(
-        self, changes: Sequence[Change], encode: Encode, *, version: int, only: set[str] | None
+        self,
+        changes: Sequence[Change],
+        encode: Encode,
+        *,
+        version: int,
+        pieces: int = 1,
+        only: set[str] | None,
     ) -> dict[str, str]:
-        """Collective: this rank's `changes` of `version` to every worker (or those in `only`); the
-        workers that failed, with why, the same map on every rank."""
+        """Collective: this rank's `changes` of `version` to every worker (or those in `only`), as
+        `pieces` fragments (one POST each; `full_sync_pieces` for a full sync); the workers that
+        failed, with why, the same map on every rank."""
         targets = [u for u in self.workers if only is None or u in only]
         if not targets:
             return {}
@@ -86,18 +125,22 @@ class SGLangDelivery:
         failed, tp = box[0]
         self._tp.update(tp)
         mine: dict[str, str] = {}
-        by_tp: dict[int, list[bytes]] = {}
-        for url in targets:
-            if url in failed:
-                continue
-            try:
-                size = self._tp[url]
-                if size not in by_tp:
-                    by_tp[size] = [encode(c) for c in split_by_receiver(changes, self._layout(size))]
-                self.workers[url].send_fragments(by_tp[size], version)
-            except Exception as exc:  # noqa: BLE001 - reported below; the learner carries on
-                mine[url] = _reason(exc)
-        everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for piece, share in enumerate(split_even(changes, pieces)):
+            fragment = (rank * pieces + piece, world * pieces)
+            by_tp: dict[int, list[bytes]] = {}  # this piece's fragments per SGLang TP size
+            for url in targets:
+                if url in failed or url in mine:
+                    continue
+                try:
+                    size = self._tp[url]
+                    if size not in by_tp:
+                        per_rank = split_by_receiver(share, self._layout(size))
+                        by_tp[size] = [encode(c, fragment) for c in per_rank]
+                    self.workers[url].send_fragments(by_tp[size], version)
+                except Exception as exc:  # noqa: BLE001 - reported below; the learner carries on
+                    mine[url] = _reason(exc)
+        everyone: list[dict[str, str] | None] = [None] * world
         dist.all_gather_object(everyone, mine)  # every rank has sent before the host closes
         for part in everyone:
             failed.update(part or {})

@@ -23,12 +23,12 @@ holds exactly bf16(learner) and a resumed run continues from the same engine wei
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from sparserl_mcore.sglang.trainer_sync import SGLangDelivery, full_sync_pieces
 from sparserl_mcore.sync.codec import CodecConfig
 from sparserl_mcore.sync.hashing import dtype_name
 from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, build_sync_groups, even_ranges
@@ -87,8 +87,6 @@ class WeightSyncer:
         self._remote = set(remote_urls)
         self._dropped: set[str] = set()  # engines a full sync failed on: out of the pool for good
         if remote_urls and remote_server == "sglang":
-            from sparserl_mcore.sglang.trainer_sync import SGLangDelivery
-
             self._sglang = SGLangDelivery(
                 remote_urls, layout.hf, host_rank=HOST_RANK, token=token, timeout_s=timeout_s
             )
@@ -116,16 +114,18 @@ class WeightSyncer:
             config=ShardSyncConfig(codec=self.codec, snapshot="host" if rt.cpu else "device", mirror=False),
         )
 
-    def _encoder(self, version: int, base_version: int | None) -> Callable[[Sequence[Change]], bytes]:
-        """This rank's fragment of `version` for a list of changes (base None: a full fragment)."""
-        return partial(
-            encode_fragment,
-            meta=self._meta,
-            version=version,
-            base_version=base_version,
-            fragment=(self.runtime.rank, self.runtime.world_size),
-            codec=self.codec,
-        )
+    def _encoder(
+        self, version: int, base_version: int | None
+    ) -> Callable[[Sequence[Change], tuple[int, int]], bytes]:
+        """(changes, fragment) -> a fragment of `version` (base None: a full fragment)."""
+        meta, codec = self._meta, self.codec
+
+        def encode(changes: Sequence[Change], fragment: tuple[int, int]) -> bytes:
+            return encode_fragment(
+                changes, meta, version=version, base_version=base_version, fragment=fragment, codec=codec
+            )
+
+        return encode
 
     def _full_changes(self) -> list[Change]:
         assert self._shards is not None
@@ -182,16 +182,19 @@ class WeightSyncer:
         if self._sglang is not None:
             sizes: list[int] = []
 
-            def counted(part: Sequence[Change]) -> bytes:
-                blob = encode(part)
+            def counted(part: Sequence[Change], fragment: tuple[int, int]) -> bytes:
+                blob = encode(part, fragment)
                 sizes.append(len(blob))
                 return blob
 
-            failed.update(self._sglang.deliver(changes, counted, version=version, only=remote))
+            full = base_version is None
+            pieces = full_sync_pieces(self._meta.numel, self.runtime.world_size) if full else 1
+            failed.update(self._sglang.deliver(changes, counted, version=version, pieces=pieces, only=remote))
             size = sum(sizes)
         local = self._local_engines(pools, only)
         any_local = self._any_local(local)
-        whole = encode(changes) if self._senders or any_local else b""
+        mine = (self.runtime.rank, self.runtime.world_size)
+        whole = encode(changes, mine) if self._senders or any_local else b""
         size = size or len(whole)
         for name, client in self._senders.items():
             if name in remote:
