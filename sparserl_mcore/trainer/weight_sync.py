@@ -83,7 +83,7 @@ class WeightSyncer:
         self._meta = ModelMeta(dtype_name(torch.bfloat16), layout.hf_shapes)
         self._dense_bytes = 2 * self._meta.numel
         self._senders: dict[str, Any] = {}
-        self._sglang: Any = None  # SGLangDelivery when the remote servers are SGLang
+        self._sglang: SGLangDelivery | None = None  # when the remote servers are SGLang
         self._remote = set(remote_urls)
         self._dropped: set[str] = set()  # engines a full sync failed on: out of the pool for good
         if remote_urls and remote_server == "sglang":
