@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from e2e_support import free_port
 from safetensors.torch import load_file, save_file
 from sglang_cpu import require_sglang
 
@@ -31,12 +33,6 @@ from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.rollout.client import RemoteEngine
 
 HERE = Path(__file__).parent
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _states(hf_dir: Path, out: Path) -> None:
@@ -70,6 +66,34 @@ def _wait_ready(proc: subprocess.Popen, url_file: Path, deadline: float) -> str:
     raise AssertionError(f"no worker at {url_file} in time")
 
 
+@contextmanager
+def sglang_workers(
+    root: Path, hf_dir: Path, env: dict[str, str]
+) -> Iterator[tuple[list[subprocess.Popen], list[str]]]:
+    """A TP=1 and a TP=2 SGLang worker (sglang_dense_world.py) serving `hf_dir`: (their processes,
+    their URLs once healthy); whatever is still running on exit is killed."""
+    world = [sys.executable, str(HERE / "sglang_dense_world.py")]
+    procs: list[subprocess.Popen] = []
+    fronts = []
+    try:
+        for tp in (1, 2):
+            tp_port, url_file = free_port(), root / f"tp{tp}.url"
+            for rank in range(tp):
+                args = [str(a) for a in (rank, tp, tp_port, hf_dir, root, url_file)]
+                procs.append(
+                    subprocess.Popen(
+                        [*world, "worker", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                    )
+                )
+            fronts.append((procs[-tp], url_file))
+        deadline = time.monotonic() + 300
+        yield procs, [_wait_ready(p, f, deadline) for p, f in fronts]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 @pytest.fixture(scope="module")
 def found(tmp_path_factory: pytest.TempPathFactory) -> dict:
     require_sglang()
@@ -78,34 +102,17 @@ def found(tmp_path_factory: pytest.TempPathFactory) -> dict:
     _states(hf_dir, root)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     world = [sys.executable, str(HERE / "sglang_dense_world.py")]
-    procs, urls = [], []
-    try:
-        for tp in (1, 2):
-            tp_port, url_file = _port(), root / f"tp{tp}.url"
-            for rank in range(tp):
-                args = [str(a) for a in (rank, tp, tp_port, hf_dir, root, url_file)]
-                procs.append(
-                    subprocess.Popen(
-                        [*world, "worker", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-                    )
-                )
-            urls.append((procs[-tp], url_file))
-        deadline = time.monotonic() + 300
-        served = [_wait_ready(p, f, deadline) for p, f in urls]
+    with sglang_workers(root, hf_dir, env) as (procs, served):
         out = root / "sender.json"
         sender = subprocess.run(
-            [*world, "sender", str(_port()), str(hf_dir), str(root), str(out), *served],
+            [*world, "sender", str(free_port()), str(hf_dir), str(root), str(out), *served],
             env=env, capture_output=True, timeout=300,
         )  # fmt: skip
         assert sender.returncode == 0, sender.stderr.decode()[-4000:]
         for p in procs:
             log = p.communicate(timeout=60)[0].decode(errors="replace")
             assert p.returncode == 0, log[-3000:]
-        return json.loads(out.read_text())
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    return json.loads(out.read_text())
 
 
 def _ranks(found: dict, tag: str) -> list[dict]:

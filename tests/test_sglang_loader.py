@@ -16,23 +16,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from e2e_support import free_port
 from sglang_cpu import require_sglang
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 
 HERE = Path(__file__).parent
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +38,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
     runs = {1: [0], 2: [0, 1]}
     procs = {}
     for world, ranks in runs.items():
-        port = _port()
+        port = free_port()
         for rank in ranks:
             out = root / f"tp{world}-r{rank}.json"
             cmd = [sys.executable, str(HERE / "sglang_tp_worker.py"), str(rank), str(world), str(port)]

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from e2e_support import make_assets, subprocess_env, write_config
 from sglang_cpu import require_sglang
-from test_sglang_dense import _port, _wait_ready
+from test_sglang_dense import sglang_workers
 
 from sparserl_mcore.parallel.launch import launch_local
 from sparserl_mcore.sglang.client import SGLangWorker
@@ -49,21 +46,7 @@ def found(tmp_path_factory: pytest.TempPathFactory) -> dict:
     hf = make_assets(root)
     cfg = write_config(root, hf, "sglang", train={"micro_batch_size": 4})
     env = {**subprocess_env(), "PYTHONPATH": os.pathsep.join((str(HERE.parent), str(HERE)))}
-    world = [sys.executable, str(HERE / "sglang_dense_world.py")]
-    procs, fronts = [], []
-    try:
-        for tp in (1, 2):
-            tp_port, url_file = _port(), root / f"tp{tp}.url"
-            for rank in range(tp):
-                args = [str(a) for a in (rank, tp, tp_port, hf, root, url_file)]
-                procs.append(
-                    subprocess.Popen(
-                        [*world, "worker", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-                    )
-                )
-            fronts.append((procs[-tp], url_file))
-        deadline = time.monotonic() + 300
-        urls = [_wait_ready(p, f, deadline) for p, f in fronts]
+    with sglang_workers(root, hf, env) as (procs, urls):
         worker = str(HERE / "sglang_trainer_sync_worker.py")
         launch_local([worker, str(cfg), str(root), str(root), *urls], 2, env=env, timeout=400)
         for url in urls[1:]:  # the learners stopped worker 0 themselves
@@ -72,11 +55,7 @@ def found(tmp_path_factory: pytest.TempPathFactory) -> dict:
         for p in procs:
             log = p.communicate(timeout=60)[0].decode(errors="replace")
             assert p.returncode == 0, log[-3000:]
-        return json.loads((root / "result.json").read_text())
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    return json.loads((root / "result.json").read_text())
 
 
 def _ranks(found: dict, version: int) -> list[dict]:

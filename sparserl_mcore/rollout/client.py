@@ -16,7 +16,7 @@ the first attempt are discarded, so the trainer still sees exactly one sample pe
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -103,7 +103,7 @@ class RemoteEngine:
             raise RemoteEngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
 
     # The /generate dialect (SGLang's own differs in a few names: `sglang.client.SGLangWorker`).
-    _generate_body = staticmethod(generate_body)
+    _generate_body: Callable[[Sequence[GenerateRequest]], dict[str, Any]] = staticmethod(generate_body)
     _read_sample = staticmethod(read_sample)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:

@@ -179,11 +179,15 @@ def _finish_reason(sample: Sample, abort_message: str) -> dict[str, Any]:
     return {"type": "abort", "message": abort_message}
 
 
-def generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
-    """The batch /generate body `RemoteEngine` sends (always with log-probs; empty rids get uuids)."""
+def generate_body(
+    requests: Sequence[GenerateRequest], params_json: Callable[[SamplingParams], dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The batch /generate body `RemoteEngine` sends (always with log-probs; empty rids get uuids).
+    `params_json`: the sampling dict of another server's dialect (SGLang's: `sglang.wire`)."""
+    to_json = params_json or _params_json
     return {
         "input_ids": [list(r.input_ids) for r in requests],
-        "sampling_params": [_params_json(r.sampling) for r in requests],
+        "sampling_params": [to_json(r.sampling) for r in requests],
         "rid": [r.rid or uuid.uuid4().hex for r in requests],
         "return_logprob": True,
     }
@@ -195,18 +199,24 @@ def _params_json(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
-    """A response object back into a `Sample`; KeyError/TypeError/ValueError if malformed."""
-    meta = obj["meta_info"]
-    items = meta["output_token_logprobs"]
+def read_outputs(obj: dict[str, Any], request: GenerateRequest) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """A response object's output ids and their log-probs (the part both dialects share)."""
+    items = obj["meta_info"]["output_token_logprobs"]
     output_ids = tuple(int(t) for t in obj["output_ids"])
     if [int(item[1]) for item in items] != list(output_ids):
         raise ValueError(f"request {request.rid}: output_token_logprobs do not match output_ids")
+    return output_ids, tuple(float(item[0]) for item in items)
+
+
+def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
+    """A response object back into a `Sample`; KeyError/TypeError/ValueError if malformed."""
+    meta = obj["meta_info"]
+    output_ids, logprobs = read_outputs(obj, request)
     return Sample(
         rid=str(meta["id"]),
         prompt_ids=request.input_ids,
         output_ids=output_ids,
-        output_logprobs=tuple(float(item[0]) for item in items),
+        output_logprobs=logprobs,
         finish_reason=meta["finish_reason"]["type"],
         kv_stats=KVStats(**meta["kv_stats"]),
         weight_version=int(meta["weight_version"]),

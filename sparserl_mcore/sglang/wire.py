@@ -17,10 +17,10 @@ SGLang's where this module adapts (read in the 0.5.23 wheel, file: symbol):
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from sparserl_mcore.rollout import http_wire
 from sparserl_mcore.rollout.protocol import GenerateRequest, KVStats, Sample, SamplingParams
 
 
@@ -42,23 +42,15 @@ def sampling_json(params: SamplingParams) -> dict[str, Any]:
 
 
 def generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
-    """One batch /generate body: token ids in, per-request sampling, log-probs of every output token."""
-    return {
-        "input_ids": [list(r.input_ids) for r in requests],
-        "sampling_params": [sampling_json(r.sampling) for r in requests],
-        "rid": [r.rid or uuid.uuid4().hex for r in requests],
-        "return_logprob": True,
-    }
+    """One batch /generate body: ours, with SGLang's sampling names."""
+    return http_wire.generate_body(requests, params_json=sampling_json)
 
 
 def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
     """One SGLang response object as a `Sample`; KeyError / TypeError / ValueError when malformed
     or when the worker does not hold weights this trainer sent (its label is not a version)."""
     meta = obj["meta_info"]
-    output_ids = tuple(int(t) for t in obj["output_ids"])
-    items = meta["output_token_logprobs"]
-    if [int(item[1]) for item in items] != list(output_ids):
-        raise ValueError(f"request {request.rid}: output_token_logprobs do not match output_ids")
+    output_ids, logprobs = http_wire.read_outputs(obj, request)
     label = str(meta["weight_version"])
     if not label.isdigit():
         raise ValueError(f"weight_version={label!r}: this worker holds no weights synced by the trainer")
@@ -66,7 +58,7 @@ def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
         rid=str(meta["id"]),
         prompt_ids=request.input_ids,
         output_ids=output_ids,
-        output_logprobs=tuple(float(item[0]) for item in items),
+        output_logprobs=logprobs,
         finish_reason=meta["finish_reason"]["type"],
         kv_stats=KVStats(),
         weight_version=int(label),
