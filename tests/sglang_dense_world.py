@@ -203,7 +203,7 @@ def worker_main(argv: list[str]) -> None:
     rank, tp, tp_port = int(argv[0]), int(argv[1]), int(argv[2])
     hf_dir, states, url_file = Path(argv[3]), Path(argv[4]), Path(argv[5])
     from sglang_cpu import require_sglang
-    from sglang_tp_worker import init_sglang_parallel, sglang_route
+    from sglang_tp_worker import init_sglang_parallel, sglang_route, shutdown_sglang_parallel
 
     require_sglang()
     init_sglang_parallel(rank, tp, tp_port)
@@ -214,6 +214,7 @@ def worker_main(argv: list[str]) -> None:
     else:
         while worker.step()[0] != "/shutdown":
             pass
+    shutdown_sglang_parallel()
 
 
 def sparse_patch(worker: Any, hf_dir: Path, old: dict, new: dict, *, version: int, base: int) -> None:

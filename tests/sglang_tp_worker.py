@@ -42,6 +42,19 @@ def init_sglang_parallel(rank: int, world: int, port: int) -> None:
     initialize_model_parallel(backend="gloo")
 
 
+def shutdown_sglang_parallel() -> None:
+    """SGLang's own teardown of its groups, then any group left (e.g. a weight-update group):
+    process groups still alive at interpreter exit abort it now and then ("terminate called without
+    an active exception" from c10d's threads, exit code -6)."""
+    import torch.distributed as dist
+    from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def sglang_model(hf_dir: Path, state: dict):
     import torch
     import transformers
