@@ -228,14 +228,16 @@ def test_sigkill_leaves_no_orphans(tmp_path, rank_script, victim):
 
 
 def _ranks_of(launcher: subprocess.Popen, entry: str, n: int) -> list[psutil.Process]:
-    """The launcher's rank processes (cmdline names `entry`), once all `n` have started."""
+    """The launcher's rank processes (cmdline names `entry`), once all `n` have started. torchrun's
+    own cmdline names `entry` too (`-m torch.distributed.run ... -m entry`): it is not a rank."""
 
     def ranks() -> list[psutil.Process] | None:
         assert launcher.poll() is None, launcher.communicate()
         found = []
         for proc in psutil.Process(launcher.pid).children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
-                if entry in " ".join(proc.cmdline()):
+                cmdline = " ".join(proc.cmdline())
+                if entry in cmdline and "torch.distributed.run" not in cmdline:
                     found.append(proc)
         return found if len(found) == n else None
 
