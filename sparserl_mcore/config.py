@@ -466,16 +466,40 @@ class LossConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class BroadcastConfig:
+    """Full syncs (start, resume, fallback) into SGLang workers as bucketed broadcasts from learner
+    rank 0 over SGLang's weight-update group (NCCL on GPUs, gloo on CPU) instead of HTTP fragments.
+
+    master_address: learner rank 0's host as the SGLang workers reach it; master_port: a free port
+    there for the group's TCP store; bucket_mb: MiB per broadcast (rank 0 and each worker hold one
+    bucket at a time besides the model).
+    """
+
+    master_address: str
+    master_port: int = 29700
+    bucket_mb: int = 512
+
+    def __post_init__(self) -> None:
+        if not self.master_address:
+            raise ValueError("master_address is empty: name learner rank 0's host as the workers reach it")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port={self.master_port}: must be a TCP port (1..65535)")
+        _positive(self, "bucket_mb")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SyncConfig:
     """Sparse BF16 weight sync from the learner to every rollout engine.
 
     codec: the sync engineer's patch encoding (value encoding, zstd level); every: steps between
     syncs. How patches travel follows rollout.engine: in process to the embedded engine, over the
-    weight route to remote servers.
+    weight route to remote servers. broadcast: how full syncs reach SGLang workers (null: as
+    fragments over HTTP, like the sparse ones).
     """
 
     codec: CodecConfig = dataclasses.field(default_factory=CodecConfig)
     every: int = 1
+    broadcast: BroadcastConfig | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "every")
@@ -506,6 +530,11 @@ class RunConfig:
                 f"train.prompts_per_step * rollout.group_size = {self.train.prompts_per_step} * "
                 f"{self.rollout.group_size} = {rollout_seqs} sequences per step is not a multiple of "
                 f"train.global_batch_size={self.train.global_batch_size}"
+            )
+        if self.sync.broadcast is not None and self.rollout.server != "sglang":
+            raise ValueError(
+                "sync.broadcast sends full syncs over SGLang's weight-update group: it needs "
+                f"rollout.server=sglang (got {self.rollout.server!r}); drop it"
             )
         if self.rollout.sampling.seed is not None:
             raise ValueError(

@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -247,7 +248,14 @@ def sender_main(argv: list[str]) -> None:
     """The trainer's side: dense B (v1), sparse B -> C (v2), dense D (v3, as after a rejected patch),
     a dense sync that fails on every worker (v4), then dense D again (v5)."""
     from sparserl_mcore.sglang.client import SGLangWorker
-    from sparserl_mcore.sglang.dense_sync import DenseSyncConfig, DenseSyncError, dense_sync
+    from sparserl_mcore.sglang.dense_sync import (
+        DenseSyncConfig,
+        DenseSyncError,
+        DenseSyncStats,
+        Spec,
+        dense_sync,
+        plan_buckets,
+    )
 
     master_port, hf_dir, states, out = int(argv[0]), Path(argv[1]), Path(argv[2]), Path(argv[3])
     workers = [SGLangWorker(u, retries=0, timeout=120) for u in argv[4:]]
@@ -261,24 +269,34 @@ def sender_main(argv: list[str]) -> None:
     def check(tag: str, s: str) -> None:
         found[tag] = [w._call("POST", "/check", json={"state": s}).json()["message"] for w in workers]
 
-    stats = dense_sync(workers, sorted(state["B"].items()), version=1, cfg=cfg)
+    def send(named: dict[str, torch.Tensor], version: int) -> DenseSyncStats:
+        """`named` in name order from memory (the trainer fills buckets from its shards)."""
+        specs = [(n, t.dtype, tuple(t.shape)) for n, t in sorted(named.items())]
+        plan = plan_buckets(specs, cfg.bucket_bytes)
+
+        def fill(bucket: Sequence[Spec]) -> torch.Tensor:
+            return torch.cat([named[n].contiguous().reshape(-1).view(torch.uint8) for n, _, _ in bucket])
+
+        return dense_sync(workers, plan, fill, version=version, cfg=cfg)
+
+    stats = send(state["B"], 1)
     found["stats_v1"] = [stats.buckets, stats.bytes, stats.workers]
     check("after_v1", "B")
     for w in workers:
         sparse_patch(w, hf_dir, state["B"], state["C"], version=2, base=1)
     check("after_v2", "C")
-    stats = dense_sync(workers, sorted(state["D"].items()), version=3, cfg=cfg)  # same port again
+    stats = send(state["D"], 3)  # same port again
     found["stats_v3"] = [stats.buckets, stats.bytes, stats.workers]
     check("after_v3", "D")
     # a bucket SGLang's load_weights refuses (wrong shape): every worker of the group fails, at once
     bad = dict(state["B"], **{"model.norm.weight": torch.zeros(7, dtype=torch.bfloat16)})
     start = time.monotonic()
     try:
-        dense_sync(workers, sorted(bad.items()), version=4, cfg=cfg)
+        send(bad, 4)
     except DenseSyncError as exc:
         found["failed"] = {"workers": exc.workers, "message": str(exc), "seconds": time.monotonic() - start}
     check("after_failure", "D")
-    dense_sync(workers, sorted(state["D"].items()), version=5, cfg=cfg)  # and a dense sync recovers
+    send(state["D"], 5)  # and a dense sync recovers
     check("after_v5", "D")
     found["state_bytes"] = sum(t.numel() * t.element_size() for t in state["D"].values())
     out.write_text(json.dumps(found))

@@ -1,7 +1,10 @@
 """Learner half of tests/test_sglang_trainer_sync.py: the trainer's own learner and `WeightSyncer`
 feeding SGLang workers (tests/sglang_dense_world.py) over HTTP.
 
-    torchrun --nproc_per_node 2 tests/sglang_trainer_sync_worker.py CONFIG.yaml OUT_DIR STATES_DIR URL...
+    torchrun --nproc_per_node 2 tests/sglang_trainer_sync_worker.py CONFIG.yaml OUT_DIR STATES_DIR PORT URL...
+
+PORT "-": full syncs as HTTP fragments; a port: as broadcasts over SGLang's weight-update group
+(`sync.broadcast`, gloo, master 127.0.0.1:PORT, 48 KiB buckets).
 
 Learner built as `sparserl train` does (`trainer.setup.build_learner`: bf16, TP=2 over gloo), and
 `WeightSyncer(remote_server="sglang")`, full syncs cut into 3 pieces per rank: the full sync at
@@ -24,6 +27,7 @@ import sys
 
 
 def main() -> int:
+    import dataclasses
     import math
 
     import torch.distributed as dist
@@ -34,11 +38,13 @@ def main() -> int:
     from sparserl_mcore.parallel import initialize, shutdown
     from sparserl_mcore.sglang import trainer_sync
     from sparserl_mcore.sglang.client import SGLangWorker
-    from sparserl_mcore.trainer.setup import build_learner
+    from sparserl_mcore.trainer.setup import broadcast_config, build_learner
     from sparserl_mcore.trainer.weight_sync import WeightSyncer
 
-    cfg = load_config(sys.argv[1], ["model.params_dtype=bf16"])
-    out, states, urls = pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]), sys.argv[4:]
+    out, states, port, urls = pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]), sys.argv[4], sys.argv[5:]
+    broadcast = [] if port == "-" else [f"sync.broadcast={{master_address: 127.0.0.1, master_port: {port}}}"]
+    remote = ["rollout.engine=remote", "rollout.server=sglang", f"rollout.urls=[{','.join(urls)}]"]
+    cfg = load_config(sys.argv[1], ["model.params_dtype=bf16", *remote, *broadcast])
     rt = initialize(cfg.parallel, seed=cfg.train.seed)
     found: dict = {"events": [], "checks": {}, "patch_bytes": []}
     try:
@@ -47,10 +53,15 @@ def main() -> int:
         trainer_sync.FULL_CHUNK_ELEMENTS = numel // 5  # a full sync: 3 POSTs per rank and worker
         found["pieces"] = trainer_sync.full_sync_pieces(numel, rt.world_size)
         events = found["events"]
+        dense = broadcast_config(cfg, rt)
+        if dense is not None:
+            dense = dataclasses.replace(dense, bucket_bytes=48 * 1024, timeout_s=120)
         syncer = WeightSyncer(
             learner.model, learner.layout, rt, cfg.sync.codec, lambda k, d: events.append([k, d]),
-            remote_urls=urls, remote_server="sglang", timeout_s=120,
+            remote_urls=cfg.rollout.urls, remote_server=cfg.rollout.server, timeout_s=120, broadcast=dense,
         )  # fmt: skip
+        if syncer._broadcast is not None:
+            found["buckets"] = len(syncer._broadcast._plan)
         workers = [SGLangWorker(u, retries=0, timeout=120) for u in urls]
 
         live = list(workers)

@@ -61,7 +61,12 @@ def test_remote_engine_urls_from_an_override() -> None:
     assert cfg.rollout.urls == ("http://a:1", "http://b:2")
     assert cfg.rollout.server == "sparserl"  # `sparserl serve` unless said otherwise
     sglang = build("rollout.engine=remote", "rollout.urls=[http://a:1]", "rollout.server=sglang")
-    assert sglang.rollout.server == "sglang"
+    assert sglang.rollout.server == "sglang" and sglang.sync.broadcast is None  # full syncs over HTTP
+    sglang = build(
+        "rollout.engine=remote", "rollout.urls=[http://a:1]", "rollout.server=sglang",
+        "sync.broadcast={master_address: node0, bucket_mb: 64}",
+    )  # fmt: skip
+    assert sglang.sync.broadcast is not None and sglang.sync.broadcast.master_port == 29700
 
 
 @pytest.mark.parametrize(
@@ -89,6 +94,9 @@ def test_remote_engine_urls_from_an_override() -> None:
         (["rollout.server=vllm"], ["rollout.server", "'vllm'", "sparserl, sglang"]),
         (["rollout.server=sglang"], ["server='sglang' names remote servers", "engine=remote"]),
         (["sync.transport=http"], ["unknown key sync.transport", "codec", "every"]),
+        (["sync.broadcast={master_address: n0}"], ["sync.broadcast", "needs rollout.server=sglang"]),
+        (["sync.broadcast={master_port: 1}"], ["sync.broadcast", "master_address"]),
+        (["sync.broadcast={master_address: n0, master_port: 0}"], ["master_port=0", "TCP port"]),
         (["rollout.sampling.seed=3"], ["rollout.sampling.seed=3", "from train.seed"]),
         (["train.prompts_per_step=3"], ["3 * 8 = 24", "global_batch_size=256"]),
     ],

@@ -5,7 +5,9 @@ Processes: a TP=1 and a TP=2 SGLang worker (tests/sglang_dense_world.py: SGLang'
 plugin, behind a stdlib HTTP front that parses bodies into SGLang's own `io_struct` classes), and
 two learner ranks over gloo (tests/sglang_trainer_sync_worker.py: `build_learner` at TP=2 and
 `WeightSyncer(remote_server="sglang")`). Each learner rank sends its own fragments, split per
-SGLang TP rank; the host rank brackets each sync (ending a stale session first). After the full
+SGLang TP rank; the host rank brackets each sync (ending a stale session first). Full syncs run
+both ways: as fragments, and (`sync.broadcast`) as bucketed broadcasts from learner rank 0 over
+SGLang's real weight-update group, each bucket reduced from both learner ranks' shards. After the full
 sync, a sparse sync, a sparse sync that one worker rejects (full fallback), and two more after
 that worker stopped (dropped, then skipped), every SGLang parameter must be bit-equal to SGLang's
 own `load_weights` of the learner's HF export.
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from e2e_support import make_assets, subprocess_env, write_config
+from e2e_support import free_port, make_assets, subprocess_env, write_config
 from sglang_cpu import require_sglang
 from test_sglang_dense import sglang_workers
 
@@ -39,23 +41,25 @@ BRACKET = [
 ]
 
 
-@pytest.fixture(scope="module")
-def found(tmp_path_factory: pytest.TempPathFactory) -> dict:
+@pytest.fixture(scope="module", params=["fragments", "broadcast"])
+def found(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One run per way full syncs travel: HTTP fragments, or `sync.broadcast` (gloo here)."""
     require_sglang()
-    root = tmp_path_factory.mktemp("sglang-trainer")
+    root = tmp_path_factory.mktemp(f"sglang-trainer-{request.param}")
     hf = make_assets(root)
     cfg = write_config(root, hf, "sglang", train={"micro_batch_size": 4})
     env = {**subprocess_env(), "PYTHONPATH": os.pathsep.join((str(HERE.parent), str(HERE)))}
     with sglang_workers(root, hf, env) as (procs, urls):
         worker = str(HERE / "sglang_trainer_sync_worker.py")
-        launch_local([worker, str(cfg), str(root), str(root), *urls], 2, env=env, timeout=400)
+        port = "-" if request.param == "fragments" else str(free_port())
+        launch_local([worker, str(cfg), str(root), str(root), port, *urls], 2, env=env, timeout=400)
         for url in urls[1:]:  # the learners stopped worker 0 themselves
             with SGLangWorker(url, retries=0) as w:
                 w._call("POST", "/shutdown", json={})
         for p in procs:
             log = p.communicate(timeout=60)[0].decode(errors="replace")
             assert p.returncode == 0, log[-3000:]
-    return json.loads((root / "result.json").read_text())
+    return {**json.loads((root / "result.json").read_text()), "mode": request.param}
 
 
 def _ranks(found: dict, version: int) -> list[dict]:
@@ -106,10 +110,23 @@ def _syncs(routes: list[str]) -> list[list[str]]:
     return out
 
 
+def _full_bracket(found: dict) -> list[str]:
+    if found["mode"] == "fragments":  # each of the 2 learner ranks sends its share in 3 pieces
+        assert found["pieces"] == 3
+        return [*BRACKET[:2], *["/update_weights_from_tensor"] * 6, *BRACKET[4:]]
+    assert found["buckets"] > 3  # 48 KiB buckets, each one broadcast from learner rank 0
+    return [
+        *BRACKET[:2],
+        "/init_weights_update_group",
+        *["/update_weights_from_distributed"] * found["buckets"],
+        "/destroy_weights_update_group",
+        "/update_weights_from_tensor",  # the version marker, through our loader
+        *BRACKET[4:],
+    ]
+
+
 def test_each_sync_is_one_bracket_in_order(found):
-    assert found["pieces"] == 3
-    # a full sync: each of the 2 learner ranks sends its share in 3 pieces
-    full_bracket = [*BRACKET[:2], *["/update_weights_from_tensor"] * 6, *BRACKET[4:]]
+    full_bracket = _full_bracket(found)
     marker = [*BRACKET[:3], "/end_weight_update", "/continue_generation"]  # the test's planted version
     for index, worker in enumerate(found["checks"]["2"]):
         for rank in worker:

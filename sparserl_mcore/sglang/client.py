@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import torch
 
-from sparserl_mcore.rollout.client import RemoteEngine
+from sparserl_mcore.rollout.client import RemoteEngine, RemoteValueError
 from sparserl_mcore.sglang import wire
 from sparserl_mcore.sglang.loader import LOADER_PATH, PATCH_TENSOR, VERSION_TENSOR
 
@@ -80,6 +80,38 @@ class SGLangWorker(RemoteEngine):
 
     def end_weight_update(self) -> None:
         self._call("POST", "/end_weight_update", json={})
+
+    def open_update_session(self) -> None:
+        """Pause generation (retracting running requests) and begin a weight-update session.
+
+        0.5.23 refuses a second session (`SchedulerWeightUpdaterManager.begin_weight_update`: "a
+        weight-update session is already open"): one left by a trainer that died mid-sync is ended
+        first (the run resumes with a full sync, so closing it loses nothing)."""
+        self.pause("retract")
+        try:
+            self.begin_weight_update()
+        except RemoteValueError as exc:
+            if "already open" not in str(exc):
+                raise
+            self.end_weight_update()
+            self.begin_weight_update()
+
+    def close_update_session(self) -> None:
+        """End the session, flush the radix cache (its KV came from the old weights), continue
+        generation: each tried even when an earlier one failed, so a worker never stays paused;
+        raises RuntimeError naming every step that failed."""
+        problems = []
+        for what, call in (
+            ("end_weight_update", self.end_weight_update),
+            ("flush_cache", self.flush_cache),
+            ("continue_generation", self.resume),
+        ):
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - the next step must still run
+                problems.append(f"{what}: {type(exc).__name__}: {exc}")
+        if problems:
+            raise RuntimeError("; ".join(problems))
 
     def send_fragments(self, fragments_by_rank: Sequence[bytes], version: int) -> None:
         """This learner rank's fragments, one per TP rank of the worker (inside a begin/end session)."""

@@ -23,12 +23,17 @@ Around the buckets, per worker: `/pause_generation` (retract), `/begin_weight_up
 the version marker through our loader (`client.version_payloads`: the sparse receiver's base),
 `/end_weight_update`, `/flush_cache`, `/continue_generation`. A dense sync is all or nothing for
 the workers of one group: a broadcast needs every member, so one failed worker fails them all.
+
+The sender never holds the whole state: `fill` produces one bucket's bytes when its broadcast is
+due (the trainer assembles it from the learner ranks' shards, `trainer_sync.SGLangBroadcast`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import math
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -39,7 +44,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 
 T = TypeVar("T")
-Named = Sequence[tuple[str, torch.Tensor]]
+Spec = tuple[str, torch.dtype, tuple[int, ...]]  # one HF tensor: name, dtype, shape
+Fill = Callable[[Sequence[Spec]], torch.Tensor]  # a bucket -> its bytes back to back (uint8)
 
 
 class DenseSyncError(RuntimeError):
@@ -85,11 +91,8 @@ class DenseWorker(Protocol):
     url: str
 
     def tp_size(self) -> int: ...
-    def pause(self, mode: str = "retract") -> None: ...
-    def resume(self) -> None: ...
-    def flush_cache(self) -> None: ...
-    def begin_weight_update(self) -> None: ...
-    def end_weight_update(self) -> None: ...
+    def open_update_session(self) -> None: ...
+    def close_update_session(self) -> None: ...
     def declare_version(self, version: int, tp_size: int) -> None: ...
     def destroy_weights_update_group(self, group_name: str) -> None: ...
 
@@ -112,56 +115,60 @@ class DenseSyncStats:
     workers: int
 
 
-def plan_buckets(named: Named, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+def _nbytes(spec: Spec) -> int:
+    _, dtype, shape = spec
+    return math.prod(shape) * dtype.itemsize
+
+
+def plan_buckets(specs: Sequence[Spec], bucket_bytes: int) -> list[list[Spec]]:
     """Consecutive tensors, at most `bucket_bytes` per bucket (a larger tensor alone). Refuses
     what `FlattenedTensorBucket.empty` would refuse on the receivers: a tensor whose byte offset
     in its bucket is not a multiple of its element size (mixed dtypes in a bad order)."""
-    if not named:
+    if not specs:
         raise ValueError("no tensors to send: a dense sync needs the whole HF state")
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    buckets: list[list[Spec]] = [[]]
     size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
+    for spec in specs:
+        nbytes, itemsize = _nbytes(spec), spec[1].itemsize
         if buckets[-1] and size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
-        if size % tensor.element_size():
+        if size % itemsize:
             raise ValueError(
-                f"{name}: {tensor.dtype} at byte offset {size} of its bucket is unaligned; order the "
+                f"{spec[0]}: {spec[1]} at byte offset {size} of its bucket is unaligned; order the "
                 "tensors by element size (largest first)"
             )
-        buckets[-1].append((name, tensor))
+        buckets[-1].append(spec)
         size += nbytes
     return [b for b in buckets if b]
 
 
-def flatten(bucket: Named, device: str) -> torch.Tensor:
-    """The bucket's bytes back to back, as `FlattenedTensorBucket` lays them out (uint8)."""
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-    return torch.cat(parts).to(device)
-
-
-def tcp_url(address: str, port: int) -> str:
-    """`tcp://host:port`, IPv6 in brackets (SGLang's `utils/network.py: NetworkAddress.to_tcp`)."""
-    host = f"[{address}]" if ":" in address and not address.startswith("[") else address
-    return f"tcp://{host}:{port}"
+def byte_offsets(bucket: Sequence[Spec]) -> list[int]:
+    """Where each tensor starts in the bucket's bytes, as `FlattenedTensorBucket` lays them out
+    (back to back, in order), then the bucket's total size."""
+    offsets = [0]
+    for spec in bucket:
+        offsets.append(offsets[-1] + _nbytes(spec))
+    return offsets
 
 
 def open_update_group(cfg: DenseSyncConfig, world_size: int, group_name: str) -> C10dBackend:
     """Rank 0 of the group the workers join in `init_weights_update_group`; blocks until all
     `world_size` ranks have joined.
 
-    Built to match SGLang's `init_custom_process_group` key for key: the same `rendezvous`
-    (this rank hosts the TCP store), `PrefixStore(group_name)`, then what torch's
+    Built to match SGLang's `init_custom_process_group` key for key: the TCP store its
+    `rendezvous` joins (hosted here), `PrefixStore(group_name)`, then what torch's
     `_new_process_group_helper` does for one backend (`PrefixStore(f"{group_name}/")`,
     `PrefixStore(f"{device}/")`, the backend, `_set_sequence_number_for_group`, which exchanges a
     sequence number through the store). Not that helper itself: on a trainer whose default group
     is bound to a GPU (`parallel.runtime` passes `device_id`) it would build the NCCL communicator
     by splitting the trainer's own world communicator, which the workers are not part of."""
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    url = tcp_url(cfg.master_address, cfg.master_port)
-    store, _, _ = next(dist.rendezvous(url, 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # the store rank 0's `rendezvous("tcp://addr:port")` makes in a plain process; not that call
+    # itself, which under torchrun (TORCHELASTIC_USE_AGENT_STORE) only makes a client of the store
+    store = dist.TCPStore(
+        cfg.master_address, cfg.master_port, world_size, is_master=True, timeout=timeout, multi_tenant=True
+    )
     device = "cuda" if cfg.backend == "nccl" else "cpu"
     prefixed = dist.PrefixStore(
         f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
@@ -190,12 +197,13 @@ def broadcast(group: C10dBackend, flat: torch.Tensor) -> None:
 
 
 def dense_sync(
-    workers: Sequence[DenseWorker], named: Named, *, version: int, cfg: DenseSyncConfig
-) -> DenseSyncStats:
-    """Send every tensor of `named` (HF names, the dtype the workers serve) to every worker, then
-    declare `version` to their sparse receivers. Raises DenseSyncError naming all `workers` if any
-    step fails on any of them (their weights are then mixed: drop them or sync them again)."""
-    plan = plan_buckets(named, cfg.bucket_bytes)  # a bad state is refused before any worker pauses
+    workers: Sequence[DenseWorker], plan: Sequence[Sequence[Spec]], fill: Fill, *, version: int,
+    cfg: DenseSyncConfig,
+) -> DenseSyncStats:  # fmt: skip
+    """Send every bucket of `plan` (`plan_buckets`: HF names, the dtype the workers serve), each
+    filled by `fill` just before its broadcast, to every worker, then declare `version` to their
+    sparse receivers. Raises DenseSyncError naming all `workers` if any step fails on any of them
+    (their weights are then mixed: drop them or sync them again)."""
     urls = [w.url for w in workers]
     if not urls or len(set(urls)) != len(urls):
         raise ValueError(
@@ -205,23 +213,22 @@ def dense_sync(
     with ThreadPoolExecutor(max_workers=max(1, len(workers))) as pool:
         run = _Fanout(pool, workers, cfg.timeout_s)
         tp = dict(zip((w.url for w in workers), run.each(lambda w: w.tp_size()), strict=True))
-        run.each(lambda w: w.pause("retract"))
-        try:
-            run.each(lambda w: w.begin_weight_update())
-            try:
-                sent = _send(run, plan, group_name, tp, version, cfg)
-                run.each(lambda w: w.declare_version(version, tp[w.url]))
-            finally:
-                run.each(lambda w: w.end_weight_update())
-            run.each(lambda w: w.flush_cache())
-        finally:
-            run.each(lambda w: w.resume())
+        try:  # a worker whose session did open must not stay paused when another's did not
+            run.each(lambda w: w.open_update_session())
+            sent = _send(run, plan, fill, group_name, tp, version, cfg)
+            run.each(lambda w: w.declare_version(version, tp[w.url]))
+        except BaseException:
+            with contextlib.suppress(DenseSyncError):  # the first failure is the one reported
+                run.each(lambda w: w.close_update_session())
+            raise
+        run.each(lambda w: w.close_update_session())
     return DenseSyncStats(buckets=len(plan), bytes=sent, workers=len(workers))
 
 
 def _send(
     run: _Fanout,
-    plan: list[list[tuple[str, torch.Tensor]]],
+    plan: Sequence[Sequence[Spec]],
+    fill: Fill,
     group_name: str,
     tp: dict[str, int],
     version: int,
@@ -245,11 +252,10 @@ def _send(
     sent, completed = 0, False
     try:
         for bucket in plan:
-            meta = [(n, t.dtype, tuple(t.shape)) for n, t in bucket]
-            flat = flatten(bucket, cfg.device)
+            flat = fill(bucket)
             run.during(
-                lambda w, meta=meta: w.update_weights_from_distributed(  # type: ignore[misc]
-                    meta, group_name=group_name, version=version
+                lambda w, bucket=bucket: w.update_weights_from_distributed(  # type: ignore[misc]
+                    bucket, group_name=group_name, version=version
                 ),
                 lambda flat=flat: broadcast(group, flat),  # type: ignore[misc]
             )

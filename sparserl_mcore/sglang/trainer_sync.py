@@ -27,11 +27,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
 from model_providers.hf_config import HFModelConfig
-from sparserl_mcore.rollout.client import RemoteValueError
 from sparserl_mcore.sglang.client import SGLangWorker
+from sparserl_mcore.sglang.dense_sync import (
+    DenseSyncConfig,
+    DenseSyncError,
+    Spec,
+    byte_offsets,
+    dense_sync,
+    plan_buckets,
+)
 from sparserl_mcore.sglang.layout import SGLangLayout
 from sparserl_mcore.sync.per_rank import Change, split_by_receiver
 
@@ -157,34 +166,85 @@ class SGLangDelivery:
         worker = self.workers[url]
         if url not in self._tp:
             self._tp[url] = worker.tp_size()
-        worker.pause("retract")
-        try:
-            worker.begin_weight_update()
-        except RemoteValueError as exc:
-            # 0.5.23 refuses a second session (`SchedulerWeightUpdaterManager.begin_weight_update`:
-            # "a weight-update session is already open"): one left by a trainer that died mid-sync
-            # (the run resumes with a full sync, so closing it loses nothing)
-            if "already open" not in str(exc):
-                raise
-            worker.end_weight_update()
-            worker.begin_weight_update()
+        worker.open_update_session()
 
     def _close(self, url: str) -> str:
-        """End the session, flush, resume: each tried even when an earlier one failed."""
-        worker = self.workers[url]
-        problems = []
-        for what, call in (
-            ("end_weight_update", worker.end_weight_update),
-            ("flush_cache", worker.flush_cache),
-            ("continue_generation", worker.resume),
-        ):
-            try:
-                call()
-            except Exception as exc:  # noqa: BLE001 - the next step must still run
-                problems.append(f"{what}: {_reason(exc)}")
-        return "; ".join(problems)
+        try:
+            self.workers[url].close_update_session()
+        except Exception as exc:  # noqa: BLE001 - reported as this worker's failure
+            return str(exc)
+        return ""
 
     def _layout(self, tp_size: int) -> SGLangLayout:
         if tp_size not in self._layouts:
             self._layouts[tp_size] = SGLangLayout(self._hf, tp_size=tp_size)
         return self._layouts[tp_size]
+
+
+class SGLangBroadcast:
+    """Full syncs (start, resume, fallback) into SGLang workers as bucketed broadcasts over their
+    weight-update group (`dense_sync`), instead of HTTP fragments.
+
+    The host rank is the group's sender. Each bucket is assembled from the learner ranks' own
+    elements by one `reduce` (SUM of uint8 bytes: every element is owned by exactly one rank and the
+    others contribute zero bytes, so the sum is its exact bits) onto the host just before its
+    broadcast: no rank ever holds more than one bucket of the dense state (`bucket_bytes`), and
+    the bytes cross the learner group once."""
+
+    def __init__(
+        self,
+        workers: dict[str, SGLangWorker],
+        hf_shapes: dict[str, tuple[int, ...]],
+        cfg: DenseSyncConfig,
+        *,
+        host_rank: int,
+    ) -> None:
+        self.workers, self.cfg, self._host_rank = workers, cfg, host_rank
+        specs = [(name, torch.bfloat16, tuple(hf_shapes[name])) for name in sorted(hf_shapes)]
+        self._plan = plan_buckets(specs, cfg.bucket_bytes)  # the same on every rank
+
+    def send(self, changes: Sequence[Change], *, version: int, only: set[str] | None) -> dict[str, str]:
+        """Collective: the whole state, of which `changes` (every element this rank owns, base None)
+        is this rank's part, to every worker (or those in `only`); the workers that failed, with
+        why, the same map on every rank. A failed sync fails every worker of the group."""
+        targets = [w for url, w in self.workers.items() if only is None or url in only]
+        if not targets:
+            return {}
+        owned: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for name, idx, _, bits in changes:
+            owned.setdefault(name, []).append((torch.from_numpy(idx), torch.from_numpy(bits.view(np.int16))))
+        filled = 0
+
+        def fill(bucket: Sequence[Spec]) -> torch.Tensor:
+            nonlocal filled
+            filled += 1
+            return self._reduce(bucket, owned)
+
+        failed: dict[str, str] = {}
+        if dist.get_rank() == self._host_rank:
+            try:
+                dense_sync(targets, self._plan, fill, version=version, cfg=self.cfg)
+            except DenseSyncError as exc:
+                failed = {url: _reason(exc) for url in exc.workers}
+            finally:  # the other ranks reduce every bucket whatever happened here
+                for bucket in self._plan[filled:]:
+                    fill(bucket)
+        else:
+            for bucket in self._plan:
+                fill(bucket)
+        box: list[Any] = [failed]
+        dist.broadcast_object_list(box, src=self._host_rank)
+        return dict(box[0])
+
+    def _reduce(
+        self, bucket: Sequence[Spec], owned: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
+    ) -> torch.Tensor:
+        """Collective: the bucket's bytes on the host (this rank's elements in place, zeros elsewhere)."""
+        offsets = byte_offsets(bucket)
+        flat = torch.zeros(offsets[-1], dtype=torch.uint8, device=self.cfg.device)
+        for (name, _, _), start, end in zip(bucket, offsets, offsets[1:], strict=False):
+            values = flat[start:end].view(torch.int16)
+            for idx, bits in owned.get(name, ()):
+                values[idx.to(flat.device)] = bits.to(flat.device)
+        dist.reduce(flat, dst=self._host_rank, op=dist.ReduceOp.SUM)
+        return flat

@@ -22,6 +22,7 @@ from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.loss.dgg import DynamicGradientGate
 from sparserl_mcore.rewards import build_reward
+from sparserl_mcore.sglang.dense_sync import DenseSyncConfig
 from sparserl_mcore.telemetry import MetricsLogger
 from sparserl_mcore.trainer import learner as learner_lib
 from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
@@ -142,6 +143,21 @@ def kv_bytes_per_token(spec: Any, runtime: Any) -> int:
     return 2 * spec.hf.num_layers * spec.hf.num_kv_heads * spec.hf.head_dim * element
 
 
+def broadcast_config(cfg: RunConfig, runtime: Any) -> DenseSyncConfig | None:
+    """`sync.broadcast` for this rank: NCCL from its GPU, or gloo on a CPU learner."""
+    bc = cfg.sync.broadcast
+    if bc is None:
+        return None
+    return DenseSyncConfig(
+        master_address=bc.master_address,
+        master_port=bc.master_port,
+        backend="gloo" if runtime.cpu else "nccl",
+        device=str(runtime.device),
+        bucket_bytes=bc.bucket_mb * 2**20,
+        timeout_s=cfg.rollout.request_timeout_s,
+    )
+
+
 def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None) -> Parts:
     """Every part of a run on this rank; `resume_from`: the checkpoint it continues (its padded
     vocabulary is kept)."""
@@ -176,6 +192,7 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         remote_server=cfg.rollout.server,
         token=os.environ.get(cfg.rollout.token_env) if remote and cfg.rollout.token_env else None,
         timeout_s=cfg.rollout.request_timeout_s,
+        broadcast=broadcast_config(cfg, runtime) if remote else None,
     )
     evaluator = Evaluator(
         cfg.eval,

@@ -7,7 +7,8 @@ is gathered on a stage source and no rank holds a mirror of the model. Delivery:
 - remote engines (`remote_urls`): every rank POSTs its fragment to every engine itself;
   SGLang workers (`remote_server="sglang"`) get it split per SGLang TP rank, inside one
   pause / begin ... end / flush / continue bracket per sync made by the host rank
-  (`sglang.trainer_sync.SGLangDelivery`);
+  (`sglang.trainer_sync.SGLangDelivery`); their full syncs, with `broadcast` set, go as bucketed
+  broadcasts from the host over SGLang's weight-update group instead (`SGLangBroadcast`);
 - in-process engines (the embedded engine on the host rank): the fragments, already encoded,
   reach the host (the receiver's own process) in one `gather_object` of bytes.
 Every engine applies each fragment as it lands and moves to the version when all have landed.
@@ -28,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparserl_mcore.sglang.trainer_sync import SGLangDelivery, full_sync_pieces
+from sparserl_mcore.sglang.dense_sync import DenseSyncConfig
+from sparserl_mcore.sglang.trainer_sync import SGLangBroadcast, SGLangDelivery, full_sync_pieces
 from sparserl_mcore.sync.codec import CodecConfig
 from sparserl_mcore.sync.hashing import dtype_name
 from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, build_sync_groups, even_ranges
@@ -72,6 +74,7 @@ class WeightSyncer:
         remote_server: str = "sparserl",
         token: str | None = None,
         timeout_s: float = 600.0,
+        broadcast: DenseSyncConfig | None = None,
     ):
         self.layout, self.runtime, self.codec = layout, runtime, codec
         self._on_event = on_event
@@ -84,12 +87,17 @@ class WeightSyncer:
         self._dense_bytes = 2 * self._meta.numel
         self._senders: dict[str, Any] = {}
         self._sglang: SGLangDelivery | None = None  # when the remote servers are SGLang
+        self._broadcast: SGLangBroadcast | None = None  # their full syncs, when not as fragments
         self._remote = set(remote_urls)
         self._dropped: set[str] = set()  # engines a full sync failed on: out of the pool for good
         if remote_urls and remote_server == "sglang":
             self._sglang = SGLangDelivery(
                 remote_urls, layout.hf, host_rank=HOST_RANK, token=token, timeout_s=timeout_s
             )
+            if broadcast is not None:
+                self._broadcast = SGLangBroadcast(
+                    self._sglang.workers, layout.hf_shapes, broadcast, host_rank=HOST_RANK
+                )
         elif remote_urls:
             from sparserl_mcore.rollout.client import RemoteEngine
 
@@ -188,8 +196,12 @@ class WeightSyncer:
                 return blob
 
             full = base_version is None
-            pieces = full_sync_pieces(self._meta.numel, self.runtime.world_size) if full else 1
-            failed.update(self._sglang.deliver(changes, counted, version=version, pieces=pieces, only=remote))
+            if full and self._broadcast is not None:
+                failed.update(self._broadcast.send(changes, version=version, only=remote))
+            else:
+                pieces = full_sync_pieces(self._meta.numel, self.runtime.world_size) if full else 1
+                sent = self._sglang.deliver(changes, counted, version=version, pieces=pieces, only=remote)
+                failed.update(sent)
             size = sum(sizes)
         local = self._local_engines(pools, only)
         any_local = self._any_local(local)
