@@ -62,6 +62,13 @@ def test_remote_engine_urls_from_an_override() -> None:
     assert cfg.rollout.server == "sparserl"  # `sparserl serve` unless said otherwise
     sglang = build("rollout.engine=remote", "rollout.urls=[http://a:1]", "rollout.server=sglang")
     assert sglang.rollout.server == "sglang"
+    routed = build(
+        "rollout.engine=remote",
+        "rollout.urls=[http://a:1]",
+        "rollout.server=sglang",
+        "rollout.router_url=http://r:9",
+    )
+    assert routed.rollout.router_url == "http://r:9"
 
 
 @pytest.mark.parametrize(
@@ -88,6 +95,20 @@ def test_remote_engine_urls_from_an_override() -> None:
         (["rollout.engine=remote"], ["needs urls"]),
         (["rollout.server=vllm"], ["rollout.server", "'vllm'", "sparserl, sglang"]),
         (["rollout.server=sglang"], ["server='sglang' names remote servers", "engine=remote"]),
+        (["rollout.router_url=http://r:9"], ["router_url fronts SGLang servers", "server=sglang"]),
+        (
+            ["rollout.engine=remote", "rollout.urls=[http://a:1]", "rollout.router_url=http://r:9"],
+            ["router_url fronts SGLang servers"],
+        ),
+        (
+            [
+                "rollout.engine=remote",
+                "rollout.urls=[http://a:1]",
+                "rollout.server=sglang",
+                "rollout.router_url=http://a:1",
+            ],
+            ["router_url='http://a:1'", "other than the worker urls"],
+        ),
         (["sync.transport=http"], ["unknown key sync.transport", "codec", "every"]),
         (["rollout.sampling.seed=3"], ["rollout.sampling.seed=3", "from train.seed"]),
         (["train.prompts_per_step=3"], ["3 * 8 = 24", "global_batch_size=256"]),
