@@ -6,8 +6,9 @@ uses: it registers a worker after GET /health and GET /get_model_info (it also t
 re-serialized with SGLang's default `GenerateReqInput` fields, which our server accepts. What is
 checked: the worker list (`router_workers`), SGLang-dialect generation through the router
 (`SGLangRouter`, seeds honoured: the same samples as the worker gives directly), the trainer's
-own path (`rollout.router_url` -> `build_engines` -> `EnginePool`), taking a worker out, the
-preflight check, and that a dead router fails the step at once with its URL in the error.
+own path (`rollout.router_url` -> `build_engines` -> `EnginePool`), the weight sync taking a
+dropped worker out, the preflight check, and that a dead router fails the step at once with its
+URL in the error.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from sparserl_mcore.trainer.engine_pool import EnginePool, NoEngineLeftError, Po
 from sparserl_mcore.trainer.preflight import PreflightError, _check_router  # noqa: E402
 from sparserl_mcore.trainer.rollouts import Prompt, make_requests  # noqa: E402
 from sparserl_mcore.trainer.setup import build_engines  # noqa: E402
+from sparserl_mcore.trainer.weight_sync import WeightSyncer  # noqa: E402
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=5)
 
@@ -127,10 +129,16 @@ def test_the_trainer_generates_through_router_url(stack):
     pool.close()
 
 
-def test_a_worker_taken_out_of_the_router_gets_no_more_requests(stack):
+def test_a_worker_dropped_by_the_weight_sync_leaves_the_router(stack):
+    """`WeightSyncer._drop` (a worker failed a sync and its full fallback) against the real router;
+    the syncer is built bare: its constructor needs a learner, `_drop` only these fields."""
     _, router_url, urls, _ = stack
     router = SGLangRouter(router_url, concurrency=2, chunk_size=4, timeout=60)
-    router.remove_workers({urls[0]})
+    pool = EnginePool({router_url: router}, PoolConfig(chunk_size=4))
+    syncer = WeightSyncer.__new__(WeightSyncer)
+    syncer._dropped, syncer._remote, syncer._router_url = set(), set(urls), router_url
+    syncer._drop([pool, None], {urls[0]})
+    assert list(pool.live) == [router_url]  # the router itself stays
     deadline = time.monotonic() + 30  # the router removes it in the background (202)
     while router_workers(router_url) != urls[1:] and time.monotonic() < deadline:
         time.sleep(0.2)
