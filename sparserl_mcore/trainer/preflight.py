@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sparserl_mcore.config import RunConfig, to_dict
+from sparserl_mcore.config import RolloutConfig, RunConfig, to_dict
 from sparserl_mcore.trainer.run_layout import requested_layout
 from sparserl_mcore.trainer.run_record import (
     SavedRun,
@@ -80,14 +80,14 @@ def _check_servers(cfg: RunConfig) -> None:
     _check_router(rc)
 
 
-def _check_router(rc: Any) -> None:
+def _check_router(rc: RolloutConfig) -> None:
     """A router that answers routes to exactly the workers that get weights."""
+    import httpx
+
     from sparserl_mcore.sglang.client import router_workers
 
     if rc.router_url is None:
         return
-    import httpx
-
     try:
         routed = router_workers(rc.router_url)
     except (httpx.HTTPError, ValueError):  # unreachable or still starting: left to the run, as above
