@@ -4,10 +4,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 TORCH  := torch==2.13.0
-# SGLang for the CPU tests of the SGLang integration: the pinned wheel without its (CUDA) deps, plus
+# SGLang for the CPU tests of the SGLang integration: the pinned wheels without their (CUDA) deps (the
+# router is a Rust binary that runs on CPU: tests/test_sglang_router.py starts it), plus
 # the pure-python modules its layers / KV pools / scheduler data structures import (SGLang's own pins
 # where it has them). sgl_kernel, triton and torchvision are stubbed by tests/sglang_cpu.py.
-SGLANG := sglang==0.5.23
+SGLANG := sglang==0.5.23 sglang-router==0.3.2
 SGLANG_CPU_DEPS := orjson pybase64 requests msgspec pyzmq ipython aiohttp apache-tvm-ffi==0.1.11 \
 	dill sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf openai==2.8.0 partial_json_parser \
 	setproctitle einops

@@ -270,11 +270,15 @@ class RolloutConfig:
     request_timeout_s / max_retries bound how long a dead or hung engine can stall a step.
     tensor_parallel_size: GPUs per rollout server (SGLang's --tp-size) where servers are started
     for the run (`sparserl slurm`); the embedded engine runs on one device.
+    router_url: an sglang-router in front of the SGLang servers at `urls` (server=sglang only):
+    generation goes through it, weights and pauses still go to each of `urls` (the router does not
+    proxy those routes). `sparserl slurm` starts one and sets it for SGLang rollout nodes.
     """
 
     engine: Literal["embedded", "remote"] = "embedded"
     server: Literal["sparserl", "sglang"] = "sparserl"
     urls: tuple[str, ...] = ()
+    router_url: str | None = None
     token_env: str | None = None
     tensor_parallel_size: int = 1
     group_size: int = 8
@@ -296,6 +300,16 @@ class RolloutConfig:
             raise ValueError(f"urls={list(self.urls)}: each must start with http:// or https://")
         if self.server == "sglang" and self.engine != "remote":
             raise ValueError("server='sglang' names remote servers: set engine=remote and urls, or drop it")
+        if self.router_url is not None:
+            if self.engine != "remote" or self.server != "sglang":
+                raise ValueError(
+                    "router_url fronts SGLang servers: set engine=remote, server=sglang and urls "
+                    "(the workers), or drop it"
+                )
+            if not self.router_url.startswith(("http://", "https://")) or self.router_url in self.urls:
+                raise ValueError(
+                    f"router_url={self.router_url!r}: must be an http(s):// URL other than the worker urls"
+                )
         _positive(self, "request_timeout_s", "tensor_parallel_size")
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries}: must be >= 0")

@@ -67,6 +67,13 @@ def test_remote_engine_urls_from_an_override() -> None:
         "sync.broadcast={master_address: node0, bucket_mb: 64}",
     )  # fmt: skip
     assert sglang.sync.broadcast is not None and sglang.sync.broadcast.master_port == 29700
+    routed = build(
+        "rollout.engine=remote",
+        "rollout.urls=[http://a:1]",
+        "rollout.server=sglang",
+        "rollout.router_url=http://r:9",
+    )
+    assert routed.rollout.router_url == "http://r:9"
 
 
 @pytest.mark.parametrize(
@@ -93,6 +100,20 @@ def test_remote_engine_urls_from_an_override() -> None:
         (["rollout.engine=remote"], ["needs urls"]),
         (["rollout.server=vllm"], ["rollout.server", "'vllm'", "sparserl, sglang"]),
         (["rollout.server=sglang"], ["server='sglang' names remote servers", "engine=remote"]),
+        (["rollout.router_url=http://r:9"], ["router_url fronts SGLang servers", "server=sglang"]),
+        (
+            ["rollout.engine=remote", "rollout.urls=[http://a:1]", "rollout.router_url=http://r:9"],
+            ["router_url fronts SGLang servers"],
+        ),
+        (
+            [
+                "rollout.engine=remote",
+                "rollout.urls=[http://a:1]",
+                "rollout.server=sglang",
+                "rollout.router_url=http://a:1",
+            ],
+            ["router_url='http://a:1'", "other than the worker urls"],
+        ),
         (["sync.transport=http"], ["unknown key sync.transport", "codec", "every"]),
         (["sync.broadcast={master_address: n0}"], ["sync.broadcast", "needs rollout.server=sglang"]),
         (["sync.broadcast={master_port: 1}"], ["sync.broadcast", "master_address"]),

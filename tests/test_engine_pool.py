@@ -78,3 +78,43 @@ def test_retries_are_bounded():
 def test_bad_pool_config_names_the_field():
     with pytest.raises(ValueError, match="chunk_timeout_s=0 must be > 0"):
         PoolConfig(chunk_timeout_s=0)
+
+
+class SlotEngine(EchoEngine):
+    """Takes `concurrency` chunks at once (as the SGLang router does); records the most in flight."""
+
+    def __init__(self, concurrency: int, **kwargs):
+        super().__init__(**kwargs)
+        self.concurrency = concurrency
+        self.in_flight = self.peak = 0
+        self.lock = threading.Lock()
+        self.all_in = threading.Barrier(concurrency, timeout=5)
+
+    def generate(self, requests):
+        with self.lock:
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        try:
+            self.all_in.wait()  # every slot is busy at once, or this raises BrokenBarrierError
+            return super().generate(requests)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+def test_an_engine_with_concurrency_takes_that_many_chunks_at_once():
+    engine = SlotEngine(3)
+    samples = EnginePool({"router": engine}, PoolConfig(chunk_size=2)).generate(_requests(12))
+    assert [s.rid for s in samples] == [f"r{i}" for i in range(12)]
+    assert engine.peak == 3 and engine.calls == 6
+
+
+def test_a_failing_concurrent_engine_leaves_with_all_its_chunks():
+    """Its chunks in flight go to the other engine; with it alone the step fails at once."""
+    router = SlotEngine(2, fail_after=0)
+    pool = EnginePool({"router": router, "ok": EchoEngine()}, PoolConfig(chunk_size=2, max_attempts=2))
+    samples = pool.generate(_requests(8))
+    assert [s.rid for s in samples] == [f"r{i}" for i in range(8)] and list(pool.dead) == ["router"]
+    alone = EnginePool({"router": SlotEngine(2, fail_after=0)}, PoolConfig(chunk_size=2))
+    with pytest.raises(NoEngineLeftError, match="router.*engine died"):
+        alone.generate(_requests(8))

@@ -223,6 +223,8 @@ def test_batch_and_text_prompts(served):
         ({"input_ids": PROMPT, "sampling_params": {"temprature": 1}}, "unknown sampling params"),
         ({"input_ids": PROMPT, "stream": True}, "stream=true is not supported"),
         ({"input_ids": PROMPT, "lora_path": "x"}, "unknown fields ['lora_path']"),
+        ({"input_ids": PROMPT, "return_hidden_states": True}, "return_hidden_states=True is not supported"),
+        ({"input_ids": PROMPT, "sampling_params": {"seed": 1, "sampling_seed": 1}}, "not both"),
         ({"input_ids": [PROMPT, PROMPT], "rid": ["x", "x"]}, "unique"),
         ({"input_ids": PROMPT, "return_logprob": "yes"}, "return_logprob"),
         ([1, 2], "JSON object"),

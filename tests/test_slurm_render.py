@@ -284,4 +284,7 @@ def test_auto_leaves_the_server_kind_to_the_job():
 
     assert kinds("auto", 8) == []
     assert kinds("sglang", 8) == ["rollout.server=sglang"]
+    routers = [o for o in topology_overrides(layout("sglang", 8), ["http://a:1"]) if "router" in o]
+    assert routers == ["rollout.router_url=http://rollout-0:29998"]  # generation through sglang-router
+    assert not [o for o in topology_overrides(layout("embedded", 8), ["http://a:1"]) if "router" in o]
     assert kinds("embedded", 8) == kinds("auto", 0) == ["rollout.server=sparserl"]

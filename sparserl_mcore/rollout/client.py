@@ -46,6 +46,7 @@ class RemoteEngine:
     retries: extra attempts after a transport error or a 5xx answer, with `backoff_s` doubling.
     bucket_bytes: a full `update_weights` is sent as safetensors requests of at most about this
     size, so neither side holds a second copy of a large model in memory.
+    max_connections: HTTP connections open at once (calls beyond wait for one, within `timeout`).
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class RemoteEngine:
         retries: int = 2,
         backoff_s: float = 0.5,
         bucket_bytes: int = 512 * 2**20,
+        max_connections: int = 100,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url={url!r}: must start with http:// or https://")
@@ -73,7 +75,10 @@ class RemoteEngine:
         self.bucket_bytes = bucket_bytes
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=connect_timeout)
+            base_url=self.url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=max_connections),
         )
 
     def __repr__(self) -> str:

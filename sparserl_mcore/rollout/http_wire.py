@@ -7,7 +7,9 @@ request  {"input_ids": [..] | [[..], ..]} or {"text": str | [str, ..]}, "samplin
 response {"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
          "cached_tokens", "finish_reason": {"type": "stop"|"length"|"abort", ...}, "weight_version",
          "kv_stats", "output_token_logprobs": [[logprob, token_id, text|null], ..]}}
-A batch request (list of prompts) gets a list of responses in the same order.
+A batch request (list of prompts) gets a list of responses in the same order. What sglang-router
+forwards is accepted too (`ROUTER_DEFAULTS`, SGLang's `sampling_seed`), so the router can front
+`sparserl serve` workers.
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ GENERATE_KEYS = (
     "rid",
     "stream",  # accepted only as false: results come back whole
 )
+# SGLang `GenerateReqInput` fields that sglang-router 0.3.2 adds to every /generate it forwards,
+# at these values (its re-serialized body); this server implements none of them, so it accepts
+# them at exactly these values and refuses any other.
+ROUTER_DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "log_metrics": True,
+    "return_hidden_states": False,
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+}
+# SGLang's name for a sampling seed (what `sglang.wire` sends, and the router forwards)
+SGLANG_SEED = "sampling_seed"
 
 Encode = Callable[[str], list[int]]
 Decode = Callable[[Sequence[int]], str]
@@ -55,9 +71,13 @@ def parse_generate(body: Any, encode: Encode | None) -> ParsedGenerate:
         raise ValueError("body must be a JSON object")
     if body.get("stream", False) is not False:
         raise ValueError("stream=true is not supported: results come back whole; drop the field")
-    unknown = sorted(set(body) - set(GENERATE_KEYS))
+    unknown = sorted(set(body) - set(GENERATE_KEYS) - set(ROUTER_DEFAULTS))
     if unknown:
         raise ValueError(f"unknown fields {unknown}; known: {list(GENERATE_KEYS)}")
+    for key, default in ROUTER_DEFAULTS.items():
+        if key in body and body[key] != default:
+            wanted = json.dumps(default)
+            raise ValueError(f"{key}={body[key]!r} is not supported here; send {wanted} or drop it")
     prompts, batch = _prompts(body, encode)
     params = _sampling(body.get("sampling_params", {}), len(prompts), batch)
     rids = _rids(body.get("rid"), len(prompts), batch)
@@ -102,10 +122,19 @@ def _token_id(t: Any) -> bool:
 
 def _sampling(raw: Any, n: int, batch: bool) -> list[SamplingParams]:
     if isinstance(raw, dict):
-        return [SamplingParams.from_dict(raw)] * n
+        return [_sampling_params(raw)] * n
     if batch and isinstance(raw, list) and len(raw) == n and all(isinstance(r, dict) for r in raw):
-        return [SamplingParams.from_dict(r) for r in raw]
+        return [_sampling_params(r) for r in raw]
     raise ValueError(f"sampling_params must be an object, or a list of {n} objects for a batch of {n}")
+
+
+def _sampling_params(raw: dict[str, Any]) -> SamplingParams:
+    """Our names, or SGLang's `sampling_seed` for `seed` (not both)."""
+    if SGLANG_SEED in raw:
+        if "seed" in raw:
+            raise ValueError(f"send one of seed or {SGLANG_SEED}, not both")
+        raw = {("seed" if k == SGLANG_SEED else k): v for k, v in raw.items()}
+    return SamplingParams.from_dict(raw)
 
 
 def _rids(raw: Any, n: int, batch: bool) -> list[str]:

@@ -1,8 +1,11 @@
-"""Trainer-side client of SGLang workers' weight and pause routes (sglang 0.5.23), and the router list.
+"""Trainer-side client of SGLang workers' weight and pause routes (sglang 0.5.23), and of the router.
 
-The router (sgl-model-gateway) proxies generation but not the weight or pause routes, so every
-learner rank that sends fragments talks to every worker directly; `router_workers` reads the
-worker URLs from the router's `GET /workers` (`{"workers": [{"url": ...}, ...]}`).
+The router (sglang-router 0.3.2, `python -m sglang_router.launch_router`) proxies generation but
+not the weight or pause routes (404 there), so every learner rank that sends fragments talks to
+every worker directly, and the host's engine pool sends /generate to the router alone
+(`SGLangRouter`, `rollout.router_url`). `router_workers` reads the worker URLs from the router's
+`GET /workers` (`{"workers": [{"id", "url", ...}, ...], "total", "stats"}`); `DELETE
+/workers/{id}` takes one out (answered 202, done in the background).
 
 Route shapes (sglang 0.5.23 `srt/entrypoints/http_server.py`, bodies from `srt/managers/io_struct.py`):
 `POST /pause_generation` {"mode"}, `/continue_generation`, `/flush_cache`, `/begin_weight_update`
@@ -20,13 +23,15 @@ from __future__ import annotations
 import base64
 import io
 import pickle
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import torch
 
-from sparserl_mcore.rollout.client import RemoteEngine, RemoteValueError
+from sparserl_mcore.rollout.client import RemoteEngine, RemoteEngineError, RemoteValueError
+from sparserl_mcore.rollout.protocol import GenerateRequest, Sample
 from sparserl_mcore.sglang import wire
 from sparserl_mcore.sglang.loader import LOADER_PATH, PATCH_TENSOR, VERSION_TENSOR
 
@@ -161,6 +166,52 @@ class SGLangWorker(RemoteEngine):
             "load_format": "flattened_bucket",
         }
         self._call("POST", "/update_weights_from_distributed", json=body, retries=0)  # joins a broadcast
+
+
+class SGLangRouter(RemoteEngine):
+    """Generation through sglang-router: ONE engine of the pool in front of all the workers.
+
+    The router's /generate takes one prompt per call (it refuses a batch body: "Failed to
+    deserialize the JSON body"), so a chunk goes out as one call per request, all at once, and
+    the pool gives the router `concurrency` chunks at once (one per worker: as many as without a
+    router). The router retries a failed call on another worker itself; a call that still fails,
+    or an unreachable router, fails the chunk, and the pool then has no engine left: the run
+    checkpoints and stops with the router's error.
+    """
+
+    _read_sample = staticmethod(wire.read_sample)
+
+    def __init__(
+        self, url: str, *, concurrency: int, chunk_size: int, timeout: float = 600.0, retries: int = 0
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency={concurrency}: must be >= 1 (the number of workers)")
+        self.concurrency = concurrency
+        self._calls_per_chunk = chunk_size
+        super().__init__(url, timeout=timeout, retries=retries, max_connections=concurrency * chunk_size)
+
+    def __repr__(self) -> str:
+        return f"SGLangRouter({self.url!r})"
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        if not requests:
+            return []
+        with ThreadPoolExecutor(max_workers=min(len(requests), self._calls_per_chunk)) as calls:
+            return list(calls.map(self._generate_one, requests))
+
+    def _generate_one(self, request: GenerateRequest) -> Sample:
+        answer = self._call("POST", "/generate", json=wire.single_body(request)).json()
+        try:
+            return self._read_sample(answer, request)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RemoteEngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
+
+    def remove_workers(self, urls: Collection[str]) -> None:
+        """Stop routing to these workers (ones the trainer could not sync: their weights are stale)."""
+        listed = self._call("GET", "/workers").json().get("workers", [])
+        for item in listed:
+            if item.get("url") in urls:
+                self._call("DELETE", f"/workers/{item['id']}")
 
 
 def router_workers(router_url: str, *, timeout: float = 10.0) -> list[str]:

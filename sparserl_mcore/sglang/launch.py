@@ -41,6 +41,7 @@ from sparserl_mcore.sglang.loader import LOADER_PATH
 PLUGIN_NAME = "sparserl"  # the entry point name in pyproject.toml (group sglang.srt.plugins)
 PLUGIN_ENV = "SPARSERL_SGLANG"  # JSON settings of the plugin; unset: the plugin stays inert
 SGLANG_MODULE = "sglang.launch_server"
+ROUTER_MODULE = "sglang_router.launch_router"  # sglang-router 0.3.2, the `sglang` extra
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,6 +139,19 @@ def child_env(cfg: LaunchConfig, base: dict[str, str] | None = None) -> dict[str
     if allowed and PLUGIN_NAME not in allowed:
         env["SGLANG_PLUGINS"] = ",".join([*allowed, PLUGIN_NAME])
     return env
+
+
+def router_argv(
+    worker_urls: Sequence[str], *, host: str, port: int, python: str = sys.executable
+) -> list[str]:
+    """sglang-router in front of `worker_urls`, with its defaults otherwise (cache_aware policy,
+    a failed call retried on another worker); its Prometheus metrics on `port + 1` (not its fixed
+    default 29000, so two routers on one host do not collide). Run it with `ServerProcess` (it
+    answers GET /health)."""
+    return [
+        python, "-m", ROUTER_MODULE, "--host", host, "--port", str(port),
+        "--prometheus-port", str(port + 1), "--worker-urls", *worker_urls,
+    ]  # fmt: skip
 
 
 class ServerProcess:

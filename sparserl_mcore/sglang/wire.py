@@ -17,6 +17,7 @@ SGLang's where this module adapts (read in the 0.5.23 wheel, file: symbol):
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,16 @@ def sampling_json(params: SamplingParams) -> dict[str, Any]:
 def generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
     """One batch /generate body: ours, with SGLang's sampling names."""
     return http_wire.generate_body(requests, params_json=sampling_json)
+
+
+def single_body(request: GenerateRequest) -> dict[str, Any]:
+    """One prompt's /generate body: what sglang-router takes (it refuses batch bodies)."""
+    return {
+        "input_ids": list(request.input_ids),
+        "sampling_params": sampling_json(request.sampling),
+        "rid": request.rid or uuid.uuid4().hex,
+        "return_logprob": True,
+    }
 
 
 def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:

@@ -5,7 +5,10 @@ What the job does, in order:
   1. resolve the allocation's nodes: the first `LEARNER_NODES` train, the rest serve rollouts;
   2. (rollout nodes) one srun step starts the servers, several per node when the rollout TP is
      smaller than a node (`sparserl_mcore.launch.rollout` picks each task's GPUs and port), and the script
-     waits until every server answers /health;
+     waits until every server answers /health; for SGLang servers a second step starts
+     sglang-router on the first rollout node (port `ROUTER_PORT`, `ROLLOUT_PORT - 2`) and the
+     script waits until it lists every server; the learners send /generate to it
+     (`rollout.router_url`) and weights to each server;
   3. one srun step runs one torchrun per learner node, rendezvous (c10d) on the first learner node,
      one log file per node under <run dir>/logs/;
   4. USR1 (sent `STOP_BEFORE_S` seconds before the time limit) and TERM reaching this shell are
@@ -19,6 +22,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from sparserl_mcore.config import RunConfig
+from sparserl_mcore.sglang.launch import ROUTER_MODULE
 from sparserl_mcore.slurm.layout import SlurmLayout
 
 SERVE_TOKEN_ENV = "SPARSERL_SERVE_TOKEN"
@@ -41,15 +45,22 @@ REMOTE_OVERRIDES = ("rollout.engine=remote", f"rollout.token_env={SERVE_TOKEN_EN
 SERVER_API = {"sglang": "sglang", "embedded": "sparserl"}
 
 
-def topology_overrides(layout: SlurmLayout, urls: Sequence[str]) -> list[str]:
-    """Config overrides that point the learners at the job's own rollout servers. Under
-    `--rollout-server auto` the job decides on the node whether they are SGLang, and its script
-    sets `rollout.server` then (`_ROLLOUTS`); here only a known kind is set."""
+def topology_overrides(layout: SlurmLayout, urls: Sequence[str], router_host: str = "rollout-0") -> list[str]:
+    """Config overrides that point the learners at the job's own rollout servers (and, for SGLang,
+    its router on `router_host`). Under `--rollout-server auto` the job decides on the node whether
+    they are SGLang, and its script sets `rollout.server` and the router then (`_ROLLOUTS`); here
+    only a known kind is set."""
     if layout.rollout_nodes == 0:
         return []
     server = _server(layout)
     kind = [f"rollout.server={SERVER_API[server]}"] if server in SERVER_API else []
-    return [*REMOTE_OVERRIDES, *kind, f"rollout.urls=[{','.join(urls)}]"]
+    router = [f"rollout.router_url=http://{router_host}:{router_port(layout)}"] if server == "sglang" else []
+    return [*REMOTE_OVERRIDES, *kind, f"rollout.urls=[{','.join(urls)}]", *router]
+
+
+def router_port(layout: SlurmLayout) -> int:
+    """The router's port on the first rollout node (its metrics on the next one), below the servers'."""
+    return layout.rollout_port - 2
 
 
 def _server(layout: SlurmLayout) -> str:
@@ -98,7 +109,7 @@ def _rollout_summary(cfg: RunConfig, layout: SlurmLayout) -> str:
     if not layout.rollout_nodes:
         return "colocated, the embedded engine on learner rank 0"
     rtp, n = cfg.rollout.tensor_parallel_size, layout.ranks_per_node
-    sglang = f"SGLang servers of TP={rtp} ({n // rtp} per node)"
+    sglang = f"SGLang servers of TP={rtp} ({n // rtp} per node) behind sglang-router"
     embedded = f"`sparserl serve` ({n} per node)"
     kinds = {"sglang": sglang, "embedded": embedded, "auto": f"{sglang} if sglang imports, else {embedded}"}
     return f"{layout.rollout_nodes} node(s): {kinds[_server(layout)]}"
@@ -144,6 +155,7 @@ def _values(cfg: RunConfig, layout: SlurmLayout, run_dir: str, config_path: str)
             "ROLLOUT_SERVER": _server(layout),
             "ROLLOUT_DEVICE": "cpu" if layout.cpu else "cuda",
             "ROLLOUT_PORT": layout.rollout_port,
+            "ROUTER_PORT": router_port(layout),
             "SERVER_START_TIMEOUT_S": layout.server_start_timeout_s,
         }
     return _assign(values) + "\n"
@@ -206,6 +218,7 @@ wait_step() {
 
 _NO_ROLLOUTS = r"""TOPOLOGY=()  # colocated: the config's own (embedded) rollout engine
 ROLLOUT_PID=""
+ROUTER_PID=""
 """
 
 _ROLLOUTS = r"""# Rollout servers: one srun task per server, SERVERS_PER_NODE per rollout node.
@@ -246,13 +259,38 @@ for url in "${URLS[@]}"; do
         sleep 5
     done
 done
+# SGLang: the learners generate through sglang-router on the first rollout node; weight and pause
+# routes still go to every server (the router does not proxy them). Ready once it lists them all.
+ROUTER_PID=""
+ROUTER=()
+if [ "$SERVER_API" = sglang ] && [ -z "$STOP_SIGNAL" ]; then
+    python -c 'import sglang_router' 2>/dev/null || fail "no sglang_router: pip install sglang-router==0.3.2"
+    ROUTER_URL="http://$(node_addr "${ROLLOUTS[0]}"):$ROUTER_PORT"
+    srun --overlap --nodes=1 --ntasks=1 --nodelist="${ROLLOUTS[0]}" \
+        --open-mode=append --output="$LOGS/router.log" \
+        python -m __ROUTER_MODULE__ --host 0.0.0.0 --port "$ROUTER_PORT" \
+        --prometheus-port $((ROUTER_PORT + 1)) --worker-urls "${URLS[@]}" &
+    ROUTER_PID=$!
+    routes_all() {  # the router's GET /workers lists exactly the servers
+        python -c 'import sys; from sparserl_mcore.sglang.client import router_workers as w
+sys.exit(sorted(w(sys.argv[1])) != sorted(sys.argv[2:]))' "$ROUTER_URL" "${URLS[@]}" 2>/dev/null
+    }
+    until routes_all; do
+        kill -0 "$ROUTER_PID" 2>/dev/null || fail "the router exited: see $LOGS/router.log"
+        [ "$SECONDS" -lt "$deadline" ] || fail "$ROUTER_URL did not list every server in time"
+        if [ -n "$STOP_SIGNAL" ]; then break; fi
+        sleep 2
+    done
+    ROUTER=("rollout.router_url=$ROUTER_URL")
+fi
 """
 
 
 def _rollouts() -> str:
     urls = '"rollout.urls=[$(join "${URLS[@]}")]"'
     server = '"rollout.server=$SERVER_API"'
-    return _ROLLOUTS + f"TOPOLOGY=({' '.join(REMOTE_OVERRIDES)} {server} {urls})\n"
+    body = _ROLLOUTS.replace("__ROUTER_MODULE__", ROUTER_MODULE)
+    return body + f'TOPOLOGY=({" ".join(REMOTE_OVERRIDES)} {server} {urls} "${{ROUTER[@]}}")\n'
 
 
 _LEARNERS = r"""STATUS=0
@@ -269,10 +307,10 @@ if [ -z "$STOP_SIGNAL" ]; then
     LEARNER_PID=$!
     wait_step "$LEARNER_PID"
 fi
-if [ -n "$ROLLOUT_PID" ]; then
-    kill -TERM "$ROLLOUT_PID" 2>/dev/null || true  # srun passes it to the servers
-    wait "$ROLLOUT_PID" 2>/dev/null || true
-fi
+for pid in $ROUTER_PID $ROLLOUT_PID; do
+    kill -TERM "$pid" 2>/dev/null || true  # srun passes it to the router / the servers
+    wait "$pid" 2>/dev/null || true
+done
 if [ "$STATUS" -eq 0 ] && [ "$STOP_SIGNAL" = USR1 ]; then
     echo "sparserl job: stopped ahead of the time limit with a checkpoint; requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"

@@ -4,11 +4,13 @@ The trainer sees ONE engine interface (`RolloutEngine` from `sparserl_mcore.roll
 an in-process `EmbeddedEngine` or `RemoteEngine` HTTP clients. `EnginePool.generate` splits a
 step's requests into chunks (one GRPO group per chunk by default, so a group's prompt KV stays
 shared in one engine's radix cache) and lets one worker thread per live engine pull chunks from a
-shared queue.
+shared queue; an engine with a `concurrency` attribute takes that many chunks at once (the SGLang
+router, `sglang.client.SGLangRouter`: one per worker behind it).
 
 Faults: a chunk whose engine raises, or does not answer within `chunk_timeout_s`, goes back to
 the queue and that engine leaves the pool (a hung thread is abandoned; whatever it returns later
-is discarded, so no sample is ever duplicated). A chunk is tried at most `max_attempts` times.
+is discarded, so no sample is ever duplicated); its other chunks in flight go back to the queue
+too. A chunk is tried at most `max_attempts` times.
 Every result is keyed by request id, so the output has exactly one sample per request, in the
 order of the input. With no engine left, `NoEngineLeftError` tells the loop to checkpoint and stop.
 """
@@ -55,6 +57,10 @@ class _Chunk:
     index: int
     requests: list[Any]
     attempts: int = 0
+
+
+# chunks in flight: (engine name, chunk index) -> (chunk, when it was sent)
+_Busy = dict[tuple[str, int], tuple[_Chunk, float]]
 
 
 def _no_events(kind: str, fields: dict[str, Any]) -> None:
@@ -113,7 +119,7 @@ class EnginePool:
             n_chunks += 1
         done: dict[int, list[Any]] = {}
         finished: queue.Queue[tuple[str, _Chunk, list[Any] | None, str]] = queue.Queue()
-        busy: dict[str, tuple[_Chunk, float]] = {}
+        busy: _Busy = {}
         while len(done) < n_chunks:
             self._dispatch(pending, busy, finished)
             if not busy:
@@ -123,39 +129,53 @@ class EnginePool:
             self._collect(pending, busy, finished, done)
         return [sample for index in range(n_chunks) for sample in done[index]]
 
-    def _dispatch(self, pending: queue.Queue, busy: dict, finished: queue.Queue) -> None:
+    def _dispatch(self, pending: queue.Queue, busy: _Busy, finished: queue.Queue) -> None:
         for name, engine in self.live.items():
-            if name in busy or pending.empty():
-                continue
-            chunk = pending.get_nowait()
-            chunk.attempts += 1
-            busy[name] = (chunk, time.monotonic())
-            threading.Thread(target=_call_engine, args=(name, engine, chunk, finished), daemon=True).start()
+            free = getattr(engine, "concurrency", 1) - sum(1 for owner, _ in busy if owner == name)
+            for _ in range(free):
+                if pending.empty():
+                    return
+                chunk = pending.get_nowait()
+                chunk.attempts += 1
+                busy[(name, chunk.index)] = (chunk, time.monotonic())
+                threading.Thread(
+                    target=_call_engine, args=(name, engine, chunk, finished), daemon=True
+                ).start()
 
-    def _collect(self, pending: queue.Queue, busy: dict, finished: queue.Queue, done: dict) -> None:
+    def _collect(self, pending: queue.Queue, busy: _Busy, finished: queue.Queue, done: dict) -> None:
         oldest = min(started for _, started in busy.values())
         wait_s = max(0.0, oldest + self.cfg.chunk_timeout_s - time.monotonic())
         try:
             name, chunk, samples, error = finished.get(timeout=wait_s)
         except queue.Empty:
-            for name, (chunk, started) in list(busy.items()):
-                if time.monotonic() - started >= self.cfg.chunk_timeout_s:
-                    del busy[name]
-                    self.remove(name, f"no answer within {self.cfg.chunk_timeout_s:g} s")
-                    self._retry(chunk, pending, name, "timeout")
+            for (name, _), (chunk, started) in list(busy.items()):
+                if (name, chunk.index) in busy and time.monotonic() - started >= self.cfg.chunk_timeout_s:
+                    self._fail(name, chunk, busy, pending, f"no answer within {self.cfg.chunk_timeout_s:g} s")
             return
-        if name not in busy or busy[name][0] is not chunk:
-            return  # a late answer from an engine already declared hung: discarded
-        del busy[name]
+        key = (name, chunk.index)
+        if key not in busy or busy[key][0] is not chunk:
+            return  # a late answer from an engine already declared hung or failed: discarded
         if error:
-            self.remove(name, error)
-            self._retry(chunk, pending, name, error)
+            self._fail(name, chunk, busy, pending, error)
         elif [s.rid for s in samples] != [r.rid for r in chunk.requests]:
-            self.remove(name, f"returned samples for other requests than asked ({len(samples)} samples)")
-            self._retry(chunk, pending, name, "samples do not match the request ids")
+            why = f"returned samples for other requests than asked ({len(samples)} samples)"
+            self._fail(name, chunk, busy, pending, why)
         else:
+            del busy[key]
             done[chunk.index] = samples
             self.on_chunk_done(len(samples))
+
+    def _fail(self, name: str, chunk: _Chunk, busy: _Busy, pending: queue.Queue, why: str) -> None:
+        """`name` leaves the pool: `chunk` is retried elsewhere, its other chunks in flight are
+        requeued without counting it as an attempt of theirs."""
+        self.remove(name, why)
+        for key, (other, _) in list(busy.items()):
+            if key[0] == name:
+                del busy[key]
+                if other is not chunk:
+                    other.attempts -= 1
+                    pending.put(other)
+        self._retry(chunk, pending, name, why)
 
     def _retry(self, chunk: _Chunk, pending: queue.Queue, engine: str, why: str) -> None:
         if chunk.attempts >= self.cfg.max_attempts:

@@ -13,6 +13,8 @@ torchrun or srun run it themselves). It needs neither megatron nor a process gro
 - remote servers (`probe_servers`, the launching rank only): each one that answers is the kind
   `rollout.server` says (`sglang.client.server_kind`: one GET /server_info), since SGLang and
   `sparserl serve` take weights through different routes and a mix-up would fail at the first sync;
+  a `rollout.router_url` that answers routes to exactly `rollout.urls` (`router_workers`), since
+  weights reach only those;
 - resume (`run_record`): what the run continues from and which settings changed since; refused
   when the prompt data or its seed changed (the sampler could not continue); "complete" when the
   checkpoint is already at train.steps, so nothing is run and nothing is overwritten.
@@ -26,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sparserl_mcore.config import RunConfig, to_dict
+from sparserl_mcore.config import RolloutConfig, RunConfig, to_dict
 from sparserl_mcore.trainer.run_layout import requested_layout
 from sparserl_mcore.trainer.run_record import (
     SavedRun,
@@ -75,6 +77,26 @@ def _check_servers(cfg: RunConfig) -> None:
                 f"rollout.urls: {url} answers as {what}, but rollout.server={rc.server}; "
                 f"set rollout.server={kind}"
             )
+    _check_router(rc)
+
+
+def _check_router(rc: RolloutConfig) -> None:
+    """A router that answers routes to exactly the workers that get weights."""
+    import httpx
+
+    from sparserl_mcore.sglang.client import router_workers
+
+    if rc.router_url is None:
+        return
+    try:
+        routed = router_workers(rc.router_url)
+    except (httpx.HTTPError, ValueError):  # unreachable or still starting: left to the run, as above
+        return
+    if set(routed) != set(rc.urls):
+        raise PreflightError(
+            f"rollout.router_url: {rc.router_url} routes to {sorted(routed)} but rollout.urls are "
+            f"{sorted(rc.urls)}; only those get weights: list the same servers in both"
+        )
 
 
 def _check_hf(path: str, key: str, cfg: RunConfig) -> Any:

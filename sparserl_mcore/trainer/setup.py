@@ -107,8 +107,16 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
     rc = cfg.rollout
     if rc.engine == "remote" and compressed:
         from sparserl_mcore.rollout.client import RemoteEngine
-        from sparserl_mcore.sglang.client import SGLangWorker
+        from sparserl_mcore.sglang.client import SGLangRouter, SGLangWorker
 
+        if rc.router_url is not None:  # generation only: weights go to the workers (WeightSyncer)
+            router = SGLangRouter(
+                rc.router_url,
+                concurrency=len(rc.urls),
+                chunk_size=rc.group_size,
+                timeout=rc.request_timeout_s,
+            )
+            return {rc.router_url: router}
         token = os.environ.get(rc.token_env) if rc.token_env else None
         kind = SGLangWorker if rc.server == "sglang" else RemoteEngine
         return {url: kind(url, token, timeout=rc.request_timeout_s, retries=0) for url in rc.urls}
@@ -190,6 +198,7 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         log.event,
         remote_urls=cfg.rollout.urls if remote else (),  # every learner rank sends its own fragment
         remote_server=cfg.rollout.server,
+        router_url=cfg.rollout.router_url,
         token=os.environ.get(cfg.rollout.token_env) if remote and cfg.rollout.token_env else None,
         timeout_s=cfg.rollout.request_timeout_s,
         broadcast=broadcast_config(cfg, runtime) if remote else None,

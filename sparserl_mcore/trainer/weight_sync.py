@@ -60,6 +60,8 @@ class WeightSyncer:
 
     remote_urls: engines every rank sends to directly (their generate traffic stays with the host's
     pool); the host's pools' other engines are in-process and get the fragments through the host.
+    router_url: the pool's engine when an sglang-router fronts the `remote_urls` workers: it takes
+    no weights, and a worker dropped for good is taken out of it (its weights are stale).
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class WeightSyncer:
         *,
         remote_urls: Sequence[str] = (),
         remote_server: str = "sparserl",
+        router_url: str | None = None,
         token: str | None = None,
         timeout_s: float = 600.0,
         broadcast: DenseSyncConfig | None = None,
@@ -89,6 +92,7 @@ class WeightSyncer:
         self._sglang: SGLangDelivery | None = None  # when the remote servers are SGLang
         self._broadcast: SGLangBroadcast | None = None  # their full syncs, when not as fragments
         self._remote = set(remote_urls)
+        self._router_url = router_url
         self._dropped: set[str] = set()  # engines a full sync failed on: out of the pool for good
         if remote_urls and remote_server == "sglang":
             self._sglang = SGLangDelivery(
@@ -230,7 +234,7 @@ class WeightSyncer:
             for pool in pools
             if pool is not None
             for name, engine in pool.live.items()
-            if name not in self._remote and (only is None or name in only)
+            if name not in self._remote and name != self._router_url and (only is None or name in only)
         }
 
     def _any_local(self, local: dict[str, Any]) -> bool:
@@ -258,3 +262,9 @@ class WeightSyncer:
             if pool is not None:
                 for name in failed & set(pool.live):
                     pool.remove(name, "weight sync failed twice (sparse and full)")
+                router, workers = self._router_url, failed & self._remote
+                if router is not None and router in pool.live and workers:
+                    try:
+                        pool.live[router].remove_workers(workers)
+                    except Exception as exc:  # noqa: BLE001 - stale workers must not keep generating
+                        pool.remove(router, f"could not take {sorted(workers)} out: {exc}")

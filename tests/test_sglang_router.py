@@ -1,0 +1,158 @@
+"""The real sglang-router (0.3.2, its Rust binary) in front of two real `sparserl serve` workers.
+
+SGLang's own server cannot start here (no CUDA); `sparserl serve` answers the routes the router
+uses: it registers a worker after GET /health and GET /get_model_info (it also tries
+/server_info, /get_server_info and /model_info, 404 here), and forwards each /generate
+re-serialized with SGLang's default `GenerateReqInput` fields, which our server accepts. What is
+checked: the worker list (`router_workers`), SGLang-dialect generation through the router
+(`SGLangRouter`, seeds honoured: the same samples as the worker gives directly), the trainer's
+own path (`rollout.router_url` -> `build_engines` -> `EnginePool`), the weight sync taking a
+dropped worker out, the preflight check, and that a dead router fails the step at once with its
+URL in the error.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+from e2e_support import free_port
+
+pytest.importorskip("sglang_router", reason="sglang-router is not installed (make setup installs it)")
+
+from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny  # noqa: E402
+from sparserl_mcore.config import config_from_dict  # noqa: E402
+from sparserl_mcore.rollout.client import RemoteEngine  # noqa: E402
+from sparserl_mcore.rollout.protocol import SamplingParams  # noqa: E402
+from sparserl_mcore.sglang.client import SGLangRouter, router_workers  # noqa: E402
+from sparserl_mcore.sglang.launch import LaunchConfig, ServerProcess, router_argv  # noqa: E402
+from sparserl_mcore.trainer.engine_pool import EnginePool, NoEngineLeftError, PoolConfig  # noqa: E402
+from sparserl_mcore.trainer.preflight import PreflightError, _check_router  # noqa: E402
+from sparserl_mcore.trainer.rollouts import Prompt, make_requests  # noqa: E402
+from sparserl_mcore.trainer.setup import build_engines  # noqa: E402
+from sparserl_mcore.trainer.weight_sync import WeightSyncer  # noqa: E402
+
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=5)
+
+
+def _launch(port: int) -> LaunchConfig:
+    return LaunchConfig(model_path="unused", port=port, startup_timeout_s=120, grace_s=10)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """(router process, router URL, worker URLs, hf dir): two workers, then the router."""
+    hf = make_tiny(TinyModelConfig(), tmp_path_factory.mktemp("router") / "tiny")
+    workers = []
+    try:
+        for _ in range(2):
+            cfg = _launch(free_port())
+            argv = [
+                sys.executable,
+                "-m",
+                "sparserl_mcore",
+                "serve",
+                "--hf-dir",
+                str(hf),
+                "--port",
+                str(cfg.port),
+            ]
+            workers.append(ServerProcess(cfg, argv=argv).__enter__())
+        for w in workers:
+            w.wait_healthy()
+        urls = [w.cfg.url for w in workers]
+        cfg = _launch(free_port())
+        router = ServerProcess(cfg, argv=router_argv(urls, host=cfg.host, port=cfg.port)).__enter__()
+        workers.append(router)
+        router.wait_healthy()
+        yield router, cfg.url, urls, hf
+    finally:
+        for process in reversed(workers):
+            process.stop()
+
+
+def _config(hf, router_url: str, urls: list[str]):
+    rollout = {
+        "engine": "remote",
+        "server": "sglang",
+        "urls": urls,
+        "router_url": router_url,
+        "group_size": 4,
+    }
+    return config_from_dict(
+        {
+            "model": {"hf_path": str(hf)},
+            "data": {"train_path": "unused"},
+            "train": {"prompts_per_step": 4, "global_batch_size": 16},
+            "rollout": rollout,
+        }
+    )
+
+
+def _requests(n_prompts: int, tag: str):
+    prompts = [Prompt(input_ids=(3 + p, 7, 11), answer="") for p in range(n_prompts)]
+    return make_requests(prompts, tag=tag, group_size=4, sampling=SAMPLING, run_seed=5)
+
+
+def test_router_lists_the_workers_and_generates_what_they_would(stack):
+    _, router_url, urls, _ = stack
+    deadline = time.monotonic() + 30  # registration runs in the background after /health
+    while sorted(router_workers(router_url)) != sorted(urls) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert sorted(router_workers(router_url)) == sorted(urls)
+    requests = _requests(2, "direct")
+    router = SGLangRouter(router_url, concurrency=2, chunk_size=4, timeout=60)
+    samples = router.generate(requests)
+    with RemoteEngine(urls[1], timeout=60) as worker:  # our dialect, one batch, the same seeds
+        direct = worker.generate(requests)
+    assert [s.rid for s in samples] == [r.rid for r in requests]
+    assert [s.output_ids for s in samples] == [d.output_ids for d in direct]
+    assert all(len(s.output_ids) == 5 and len(s.output_logprobs) == 5 for s in samples)
+    assert {s.weight_version for s in samples} == {0} and {s.finish_reason for s in samples} == {"length"}
+    assert len({s.output_ids for s in samples}) > 1  # per-request seeds reached the workers
+    router.close()
+
+
+def test_the_trainer_generates_through_router_url(stack):
+    _, router_url, urls, hf = stack
+    cfg = _config(hf, router_url, urls)
+    engines = build_engines(cfg, compressed=True, device="cpu")
+    assert list(engines) == [router_url] and engines[router_url].concurrency == 2
+    pool = EnginePool(engines, PoolConfig(chunk_size=4, chunk_timeout_s=60))
+    requests = _requests(4, "step0")
+    samples = pool.generate(requests)
+    assert [s.rid for s in samples] == [r.rid for r in requests] and not pool.dead
+    _check_router(cfg.rollout)  # the router routes to exactly rollout.urls
+    with pytest.raises(PreflightError, match="routes to .* but rollout.urls are"):
+        _check_router(_config(hf, router_url, urls[:1]).rollout)
+    pool.close()
+
+
+def test_a_worker_dropped_by_the_weight_sync_leaves_the_router(stack):
+    """`WeightSyncer._drop` (a worker failed a sync and its full fallback) against the real router;
+    the syncer is built bare: its constructor needs a learner, `_drop` only these fields."""
+    _, router_url, urls, _ = stack
+    router = SGLangRouter(router_url, concurrency=2, chunk_size=4, timeout=60)
+    pool = EnginePool({router_url: router}, PoolConfig(chunk_size=4))
+    syncer = WeightSyncer.__new__(WeightSyncer)
+    syncer._dropped, syncer._remote, syncer._router_url = set(), set(urls), router_url
+    syncer._drop([pool, None], {urls[0]})
+    assert list(pool.live) == [router_url]  # the router itself stays
+    deadline = time.monotonic() + 30  # the router removes it in the background (202)
+    while router_workers(router_url) != urls[1:] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert router_workers(router_url) == urls[1:]
+    assert len(router.generate(_requests(1, "after-removal"))) == 4
+    router.close()
+
+
+def test_a_dead_router_fails_the_step_at_once_with_its_url(stack):
+    process, router_url, urls, hf = stack
+    engines = build_engines(_config(hf, router_url, urls), compressed=True, device="cpu")
+    pool = EnginePool(engines, PoolConfig(chunk_size=4, chunk_timeout_s=60))
+    process.stop()
+    started = time.monotonic()
+    with pytest.raises(NoEngineLeftError, match=router_url):
+        pool.generate(_requests(4, "dead"))
+    assert time.monotonic() - started < 10
