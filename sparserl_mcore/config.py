@@ -484,18 +484,19 @@ class BroadcastConfig:
     """Full syncs (start, resume, fallback) into SGLang workers as bucketed broadcasts from learner
     rank 0 over SGLang's weight-update group (NCCL on GPUs, gloo on CPU) instead of HTTP fragments.
 
-    master_address: learner rank 0's host as the SGLang workers reach it; master_port: a free port
-    there for the group's TCP store; bucket_mb: MiB per broadcast (rank 0 and each worker hold one
-    bucket at a time besides the model).
+    master_address: learner rank 0's host as the SGLang workers reach it (null: the address rank 0
+    reaches the first worker from, which is right unless a NAT sits between them); master_port: a
+    free port there for the group's TCP store; bucket_mb: MiB per broadcast (rank 0 and each worker
+    hold one bucket at a time besides the model).
     """
 
-    master_address: str
+    master_address: str | None = None
     master_port: int = 29700
     bucket_mb: int = 512
 
     def __post_init__(self) -> None:
-        if not self.master_address:
-            raise ValueError("master_address is empty: name learner rank 0's host as the workers reach it")
+        if self.master_address == "":
+            raise ValueError("master_address is empty: name learner rank 0's host, or null to find it")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port={self.master_port}: must be a TCP port (1..65535)")
         _positive(self, "bucket_mb")

@@ -4,7 +4,7 @@ feeding SGLang workers (tests/sglang_dense_world.py) over HTTP.
     torchrun --nproc_per_node 2 tests/sglang_trainer_sync_worker.py CONFIG.yaml OUT_DIR STATES_DIR PORT URL...
 
 PORT "-": full syncs as HTTP fragments; a port: as broadcasts over SGLang's weight-update group
-(`sync.broadcast`, gloo, master 127.0.0.1:PORT, 48 KiB buckets).
+(`sync.broadcast`, gloo, master_address found from the route to the first worker, 48 KiB buckets).
 
 Learner built as `sparserl train` does (`trainer.setup.build_learner`: bf16, TP=2 over gloo), and
 `WeightSyncer(remote_server="sglang")`, full syncs cut into 3 pieces per rank: the full sync at
@@ -42,7 +42,7 @@ def main() -> int:
     from sparserl_mcore.trainer.weight_sync import WeightSyncer
 
     out, states, port, urls = pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]), sys.argv[4], sys.argv[5:]
-    broadcast = [] if port == "-" else [f"sync.broadcast={{master_address: 127.0.0.1, master_port: {port}}}"]
+    broadcast = [] if port == "-" else [f"sync.broadcast={{master_port: {port}}}"]  # address: found
     remote = ["rollout.engine=remote", "rollout.server=sglang", f"rollout.urls=[{','.join(urls)}]"]
     cfg = load_config(sys.argv[1], ["model.params_dtype=bf16", *remote, *broadcast])
     rt = initialize(cfg.parallel, seed=cfg.train.seed)

@@ -116,7 +116,7 @@ def test_remote_engine_urls_from_an_override() -> None:
         ),
         (["sync.transport=http"], ["unknown key sync.transport", "codec", "every"]),
         (["sync.broadcast={master_address: n0}"], ["sync.broadcast", "needs rollout.server=sglang"]),
-        (["sync.broadcast={master_port: 1}"], ["sync.broadcast", "master_address"]),
+        (["sync.broadcast={master_address: ''}"], ["sync.broadcast", "master_address is empty"]),
         (["sync.broadcast={master_address: n0, master_port: 0}"], ["master_port=0", "TCP port"]),
         (["rollout.sampling.seed=3"], ["rollout.sampling.seed=3", "from train.seed"]),
         (["train.prompts_per_step=3"], ["3 * 8 = 24", "global_batch_size=256"]),

@@ -189,3 +189,12 @@ def test_buckets_keep_order_respect_the_bound_and_refuse_what_sglang_would():
         plan_buckets([("x", bf16, (1,)), ("y", torch.float32, (1,))], bucket_bytes=64)
     with pytest.raises(ValueError, match="no tensors"):
         plan_buckets([], bucket_bytes=64)
+
+
+def test_the_master_address_is_found_from_the_route_to_a_worker():
+    from sparserl_mcore.sglang.dense_sync import address_towards
+
+    assert address_towards("http://127.0.0.1:30000") == "127.0.0.1"
+    assert address_towards("http://localhost:30000/") in ("127.0.0.1", "::1")
+    with pytest.raises(ValueError, match="no host"):
+        address_towards("http:///generate")

@@ -250,8 +250,8 @@ def _learner_overrides(script: str) -> list[str]:
     block = lines[start : lines.index("fi", start) + 1]
     topology = [ln for ln in lines if ln.startswith("TOPOLOGY=(rollout")]
     program = "\n".join(
-        [*values, 'join() { local IFS=,; echo "$*"; }', "URLS=(http://a:1)", *block, *topology,
-         'printf "%s\\n" "${TOPOLOGY[@]}"']
+        [*values, 'join() { local IFS=,; echo "$*"; }', "URLS=(http://a:1)", "MASTER_PORT=29500", *block,
+         *topology, 'printf "%s\\n" "${TOPOLOGY[@]}"']
     )  # fmt: skip
     proc = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True)
     return proc.stdout.splitlines()
@@ -266,6 +266,9 @@ def test_the_learners_are_told_which_servers_the_job_started(tiny, name, server)
     assert f"rollout.server={server}" in overrides, overrides
     cfg = load_config(_config(root, hf), overrides)
     assert (cfg.rollout.engine, cfg.rollout.server, cfg.rollout.urls) == ("remote", server, ("http://a:1",))
+    # SGLang servers get full syncs by broadcast from learner rank 0, on the port after the rendezvous
+    port = 29500 + 1
+    assert (cfg.sync.broadcast and cfg.sync.broadcast.master_port) == (port if server == "sglang" else None)
 
 
 def test_auto_leaves_the_server_kind_to_the_job():

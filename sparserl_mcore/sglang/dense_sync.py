@@ -34,6 +34,8 @@ import contextlib
 import dataclasses
 import datetime
 import math
+import socket
+import urllib.parse
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -113,6 +115,18 @@ class DenseSyncStats:
     buckets: int
     bytes: int
     workers: int
+
+
+def address_towards(url: str) -> str:
+    """This host's address on the route to `url`'s host (what the kernel would send from; a UDP
+    connect sends nothing): the master address workers at `url` can reach, without configuration."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.hostname is None:
+        raise ValueError(f"{url!r}: no host to find a route to")
+    family, _, _, _, target = socket.getaddrinfo(parts.hostname, parts.port or 80, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(target)
+        return str(probe.getsockname()[0])
 
 
 def _nbytes(spec: Spec) -> int:

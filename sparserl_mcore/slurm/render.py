@@ -47,15 +47,17 @@ SERVER_API = {"sglang": "sglang", "embedded": "sparserl"}
 
 def topology_overrides(layout: SlurmLayout, urls: Sequence[str], router_host: str = "rollout-0") -> list[str]:
     """Config overrides that point the learners at the job's own rollout servers (and, for SGLang,
-    its router on `router_host`). Under `--rollout-server auto` the job decides on the node whether
-    they are SGLang, and its script sets `rollout.server` and the router then (`_ROLLOUTS`); here
-    only a known kind is set."""
+    its router on `router_host` and full syncs by broadcast). Under `--rollout-server auto` the job
+    decides on the node whether they are SGLang, and its script sets `rollout.server`, the router
+    and the broadcast then (`_ROLLOUTS`); here only a known kind is set."""
     if layout.rollout_nodes == 0:
         return []
     server = _server(layout)
     kind = [f"rollout.server={SERVER_API[server]}"] if server in SERVER_API else []
-    router = [f"rollout.router_url=http://{router_host}:{router_port(layout)}"] if server == "sglang" else []
-    return [*REMOTE_OVERRIDES, *kind, f"rollout.urls=[{','.join(urls)}]", *router]
+    sglang = server == "sglang"
+    router = [f"rollout.router_url=http://{router_host}:{router_port(layout)}"] if sglang else []
+    full_sync = ["sync.broadcast.master_port=20001"] if sglang else []  # the job's: MASTER_PORT + 1
+    return [*REMOTE_OVERRIDES, *kind, f"rollout.urls=[{','.join(urls)}]", *router, *full_sync]
 
 
 def router_port(layout: SlurmLayout) -> int:
@@ -229,9 +231,12 @@ if [ "$ROLLOUT_SERVER" = auto ]; then
 fi
 SERVERS_PER_NODE=$RANKS_PER_NODE  # the embedded engine: one per GPU
 SERVER_API=sparserl  # rollout.server: which weight-update routes the learners call
+FULL_SYNC=()
 if [ "$ROLLOUT_SERVER" = sglang ]; then
     SERVERS_PER_NODE=$((RANKS_PER_NODE / ROLLOUT_TP))
     SERVER_API=sglang
+    # full syncs: NCCL broadcast from learner rank 0 (its address found from its route to a server)
+    FULL_SYNC=("sync.broadcast.master_port=$((MASTER_PORT + 1))")
 fi
 URLS=()
 for node in "${ROLLOUTS[@]}"; do
@@ -290,7 +295,8 @@ def _rollouts() -> str:
     urls = '"rollout.urls=[$(join "${URLS[@]}")]"'
     server = '"rollout.server=$SERVER_API"'
     body = _ROLLOUTS.replace("__ROUTER_MODULE__", ROUTER_MODULE)
-    return body + f'TOPOLOGY=({" ".join(REMOTE_OVERRIDES)} {server} {urls} "${{ROUTER[@]}}")\n'
+    extra = '"${ROUTER[@]}" "${FULL_SYNC[@]}"'
+    return body + f"TOPOLOGY=({' '.join(REMOTE_OVERRIDES)} {server} {urls} {extra})\n"
 
 
 _LEARNERS = r"""STATUS=0

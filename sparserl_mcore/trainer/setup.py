@@ -22,7 +22,7 @@ from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.loss.dgg import DynamicGradientGate
 from sparserl_mcore.rewards import build_reward
-from sparserl_mcore.sglang.dense_sync import DenseSyncConfig
+from sparserl_mcore.sglang.dense_sync import DenseSyncConfig, address_towards
 from sparserl_mcore.telemetry import MetricsLogger
 from sparserl_mcore.trainer import learner as learner_lib
 from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
@@ -157,7 +157,7 @@ def broadcast_config(cfg: RunConfig, runtime: Any) -> DenseSyncConfig | None:
     if bc is None:
         return None
     return DenseSyncConfig(
-        master_address=bc.master_address,
+        master_address=bc.master_address or address_towards(cfg.rollout.urls[0]),
         master_port=bc.master_port,
         backend="gloo" if runtime.cpu else "nccl",
         device=str(runtime.device),
