@@ -64,6 +64,9 @@ def test_command_line_and_environment():
     env = child_env(cfg, {"SGLANG_PLUGINS": "other"})
     assert env["SGLANG_PLUGINS"] == "other,sparserl" and PLUGIN_ENV in env
     assert "SGLANG_PLUGINS" not in child_env(cfg, {})  # unrestricted: every installed plugin loads
+    # log-probs at the sampling temperature, what the learner recomputes, even if the caller set it
+    original = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+    assert child_env(cfg, {original: "1"})[original] == "false"
     assert "--page-size" not in argv and "--disable-overlap-schedule" not in argv  # no KV: SGLang's defaults
 
 

@@ -132,9 +132,17 @@ def plugin_settings(cfg: LaunchConfig) -> dict[str, Any]:
     return {"required": True, "kv": dataclasses.asdict(cfg.kv)}
 
 
+# SGLang 0.5.23 (`srt/layers/sampler.py: Sampler.forward`) returns log_softmax(logits / T) of the
+# sampled token unless this is true, when it returns log_softmax(logits) (no temperature): not the
+# quantity the learner recomputes (`rollout/sampler.py`), so the servers we start never set it.
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+
+
 def child_env(cfg: LaunchConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: our plugin's settings, our plugin allowed, our log-prob convention."""
     env = dict(os.environ if base is None else base)
     env[PLUGIN_ENV] = json.dumps(plugin_settings(cfg), sort_keys=True)
+    env[ORIGINAL_LOGPROB_ENV] = "false"
     allowed = [p.strip() for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
     if allowed and PLUGIN_NAME not in allowed:
         env["SGLANG_PLUGINS"] = ",".join([*allowed, PLUGIN_NAME])
