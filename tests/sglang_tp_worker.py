@@ -18,15 +18,17 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from sglang_cpu import require_sglang  # noqa: E402
 
 
-def init_sglang_parallel(rank: int, world: int, port: int) -> None:
+def init_sglang_parallel(rank: int, world: int, port: int, **server_args: Any) -> None:
     """SGLang's parallel state over gloo, as SGLang's CPU layer tests set it up (`sglang/test/
-    layer_ut_utils.py: init_single_process_dist`, `test_utils.py: publish_build_topology`)."""
+    layer_ut_utils.py: init_single_process_dist`, `test_utils.py: publish_build_topology`), with
+    `server_args` as extra `ServerArgs` fields."""
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
@@ -37,7 +39,8 @@ def init_sglang_parallel(rank: int, world: int, port: int) -> None:
         distributed_init_method=f"tcp://127.0.0.1:{port}",
     )  # fmt: skip
     reset_context()
-    publish(ServerArgs(model_path="dummy", tp_size=world), role="test", ranks=SpawnRanks(world_rank=rank))
+    args = ServerArgs(model_path="dummy", tp_size=world, **server_args)
+    publish(args, role="test", ranks=SpawnRanks(world_rank=rank))
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
 
