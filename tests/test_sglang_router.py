@@ -156,3 +156,13 @@ def test_a_dead_router_fails_the_step_at_once_with_its_url(stack):
     with pytest.raises(NoEngineLeftError, match=router_url):
         pool.generate(_requests(4, "dead"))
     assert time.monotonic() - started < 10
+
+
+def test_a_router_still_registering_lists_no_workers_and_preflight_leaves_it_to_the_run(tmp_path):
+    """Right after start the router answers /health but lists no worker yet (it registers them in
+    the background): an empty list, not an error, and no refusal before the run."""
+    cfg = _launch(free_port())
+    with ServerProcess(cfg, argv=router_argv([], host=cfg.host, port=cfg.port)) as router:
+        router.wait_healthy()
+        assert router_workers(cfg.url) == []
+        _check_router(_config(tmp_path, cfg.url, ["http://127.0.0.1:1"]).rollout)

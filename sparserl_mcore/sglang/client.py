@@ -215,13 +215,16 @@ class SGLangRouter(RemoteEngine):
 
 
 def router_workers(router_url: str, *, timeout: float = 10.0) -> list[str]:
-    """Worker URLs the router serves, from its `GET /workers`."""
+    """Worker URLs the router serves, from its `GET /workers`: empty while it is still registering
+    the workers it was started with (it does that in the background, after each one's /health)."""
     answer = httpx.get(router_url.rstrip("/") + "/workers", timeout=timeout)
     answer.raise_for_status()
     body = answer.json()
-    items = body.get("workers", []) if isinstance(body, dict) else body
+    items = body.get("workers") if isinstance(body, dict) else body
+    if not isinstance(items, list):
+        raise ValueError(f"{router_url}/workers: expected a list of workers, got {body!r:.200}")
     urls = [item if isinstance(item, str) else item.get("url") for item in items]
-    if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+    if not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
         raise ValueError(f"{router_url}/workers: expected a list of worker URLs, got {body!r:.200}")
     return urls
 

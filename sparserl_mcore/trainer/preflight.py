@@ -92,7 +92,7 @@ def _check_router(rc: RolloutConfig) -> None:
         routed = router_workers(rc.router_url)
     except (httpx.HTTPError, ValueError):  # unreachable or still starting: left to the run, as above
         return
-    if set(routed) != set(rc.urls):
+    if routed and set(routed) != set(rc.urls):  # none yet: still registering, left to the run too
         raise PreflightError(
             f"rollout.router_url: {rc.router_url} routes to {sorted(routed)} but rollout.urls are "
             f"{sorted(rc.urls)}; only those get weights: list the same servers in both"
