@@ -23,14 +23,14 @@ holds exactly bf16(learner) and a resumed run continues from the same engine wei
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from sparserl_mcore.sglang.dense_sync import DenseSyncConfig
-from sparserl_mcore.sglang.trainer_sync import SGLangBroadcast, SGLangDelivery, full_sync_pieces
+from sparserl_mcore.sglang.trainer_sync import Encode, SGLangBroadcast, SGLangDelivery, full_sync_pieces
 from sparserl_mcore.sync.codec import CodecConfig
 from sparserl_mcore.sync.hashing import dtype_name
 from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, build_sync_groups, even_ranges
@@ -126,9 +126,7 @@ class WeightSyncer:
             config=ShardSyncConfig(codec=self.codec, snapshot="host" if rt.cpu else "device", mirror=False),
         )
 
-    def _encoder(
-        self, version: int, base_version: int | None
-    ) -> Callable[[Sequence[Change], tuple[int, int]], bytes]:
+    def _encoder(self, version: int, base_version: int | None) -> Encode:
         """(changes, fragment) -> a fragment of `version` (base None: a full fragment)."""
         meta, codec = self._meta, self.codec
 
@@ -192,21 +190,7 @@ class WeightSyncer:
         failed: dict[str, str] = {}
         size = 0
         if self._sglang is not None:
-            sizes: list[int] = []
-
-            def counted(part: Sequence[Change], fragment: tuple[int, int]) -> bytes:
-                blob = encode(part, fragment)
-                sizes.append(len(blob))
-                return blob
-
-            full = base_version is None
-            if full and self._broadcast is not None:
-                failed.update(self._broadcast.send(changes, version=version, only=remote))
-            else:
-                pieces = full_sync_pieces(self._meta.numel, self.runtime.world_size) if full else 1
-                sent = self._sglang.deliver(changes, counted, version=version, pieces=pieces, only=remote)
-                failed.update(sent)
-            size = sum(sizes)
+            failed, size = self._deliver_sglang(changes, encode, version, base_version is None, remote)
         local = self._local_engines(pools, only)
         any_local = self._any_local(local)
         mine = (self.runtime.rank, self.runtime.world_size)
@@ -226,6 +210,25 @@ class WeightSyncer:
         for name, reason in sorted(merged.items()):
             self._on_event("sync_engine_failed", {"engine": name, "what": what, "reason": reason})
         return set(merged), size
+
+    def _deliver_sglang(
+        self, changes: Sequence[Change], encode: Encode, version: int, full: bool, remote: set[str]
+    ) -> tuple[dict[str, str], int]:
+        """Collective: into the SGLang workers in `remote`, a full sync by broadcast when
+        `sync.broadcast` is set, else per-rank fragments; (failed workers, this rank's bytes sent)."""
+        assert self._sglang is not None
+        if full and self._broadcast is not None:
+            return self._broadcast.send(changes, version=version, only=remote), 0
+        sizes: list[int] = []
+
+        def counted(part: Sequence[Change], fragment: tuple[int, int]) -> bytes:
+            blob = encode(part, fragment)
+            sizes.append(len(blob))
+            return blob
+
+        pieces = full_sync_pieces(self._meta.numel, self.runtime.world_size) if full else 1
+        failed = self._sglang.deliver(changes, counted, version=version, pieces=pieces, only=remote)
+        return failed, sum(sizes)
 
     def _local_engines(self, pools: list[EnginePool | None], only: set[str] | None) -> dict[str, Any]:
         """The host's in-process engines (empty on other ranks)."""
