@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang_kv_world import CFG, HK, HQ, D, L, World, sglang_context, world_with_shared_prefix
+from sglang_kv_world import CACHES, CFG, HK, HQ, D, L, World, sglang_context, world_with_shared_prefix
 
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
 from sparserl_mcore.sglang.kv_hooks import KVHooks
@@ -70,14 +70,15 @@ def _decode_step(hooks: KVHooks, batch, queries: torch.Tensor | None = None):
     return fb
 
 
-def test_a_decode_step_compacts_then_sglang_allocates_after_the_kept_entries_at_true_positions():
-    w, a, b = world_with_shared_prefix()
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_decode_step_compacts_then_sglang_allocates_after_the_kept_entries_at_true_positions(cache):
+    w, a, b = world_with_shared_prefix(cache)
     hooks = KVHooks(KVCompressionConfig(method="streamingllm", **CFG))
     batch = _batch(w, [a, b])
-    n_a, n_b, P = a.kv.kv_committed_len, b.kv.kv_committed_len, b.kv.cache_protected_len
+    n_a, n_b = a.kv.kv_committed_len, b.kv.kv_committed_len
     fb = _decode_step(hooks, batch)
 
-    kv_b = P + hooks.compactor.own_keep(P)  # 16: b was compressed before SGLang's preparation
+    kv_b = hooks.cfg.keep_tokens  # 16: b was compressed before SGLang's preparation
     assert batch.seq_lens.tolist() == batch.seq_lens_cpu.tolist() == [n_a + 1, kv_b + 1]
     assert batch.orig_seq_lens.tolist() == [n_a + 1, kv_b + 1]
     row_b = w.rtp.req_to_token[b.kv.req_pool_idx]
@@ -88,8 +89,9 @@ def test_a_decode_step_compacts_then_sglang_allocates_after_the_kept_entries_at_
     assert fb2.positions.tolist() == [n_a + 1, n_b + 1]
 
 
-def test_window_queries_captured_in_attention_reach_the_policy():
-    w, a, b = world_with_shared_prefix()
+@pytest.mark.parametrize("cache", CACHES)
+def test_window_queries_captured_in_attention_reach_the_policy(cache):
+    w, a, b = world_with_shared_prefix(cache)
     w.rtp.req_to_token[b.kv.req_pool_idx, b.kv.kv_committed_len - 5 : b.kv.kv_committed_len] = 0
     b.kv.kv_committed_len = b.kv.kv_allocated_len = b.kv.kv_committed_len - 5  # 5 decode steps before due
     hooks = KVHooks(KVCompressionConfig(method="snapkv", **CFG))
@@ -98,24 +100,27 @@ def test_window_queries_captured_in_attention_reach_the_policy():
     steps = [torch.randn(L, 1, HQ, D, generator=gen) for _ in range(5)]  # 5 > window: the ring wraps
     for q in steps:
         _decode_step(hooks, batch, q)
-    P, row = b.kv.cache_protected_len, b.kv.req_pool_idx
-    own = w.rtp.req_to_token[row, P : b.kv.kv_committed_len].to(torch.int64).clone()
+    row = b.kv.req_pool_idx
+    entries = w.row(b)
     assert hooks.compactor.due(b)
     window = torch.cat(steps[-CFG["window"] :], dim=1)  # [L, w, Hq, d], oldest first
     expected_q = window.transpose(1, 2).reshape(L * HQ, CFG["window"], D)
     assert torch.equal(hooks.ring.window_queries(row), expected_q)
     keys = (
-        torch.stack([w.kv.k_buffer[layer][own] for layer in range(L)]).transpose(1, 2).reshape(L * HK, -1, D)
+        torch.stack([w.kv.k_buffer[layer][entries] for layer in range(L)])
+        .transpose(1, 2)
+        .reshape(L * HK, -1, D)
     )
-    keep = hooks.compactor.own_keep(P)
+    keep = hooks.cfg.keep_tokens
     idx = hooks.compressor.select(keys, expected_q, keep).view(L, HK, keep)
     k_before = [x.clone() for x in w.kv.k_buffer]
 
     _decode_step(hooks, batch, steps[-1])
 
+    kept = w.rtp.req_to_token[row, :keep].to(torch.int64)
     for layer in range(L):
         for h in range(HK):
-            assert torch.equal(w.kv.k_buffer[layer][own[:keep], h], k_before[layer][own[idx[layer, h]], h])
+            assert torch.equal(w.kv.k_buffer[layer][kept, h], k_before[layer][entries[idx[layer, h]], h])
 
 
 def test_refusals_when_sglang_runs_what_the_plugin_cannot_follow():

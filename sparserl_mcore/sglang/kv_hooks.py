@@ -2,10 +2,10 @@
 
 One compressed decode step (page size 1, no overlap scheduling, no speculative decoding):
 1. BEFORE `managers/schedule_batch.py: ScheduleBatch.prepare_for_decode`: every request of the
-   batch holds the KV of all its tokens (the last forward wrote it). Each request whose own tail
-   reached the budget is compressed in place (`kv_compaction.SGLangCompactor`); its entries of
-   `seq_lens`, `seq_lens_cpu` and `orig_seq_lens` shrink by what it freed, so SGLang's own
-   `alloc_for_decode` puts the next token's slot right after the kept entries.
+   batch holds the KV of all its tokens (the last forward wrote it). Each request whose cache
+   reached the budget is compressed (`kv_compaction.SGLangCompactor`, the embedded engine's rule);
+   its entries of `seq_lens`, `seq_lens_cpu` and `orig_seq_lens` shrink to its kept entries, so
+   SGLang's own `alloc_for_decode` puts the next token's slot right after them.
 2. AFTER `model_executor/forward_batch_info.py: ForwardBatch.init_new`: SGLang computed the decode
    positions from the (compacted) `seq_lens`; the positions each row evicted are added back, so
    RoPE sees the token's true position. Under CUDA graphs the replay copies these positions in.
@@ -144,7 +144,8 @@ class KVHooks:
                 if queries is None:  # no decode query yet (a prompt above the budget): next step
                     continue
             before = req.kv.kv_committed_len
-            shrink[i] = before - compactor.compress(req, queries).kv_len
+            # leave one free slot per request for SGLang's own decode allocation right after this
+            shrink[i] = before - compactor.compress(req, queries, reserve=len(batch.reqs)).kv_len
         if any(shrink):
             delta = torch.tensor(shrink, dtype=batch.seq_lens_cpu.dtype)
             batch.seq_lens_cpu = batch.seq_lens_cpu - delta
