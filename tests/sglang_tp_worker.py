@@ -84,7 +84,7 @@ def parsed_launch_argv() -> dict:
     args = prepare_server_args(argv[3:])  # after `python -m sglang.launch_server`
     fields = (
         "model_path", "host", "port", "tp_size", "custom_weight_loader", "admin_api_key", "page_size",
-        "disable_overlap_schedule",
+        "disable_overlap_schedule", "max_running_requests",
     )  # fmt: skip
     return {
         "module": argv[2],

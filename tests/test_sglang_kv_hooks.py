@@ -25,7 +25,7 @@ import torch
 from sglang_kv_world import CACHES, CFG, HK, HQ, D, L, World, sglang_context, world_with_shared_prefix
 
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
-from sparserl_mcore.sglang.kv_hooks import KVHooks
+from sparserl_mcore.sglang.kv_hooks import MODEL_INIT, KVHooks
 from sparserl_mcore.sglang.plugin import WEIGHT_UPDATER
 
 pytestmark = pytest.mark.usefixtures(sglang_context.__name__)
@@ -44,6 +44,23 @@ def _batch(w: World, reqs: list):
         model_config=SimpleNamespace(is_encoder_decoder=False),
         sampling_info=SimpleNamespace(penalizer_orchestrator=SimpleNamespace(is_required=False)),
     )  # fmt: skip
+
+
+def _model(q_heads: int = HQ, kv_heads: int = HK) -> torch.nn.Module:
+    """SGLang's real RadixAttention layers, as the model runner's model holds them."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return torch.nn.ModuleList(
+        RadixAttention(num_heads=q_heads, head_dim=D, scaling=1.0, num_kv_heads=kv_heads, layer_id=i)
+        for i in range(L)
+    )
+
+
+def _hooks(method: str, *, max_running_requests: int = 4, dtype: torch.dtype = torch.float32) -> KVHooks:
+    """Our hooks as the plugin builds them, after SGLang's ModelRunner.initialize (AFTER hook) ran."""
+    hooks = KVHooks(KVCompressionConfig(method=method, **CFG), max_running_requests=max_running_requests)
+    hooks.after_model_init(None, SimpleNamespace(model=_model(), dtype=dtype, is_draft_worker=False))
+    return hooks
 
 
 def _decode_step(hooks: KVHooks, batch, queries: torch.Tensor | None = None):
@@ -73,7 +90,7 @@ def _decode_step(hooks: KVHooks, batch, queries: torch.Tensor | None = None):
 @pytest.mark.parametrize("cache", CACHES)
 def test_a_decode_step_compacts_then_sglang_allocates_after_the_kept_entries_at_true_positions(cache):
     w, a, b = world_with_shared_prefix(cache)
-    hooks = KVHooks(KVCompressionConfig(method="streamingllm", **CFG))
+    hooks = _hooks("streamingllm")
     batch = _batch(w, [a, b])
     n_a, n_b = a.kv.kv_committed_len, b.kv.kv_committed_len
     fb = _decode_step(hooks, batch)
@@ -94,7 +111,7 @@ def test_window_queries_captured_in_attention_reach_the_policy(cache):
     w, a, b = world_with_shared_prefix(cache)
     w.rtp.req_to_token[b.kv.req_pool_idx, b.kv.kv_committed_len - 5 : b.kv.kv_committed_len] = 0
     b.kv.kv_committed_len = b.kv.kv_allocated_len = b.kv.kv_committed_len - 5  # 5 decode steps before due
-    hooks = KVHooks(KVCompressionConfig(method="snapkv", **CFG))
+    hooks = _hooks("snapkv")
     batch = _batch(w, [b])
     gen = torch.Generator().manual_seed(3)
     steps = [torch.randn(L, 1, HQ, D, generator=gen) for _ in range(5)]  # 5 > window: the ring wraps
@@ -123,6 +140,41 @@ def test_window_queries_captured_in_attention_reach_the_policy(cache):
             assert torch.equal(w.kv.k_buffer[layer][kept, h], k_before[layer][entries[idx[layer, h]], h])
 
 
+def test_the_query_ring_is_allocated_at_model_load_from_max_running_requests(capsys):
+    """Sized from the launcher's --max-running-requests (+1: SGLang's request pool has a padding
+    row), allocated in the AFTER hook of ModelRunner.initialize, i.e. before SGLang measures free
+    memory for its KV pool, never inside a decode forward; its size is printed at start-up."""
+    hooks = _hooks("snapkv", max_running_requests=7, dtype=torch.bfloat16)
+    ring = hooks.ring
+    assert ring is not None and tuple(ring.buf.shape) == (L, 8, CFG["window"], HQ, D)
+    assert ring.buf.dtype == torch.bfloat16
+    nbytes = L * 8 * CFG["window"] * HQ * D * 2
+    assert ring.buf.numel() * ring.buf.element_size() == nbytes
+    err = capsys.readouterr().err
+    assert (
+        "snapkv query ring" in err
+        and f"{L} layers x 8 rows" in err
+        and "before SGLang sizes its KV pool" in err
+    )
+    storage = ring.buf.data_ptr()
+    w, a, b = world_with_shared_prefix()
+    _decode_step(hooks, _batch(w, [a, b]), torch.randn(L, 2, HQ, D))
+    assert ring.buf.data_ptr() == storage and int(ring.seen[b.kv.req_pool_idx]) == 1  # recorded in place
+    assert KVHooks(KVCompressionConfig(method="streamingllm", **CFG)).ring is None  # no ring, no size needed
+    with pytest.raises(ValueError, match="max_running_requests"):
+        KVHooks(KVCompressionConfig(method="rkv", **CFG))
+
+
+def test_a_request_pool_larger_than_the_ring_is_refused_at_the_first_decode():
+    w, a, b = world_with_shared_prefix()  # SGLang's pool: 4 requests + its padding row
+    with pytest.raises(SystemExit, match="request pool has 5 rows but the query ring has 4"):
+        _hooks("snapkv", max_running_requests=3).before_prepare_for_decode(_batch(w, [a, b]))
+    unhooked = KVHooks(KVCompressionConfig(method="snapkv", **CFG), max_running_requests=4)
+    with pytest.raises(SystemExit, match="no query ring"):  # ModelRunner.initialize never hooked
+        unhooked.before_prepare_for_decode(_batch(w, [a, b]))
+    _hooks("snapkv", max_running_requests=4).before_prepare_for_decode(_batch(w, [a, b]))  # fits
+
+
 def test_refusals_when_sglang_runs_what_the_plugin_cannot_follow():
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -148,13 +200,18 @@ from sglang.srt.server_args import ServerArgs
 publish(ServerArgs(model_path="dummy"), role="test", ranks=SpawnRanks(world_rank=0))
 from sglang.srt.plugins import load_plugins
 load_plugins()  # our entry point: resolves every target, registers, SGLang applies
+from types import SimpleNamespace
+import torch
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sparserl_mcore.sglang.kv_hooks import MODEL_INIT
 from sglang_kv_world import world_with_shared_prefix
-from test_sglang_kv_hooks import _batch
+from test_sglang_kv_hooks import _batch, _model
+for _, hook, _ in HookRegistry._hooks.get(MODEL_INIT, []):  # what SGLang runs after ModelRunner.initialize
+    hook(None, SimpleNamespace(model=_model(), dtype=torch.float32, is_draft_worker=False))
 w, a, b = world_with_shared_prefix()
 batch = _batch(w, [a, b])
 batch.prepare_for_decode()  # SGLang's method, now wrapped by our BEFORE hook
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.plugins.hook_registry import HookRegistry
 print(json.dumps({{
     "seq_lens": batch.seq_lens.tolist(), "skip": b.skip_radix_cache_insert,
     "applied": sorted(HookRegistry._patched),  # SGLang's record of the targets it patched
@@ -166,7 +223,7 @@ print(json.dumps({{
 @pytest.mark.parametrize("method, ok", [("snapkv", True), ("streamingllm", True), ("h2o", False)])
 def test_sglangs_load_plugins_wires_the_hooks_or_refuses_to_start(method, ok):
     tests = str(Path(__file__).parent)
-    settings = {"required": True, "kv": {"method": method, **CFG}}
+    settings = {"required": True, "kv": {"method": method, **CFG}, "max_running_requests": 4}
     env = {**os.environ, "SPARSERL_SGLANG": json.dumps(settings)}
     code = PLUGIN_PROCESS.format(tests=tests)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -175,8 +232,9 @@ def test_sglangs_load_plugins_wires_the_hooks_or_refuses_to_start(method, ok):
         return
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    hooks = KVHooks(KVCompressionConfig(method=method, **CFG))
+    hooks = KVHooks(KVCompressionConfig(method=method, **CFG), max_running_requests=4)
     assert sorted([*(t for t, _ in hooks.targets()), WEIGHT_UPDATER]) == out["applied"]
+    assert (MODEL_INIT in out["applied"]) == (method == "snapkv")  # the ring is sized at model load
     assert out["init_new_classmethod"]
     if method == "snapkv":  # no decode query recorded yet: compression waits one step
         assert (out["seq_lens"], out["skip"]) == ([11, 25], False)
