@@ -15,6 +15,7 @@ import torch
 from sglang_cpu import require_sglang
 
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, build_compressor
+from sparserl_mcore.sglang.kv_hooks import KVHooks
 
 L, HK, HQ, D = 3, 2, 4, 8  # layers, KV heads, query heads (GQA 2), head dim
 PROMPT = list(range(100, 110))  # 10 tokens, radix-shared
@@ -124,12 +125,12 @@ class World:
         return int(self.tree.evictable_size()) + int(self.tree.protected_size())
 
 
-def world_with_shared_prefix(cache: str = "unified") -> tuple[World, object, object]:
+def world_with_shared_prefix(cache: str = "unified", kv_heads: int = HK) -> tuple[World, object, object]:
     """A's 10-token prompt in the radix tree (as after its prefill); B = that prompt + 3 tokens,
     matched through SGLang, then 11 decode steps: 24 entries, exactly the budget."""
     from sglang.srt.mem_cache.common import checkpoint_kv_cache
 
-    w = World(cache)
+    w = World(cache, kv_heads=kv_heads)
     a = w.admit("a", PROMPT)
     checkpoint_kv_cache(a, w.tree)  # A's prompt enters the radix tree, as after its prefill
     b = w.admit("b", PROMPT + [7, 8, 9])
@@ -201,3 +202,74 @@ class EmbeddedReference:
         """K and V of its cache entries, [L, n, Hk, d] each, in entry order."""
         pages = torch.tensor(self.r.pages[: self.r.n_cached])
         return self.pool.k[:, pages, 0], self.pool.v[:, pages, 0]
+
+
+def decode_batch(w: World, reqs: list):
+    """SGLang's real `ScheduleBatch` of these running requests, as the scheduler holds it for decode."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    lens = torch.tensor([r.kv.kv_committed_len for r in reqs])
+    return ScheduleBatch(
+        reqs=reqs, req_to_token_pool=w.rtp, token_to_kv_pool_allocator=w.alloc, tree_cache=w.tree,
+        device="cpu", req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs]),
+        seq_lens=lens.clone(), seq_lens_cpu=lens.clone(), orig_seq_lens=lens.to(torch.int32),
+        spec_algorithm=SpeculativeAlgorithm.NONE, enable_overlap=False,
+        model_config=SimpleNamespace(is_encoder_decoder=False),
+        sampling_info=SimpleNamespace(penalizer_orchestrator=SimpleNamespace(is_required=False)),
+    )  # fmt: skip
+
+
+def attention_layers(q_heads: int = HQ, kv_heads: int = HK) -> torch.nn.ModuleList:
+    """SGLang's real RadixAttention layers of one TP rank (its query / KV heads)."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return torch.nn.ModuleList(
+        RadixAttention(num_heads=q_heads, head_dim=D, scaling=1.0, num_kv_heads=kv_heads, layer_id=i)
+        for i in range(L)
+    )
+
+
+def model_runner(
+    q_heads: int = HQ, kv_heads: int = HK, total_kv_heads: int = HK, dtype: torch.dtype = torch.float32
+) -> SimpleNamespace:
+    """The members of SGLang's `ModelRunner` our AFTER hook on `initialize` reads."""
+    config = SimpleNamespace(get_total_num_kv_heads=lambda: total_kv_heads)
+    model = attention_layers(q_heads, kv_heads)
+    return SimpleNamespace(model=model, dtype=dtype, model_config=config, is_draft_worker=False)
+
+
+def plugin_hooks(method: str, *, max_running_requests: int = 4, runner: SimpleNamespace | None = None, **cfg):
+    """Our hooks as the plugin builds them, after SGLang's ModelRunner.initialize (AFTER hook) ran."""
+    kv_cfg = KVCompressionConfig(method=method, **{**CFG, **cfg})
+    hooks = KVHooks(kv_cfg, max_running_requests=max_running_requests)
+    hooks.after_model_init(None, runner or model_runner())
+    return hooks
+
+
+def decode_step(hooks: KVHooks, batch, queries: torch.Tensor | None = None, *, kv_heads: int = HK):
+    """One decode step through our hooks and SGLang's own preparation; queries [L, bs, Hq, d] of
+    this rank's query heads."""
+    from sglang.kernels.ops.attention.clamp_position import clamp_position
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    hooks.before_prepare_for_decode(batch)
+    batch.prepare_for_decode()
+    bs = len(batch.reqs)
+    fb = ForwardBatch(
+        forward_mode=batch.forward_mode, batch_size=bs, input_ids=torch.zeros(bs, dtype=torch.int64),
+        req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens, out_cache_loc=batch.out_cache_loc,
+        seq_lens_sum=int(batch.seq_lens.sum()), positions=clamp_position(batch.seq_lens),
+    )  # fmt: skip
+    fb = hooks.after_init_new(fb, ForwardBatch, batch, None)
+    q_heads = HQ if queries is None else queries.shape[2]
+    seen = []
+    for layer in range(L):
+        attn = RadixAttention(
+            num_heads=q_heads, head_dim=D, scaling=1.0, num_kv_heads=kv_heads, layer_id=layer
+        )
+        q = queries[layer].reshape(bs, -1) if queries is not None else torch.zeros(bs, q_heads * D)
+        hooks.around_attention(lambda *args, **kw: seen.append(args[0]), attn, q, None, None, fb)
+    assert len(seen) == L  # the original forward always runs
+    return fb

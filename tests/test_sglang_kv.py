@@ -215,3 +215,54 @@ def test_unsupported_pools_are_refused(cache):
     w.alloc.page_size = 16  # what a paged allocator reports
     with pytest.raises(ValueError, match="--page-size 1"):
         compactor(w, "streamingllm")
+
+
+@pytest.fixture(scope="module")
+def tp2_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Both ranks of a TP=2 SGLang world (tests/sglang_kv_tp_worker.py) compressing the same request
+    of a model with one KV head, replicated on both ranks."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from e2e_support import free_port
+
+    here, root, port = Path(__file__).parent, tmp_path_factory.mktemp("kv-tp"), free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here.parent)}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(here / "sglang_kv_tp_worker.py"),
+                str(r),
+                "2",
+                str(port),
+                str(root / f"{r}.json"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    for p in procs:
+        log = p.communicate(timeout=300)[0].decode(errors="replace")
+        assert p.returncode == 0, log[-3000:]
+    return [json.loads((root / f"{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("method", ["snapkv", "rkv"])
+def test_kv_head_replicas_keep_the_positions_of_tp1(tp2_ranks, method):
+    """TP=2 > 1 KV head: each rank holds a replica of the KV head and half of its query heads.
+    Scored with its own query heads only, each replica would keep other entries (checked: the data
+    shows the defect); scored with the whole group, gathered over SGLang's TP group, both keep
+    exactly what TP=1 keeps."""
+    from sglang_kv_tp_worker import scenario
+
+    tp1 = scenario(method, 0, 1)
+    r0, r1 = (r[method] for r in tp2_ranks)
+    assert r0["own_heads_only"] != r1["own_heads_only"]  # local queries alone diverge
+    assert r0["kept_k"] == r1["kept_k"] == tp1["kept_k"]  # bit for bit (JSON floats round-trip)
+    assert r0["evicted"] == r1["evicted"] == tp1["evicted"] > 0

@@ -38,6 +38,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
 
@@ -52,11 +53,53 @@ class Compaction:
     shared: int = 0  # leading entries still on radix-shared slots
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadReplicas:
+    """This TP rank's share of the attention heads, as SGLang 0.5.23 cuts them
+    (`layers/linear.py: QKVParallelLinear`): rank r holds query heads [r * Hq_l, (r + 1) * Hq_l);
+    with more ranks than KV heads, each KV head is replicated on `replicas` consecutive ranks
+    (rank r holds KV head r // replicas), and its query heads are spread over those ranks.
+
+    A KV head is scored with ALL the query heads of its group on every replica (gathered over
+    `group`, SGLang's TP group), so every replica keeps the same positions and the result does not
+    depend on the TP size. Without replication a rank holds whole groups: nothing to gather."""
+
+    rank: int = 0
+    size: int = 1
+    replicas: int = 1
+    group: Any = None  # torch.distributed ProcessGroup of the TP ranks (None: TP 1)
+
+    @classmethod
+    def of(cls, *, rank: int, size: int, total_kv_heads: int, group: Any) -> HeadReplicas:
+        replicas = size // total_kv_heads if size >= total_kv_heads else 1
+        return cls(rank=rank, size=size, replicas=replicas, group=group)
+
+    def group_queries(self, queries: torch.Tensor, layers: int) -> torch.Tensor:
+        """Window queries [layers * Hq_l, w, d] of this rank -> those of its KV heads' whole groups
+        [layers * replicas * Hq_l, w, d] (layer-major, query heads in global order). Collective
+        over `group` when replicated: every TP rank must call it for the same request."""
+        if self.replicas == 1:
+            return queries
+        parts = [torch.empty_like(queries) for _ in range(self.size)]
+        dist.all_gather(parts, queries.contiguous(), group=self.group)
+        first = self.rank // self.replicas * self.replicas
+        mine = torch.stack(parts[first : first + self.replicas])  # [R, L * Hq_l, w, d]
+        mine = mine.view(self.replicas, layers, -1, *queries.shape[1:]).transpose(0, 1)  # [L, R, Hq_l, w, d]
+        return mine.reshape(-1, *queries.shape[1:])
+
+
 class SGLangCompactor:
     """Compresses requests whose cache reached the budget, on SGLang's real pools."""
 
-    def __init__(self, kv_cfg: KVCompressionConfig, compressor: KVCompressor, tree_cache: Any) -> None:
+    def __init__(
+        self,
+        kv_cfg: KVCompressionConfig,
+        compressor: KVCompressor,
+        tree_cache: Any,
+        heads: HeadReplicas | None = None,
+    ) -> None:
         self.cfg, self.compressor, self.tree_cache = kv_cfg, compressor, tree_cache
+        self.heads = heads or HeadReplicas()
         self.req_to_token = tree_cache.req_to_token_pool.req_to_token
         self.allocator = tree_cache.token_to_kv_pool_allocator
         if self.allocator.page_size != 1:
@@ -86,6 +129,8 @@ class SGLangCompactor:
         keys = torch.stack([self._keys(layer)[slots] for layer in range(L)])  # [L, n, Hk, d]
         keys = keys.transpose(1, 2).reshape(L * Hk, slots.numel(), -1)
         keep = min(self.cfg.keep_tokens, slots.numel())
+        if queries is not None:
+            queries = self.heads.group_queries(queries, L)
         return self.compressor.select(keys, queries, keep).view(L, Hk, keep)
 
     def compress(self, req: Any, queries: torch.Tensor | None, *, reserve: int = 0) -> Compaction:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, build_compressor
-from sparserl_mcore.sglang.kv_compaction import SGLangCompactor
+from sparserl_mcore.sglang.kv_compaction import HeadReplicas, SGLangCompactor
 
 PREPARE_FOR_DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
 INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
@@ -134,6 +134,7 @@ class KVHooks:
         self.cfg, self.compressor, self.max_running_requests = cfg, compressor, max_running_requests
         self.compactor: SGLangCompactor | None = None
         self.ring: QueryRing | None = None
+        self.total_kv_heads: int | None = None  # the model's, read at model load (ring policies)
 
     def targets(self) -> list[tuple[str, str]]:
         """(dotted path, hook type name) of every hook this configuration needs."""
@@ -163,6 +164,7 @@ class KVHooks:
         self.ring = QueryRing.for_model(
             runner.model, rows=rows + 1, window=self.cfg.window, dtype=runner.dtype
         )
+        self.total_kv_heads = runner.model_config.get_total_num_kv_heads()
         print(
             f"sparserl plugin: {self.cfg.method} query ring {self.ring.describe()}, allocated before "
             "SGLang sizes its KV pool",
@@ -179,12 +181,25 @@ class KVHooks:
             if batch.enable_overlap:
                 raise SystemExit("sparserl plugin: KV compression needs --disable-overlap-schedule")
             try:
-                self.compactor = SGLangCompactor(self.cfg, self.compressor, batch.tree_cache)
+                self.compactor = SGLangCompactor(self.cfg, self.compressor, batch.tree_cache, self._heads())
             except ValueError as exc:
                 raise SystemExit(f"sparserl plugin: {exc}") from None
             if self.compressor.needs_window_queries:
                 _check_ring(self.ring, self.compactor.req_to_token.shape[0], self.max_running_requests)
         return self.compactor
+
+    def _heads(self) -> HeadReplicas:
+        """This rank's heads in SGLang's TP group (`runtime_context.get_parallel`); only the
+        policies scoring with queries need the group (KV heads replicated over TP ranks)."""
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        if self.total_kv_heads is None or par.tp_size == 1:
+            return HeadReplicas()
+        return HeadReplicas.of(
+            rank=par.tp_rank, size=par.tp_size, total_kv_heads=self.total_kv_heads,
+            group=par.tp_group.device_group,
+        )  # fmt: skip
 
     def before_prepare_for_decode(self, batch: Any, *args: Any, **kwargs: Any) -> None:
         """Compress the due requests and shrink their kv lengths before SGLang allocates the next slot."""
