@@ -21,6 +21,13 @@ One compressed decode step (page size 1, no overlap scheduling, no speculative d
    the model is loaded, inside `ModelRunner.__init__`. SGLang measures the free device memory for
    its KV pool later (`TpModelWorker.alloc_memory_pool` -> `KVCacheConfigurator.configure` ->
    `_profile_available_bytes`), so the pool is sized around the ring, not over it.
+6. AFTER `managers/schedule_batch.py: ScheduleBatch._get_decode_retraction_order` (a staticmethod,
+   which the registry keeps one): under memory pressure SGLang retracts from the end of that order
+   (fewest outputs first); compressed requests are moved to the front, so they are retracted only
+   when no uncompressed request is left to retract. Retracting one frees at most `budget` slots but
+   costs a dense re-prefill of its prompt and output (`reset_for_retract` keeps `output_ids`),
+   which is then compressed again at its first decode steps (the embedded engine restarts such a
+   request from its prompt instead).
 The sampled token and its log-prob come from the forward over the compressed cache.
 """
 
@@ -39,6 +46,7 @@ INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention.forward"
 ALLOC_ROWS = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc_rows"
 MODEL_INIT = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
+RETRACTION_ORDER = "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order"
 
 # policies that work inside SGLang; h2o needs the attention mass of every decode step, which the
 # attention backends do not expose
@@ -138,7 +146,12 @@ class KVHooks:
 
     def targets(self) -> list[tuple[str, str]]:
         """(dotted path, hook type name) of every hook this configuration needs."""
-        hooks = [(PREPARE_FOR_DECODE, "BEFORE"), (INIT_NEW, "AFTER"), (ALLOC_ROWS, "AFTER")]
+        hooks = [
+            (PREPARE_FOR_DECODE, "BEFORE"),
+            (INIT_NEW, "AFTER"),
+            (ALLOC_ROWS, "AFTER"),
+            (RETRACTION_ORDER, "AFTER"),
+        ]
         if self.compressor.needs_window_queries:
             hooks += [(ATTENTION, "AROUND"), (MODEL_INIT, "AFTER")]
         return hooks
@@ -150,6 +163,7 @@ class KVHooks:
             ALLOC_ROWS: self.after_alloc_rows,
             ATTENTION: self.around_attention,
             MODEL_INIT: self.after_model_init,
+            RETRACTION_ORDER: self.after_retraction_order,
         }[target]
 
     def after_model_init(self, result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
@@ -237,6 +251,18 @@ class KVHooks:
         if self.ring is not None:
             self.ring.begin_step(rows)
         return forward_batch
+
+    def after_retraction_order(
+        self, order: list[int], reqs: Any, *args: Any, **kwargs: Any
+    ) -> list[int] | None:
+        """SGLang's order (most preferred to keep first) with the compressed requests first, each
+        group in SGLang's own order; None (SGLang's order) when none is compressed."""
+        if self.compactor is None:
+            return None
+        compressed = [i for i in order if self.compactor.compressed(reqs[i])]
+        if not compressed:
+            return None
+        return compressed + [i for i in order if i not in set(compressed)]
 
     def after_alloc_rows(self, rows: list[int] | None, *args: Any, **kwargs: Any) -> None:
         if rows and self.compactor is not None:
