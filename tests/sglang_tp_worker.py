@@ -181,6 +181,8 @@ def main() -> None:
     after_reject = model._sparserl_receiver.ledger.broken is not None
     assert send(version_payloads(5, world)) == (True, "Success")
     cleared = model._sparserl_receiver.version
+    failure = _failure_that_is_not_a_rejection(model, send, changes, meta, layout, rank, world)
+    assert send(version_payloads(7, world)) == (True, "Success")
     out.write_text(
         json.dumps(
             {
@@ -195,9 +197,29 @@ def main() -> None:
                 ),
                 "broken_after_reject": after_reject,
                 "version_after_marker": cleared,
+                "failure": failure,
             }
         )
     )
+
+
+def _failure_that_is_not_a_rejection(model, send, changes, meta, layout, rank: int, world: int) -> dict:
+    """A KeyError on the last TP rank (a parameter missing from its model) while applying a valid
+    patch: every rank must still reach the loader's exchange and answer (False, message)."""
+    from sparserl_mcore.sglang.client import patch_payloads
+    from sparserl_mcore.sync.per_rank import encode_fragment, split_by_receiver
+
+    norm = model.model.norm
+    saved = norm._parameters.pop("weight") if rank == world - 1 else None
+    overwrite = [(n, i, None, w + 2) for n, i, _, w in changes]  # a full fragment: rank 0 applies it
+    frags = [
+        encode_fragment(c, meta, version=6, base_version=None, fragment=(0, 1))
+        for c in split_by_receiver(overwrite, layout)
+    ]
+    answer = send(patch_payloads(frags))
+    if saved is not None:
+        norm._parameters["weight"] = saved
+    return {"answer": list(answer), "broken": model._sparserl_receiver.ledger.broken is not None}
 
 
 if __name__ == "__main__":

@@ -70,6 +70,18 @@ def test_a_rejection_on_one_rank_is_reported_by_every_rank(results, tp):
         assert rank["version_after_marker"] == 5  # the dense sync's version marker clears it
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_failure_that_is_not_a_rejected_patch_still_reaches_every_rank(results, tp):
+    """A KeyError on the last rank (a parameter gone from its model) while the others apply the
+    patch: no rank is left waiting in the loader's exchange; every rank answers HTTP 400's
+    (False, message) naming the failing rank and the error, and needs a full sync."""
+    for rank in results[tp]:
+        ok, message = rank["failure"]["answer"]
+        assert not ok and message.startswith(f"sparserl patch rejected: tp rank {tp - 1}: KeyError:")
+        assert "model.norm.weight" in message and "\n" not in message
+        assert rank["failure"]["broken"]
+
+
 def test_tp2_fragments_are_split_per_rank(results):
     one = results[1][0]["fragment_bytes"]
     two = [r["fragment_bytes"] for r in results[2]]
