@@ -82,6 +82,20 @@ def test_a_failure_that_is_not_a_rejected_patch_still_reaches_every_rank(results
         assert rank["failure"]["broken"]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_patch_of_another_dtype_than_a_parameter_is_refused_by_name(results, tp):
+    for rank in results[tp]:
+        found = rank["dtypes"]
+        # one fp32 norm in a bf16 model: refused before anything is written, naming it
+        assert "parameter 'model.norm.weight'" in found["mixed_error"]
+        assert "torch.float32, the patch carries torch.bfloat16" in found["mixed_error"]
+        assert found["mixed_untouched"]
+        # an fp16 model (SGLang's choice for a float32 config without --dtype): refused, named
+        assert "is torch.float16, the patch carries torch.bfloat16" in found["half_error"]
+        # a full sync in the dtype the server holds lands, bit for bit as SGLang loading it
+        assert found["half_synced_error"] == "" and found["half_equal"]
+
+
 def test_tp2_fragments_are_split_per_rank(results):
     one = results[1][0]["fragment_bytes"]
     two = [r["fragment_bytes"] for r in results[2]]
