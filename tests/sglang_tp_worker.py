@@ -9,7 +9,8 @@ the trainer does: per-rank touched-digest fragments from two simulated learner r
 `MultiprocessingSerializer.deserialize` (the route's SafeUnpickler), applied by the custom loader.
 Reference: a second SGLang model loaded with B through SGLang's `load_weights`. Then a corrupt
 base on rank 0 must make EVERY rank reject the next patch (SyncRejected), and a version marker
-must clear that. Writes its findings to OUT_JSON.
+must clear that; then the loader's failure and dtype checks, and a KV compression with one KV head
+replicated over the TP ranks (`sglang_kv_world.replica_scenario`). Writes its findings to OUT_JSON.
 """
 
 from __future__ import annotations
@@ -184,6 +185,9 @@ def main() -> None:
     failure = _failure_that_is_not_a_rejection(model, send, changes, meta, layout, rank, world)
     assert send(version_payloads(7, world)) == (True, "Success")
     dtypes = _dtype_checks(hf_dir, a, b, meta, layout, rank, world)
+    from sglang_kv_world import replica_scenario  # KV compression in the same TP world
+
+    kv_replicas = {m: replica_scenario(m, rank, world) for m in ("snapkv", "rkv")}
     out.write_text(
         json.dumps(
             {
@@ -200,6 +204,7 @@ def main() -> None:
                 "version_after_marker": cleared,
                 "failure": failure,
                 "dtypes": dtypes,
+                "kv_replicas": kv_replicas,
             }
         )
     )

@@ -9,7 +9,9 @@ through SGLang's real `WeightUpdater.update_weights_from_tensor` (custom-loader 
 plugin loaded by SGLang's `load_plugins`. A corrupt base on one rank must make every rank answer
 (False, message). Not exercised: the HTTP server and scheduler processes (`sglang.srt.managers.
 scheduler` does not import with the CPU stubs, tests/sglang_cpu.py). The TP=1 process also
-parses `sparserl sglang-serve`'s command line with SGLang's own `prepare_server_args`.
+parses `sparserl sglang-serve`'s command line with SGLang's own `prepare_server_args`. The same
+worlds also run the loader's failure and dtype checks and one KV compression with a KV head
+replicated over the TP ranks (their processes are the costly part).
 """
 
 from __future__ import annotations
@@ -94,6 +96,19 @@ def test_a_patch_of_another_dtype_than_a_parameter_is_refused_by_name(results, t
         assert "is torch.float16, the patch carries torch.bfloat16" in found["half_error"]
         # a full sync in the dtype the server holds lands, bit for bit as SGLang loading it
         assert found["half_synced_error"] == "" and found["half_equal"]
+
+
+@pytest.mark.parametrize("method", ["snapkv", "rkv"])
+def test_kv_head_replicas_keep_the_positions_of_tp1(results, method):
+    """KV compression (docs/sglang.md, KV compression) in the same worlds: TP=2 > 1 KV head, each
+    rank holds a replica of the KV head and half of its query heads. Scored with its own query
+    heads only, each replica would keep other entries (checked: the data shows the defect); scored
+    with the whole group, gathered over SGLang's TP group, both keep exactly what TP=1 keeps."""
+    tp1 = results[1][0]["kv_replicas"][method]
+    r0, r1 = (r["kv_replicas"][method] for r in results[2])
+    assert r0["own_heads_only"] != r1["own_heads_only"]  # local queries alone diverge
+    assert r0["kept_k"] == r1["kept_k"] == tp1["kept_k"]  # bit for bit (JSON floats round-trip)
+    assert r0["evicted"] == r1["evicted"] == tp1["evicted"] > 0
 
 
 def test_tp2_fragments_are_split_per_rank(results):

@@ -381,10 +381,11 @@ class _Fanout:
             failed = self._failures(futures)
             if failed or not done or (mine in done and mine.exception() is not None):
                 cancel()
+                error = mine.exception() if mine.done() else None
                 why = (
-                    f"{type(mine.exception()).__name__}: {mine.exception()}"
-                    if mine.done()
-                    else "still waiting"
+                    f"{type(error).__name__}: {error}"
+                    if error
+                    else ("done" if mine.done() else "still waiting")
                 )
                 late = [u for u, f in zip(self.urls, futures, strict=True) if not f.done()]
                 raise DenseSyncError(
