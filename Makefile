@@ -70,10 +70,10 @@ gpu-wheels: setup
 	$(BIN)/python tools/gpu_wheels.py download --python-version $(GPU_PYVER) --dest $(GPU_WHEELS)
 
 # There: install the carried wheels (no index, no resolution), check the imports, then the GPU
-# tests (marker gpu) and the GPU benchmarks (results and summary.md in $(GPU_OUT)/).
+# tests (marker gpu) and the GPU benchmarks, each under a time limit (tools/gpu_check.sh: logs in
+# $(GPU_OUT)/, records and summary.md in $(GPU_OUT)/res/).
 gpu-check:
 	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device visible')"
 	if [ -d $(GPU_WHEELS) ]; then $(GPU_PYTHON) tools/gpu_wheels.py install --wheels $(GPU_WHEELS) --target $(GPU_SITE); fi
 	$(GPU_ENV) $(GPU_PYTHON) tools/gpu_wheels.py check --target $(GPU_SITE)
-	$(GPU_ENV) $(GPU_PYTHON) -m pytest -q -m gpu tests
-	$(GPU_ENV) $(GPU_PYTHON) -m benchmarks.gpu --out $(GPU_OUT)
+	$(GPU_ENV) GPU_PYTHON=$(GPU_PYTHON) GPU_OUT=$(GPU_OUT) tools/gpu_check.sh

@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import yaml
@@ -47,18 +48,29 @@ def _config(work: Path, name: str, steps: int, tp: int, dtype: str) -> Path:
     cfg = demo_config(work, steps, tp, [f"model.params_dtype={dtype}", "eval.at_start=false"])
     cfg["checkpoint"] = {"dir": None, "every": 0, "save_hf": None}
     cfg["eval"]["every"] = steps  # evaluated inside the last step only: not part of the others
-    cfg["telemetry"] = {**cfg["telemetry"], "dir": str(work / name), "plot": False, "progress": False}
+    cfg["telemetry"] = {**cfg["telemetry"], "dir": str(work / name), "plot": False, "progress": True}
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
 
-def _run(config: Path, nproc: int, env: dict[str, str]) -> None:
+def _run(config: Path, nproc: int, steps: int, env: dict[str, str]) -> float:
+    """Train (output passed through); seconds from the last step's line to the launcher's exit."""
     import launchers.train
     from sparserl_mcore.parallel.launch import torchrun_command
 
     script = str(Path(launchers.train.__file__).resolve())
-    subprocess.run(torchrun_command([script, "--config", str(config)], nproc), env=env, check=True)
+    cmd = torchrun_command([script, "--config", str(config)], nproc)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    last = None
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        if line.startswith(f"step {steps} "):
+            last = time.monotonic()
+    if proc.wait() != 0 or last is None:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode} (last step line seen: {last is not None})")
+    return time.monotonic() - last
 
 
 def _phases(metrics: Path, steps: int) -> dict[str, float]:
@@ -93,16 +105,19 @@ def main(argv: list[str]) -> int:
     for name, (config, nproc, extra_env) in runs.items():
         metrics = work / config.stem / "metrics.jsonl"
         metrics.unlink(missing_ok=True)
-        _run(
+        exit_s = _run(
             config,
             nproc,
+            args.steps,
             {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **extra_env},
         )
-        rows.append({"run": name, **{f"{p}_s": v for p, v in _phases(metrics, args.steps).items()}})
+        phases = {f"{p}_s": v for p, v in _phases(metrics, args.steps).items()}
+        rows.append({"run": name, **phases, "exit_s": exit_s})
     notes = [f"{args.steps} steps, medians of steps 2..{args.steps - 1} (step 1: warm-up; last: eval)"]
     if args.smoke:
         notes.append("SMOKE run: figures mean nothing")
-    columns = [("run", "run")] + [(f"{p}_s", f"{p} s") for p in PHASES]
+    notes.append("exit s: from the last step's line to the launcher's exit (goal < 10 s)")
+    columns = [("run", "run")] + [(f"{p}_s", f"{p} s") for p in PHASES] + [("exit_s", "exit s")]
     common.print_table(f"trainer step on the demo task, {env['device']}", rows, columns)
     print(common.write_record(args.out, "trainer", env, rows, notes))
     return 0

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# `make gpu-check`: the GPU test set and the GPU benchmarks on one GPU, each part under its own time
+# limit, everything written to files in OUT (a GPU box is lent for minutes; a stuck part must not
+# eat the rest, and the evidence must survive the session being cut off):
+#   OUT/tests.log        pytest -m gpu (runs beside the demo-step benchmark: tiny models, and that
+#                        benchmark's CPU baseline uses no GPU)
+#   OUT/bench.log        the benchmarks' output
+#   OUT/res/*.json       one record per benchmark; OUT/res/summary.md the tables
+# Exit status: non-zero when any part failed or hit its limit.
+#   GPU_PYTHON=python3 GPU_OUT=gpu-results TEST_S=300 BENCH_S=150 tools/gpu_check.sh
+set -uo pipefail
+PY=${GPU_PYTHON:-python3}
+OUT=${GPU_OUT:-gpu-results}
+TEST_S=${TEST_S:-300}
+BENCH_S=${BENCH_S:-150}
+RES="$OUT/res"
+mkdir -p "$RES"
+export PYTHONUNBUFFERED=1
+
+part() {  # part NAME LIMIT_S CMD...: timeout signals its whole process group (torchrun's workers too)
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@"
+    local rc=$?
+    echo "[gpu-check] $name: exit $rc after $((SECONDS - start)) s (limit $limit s)"
+    return $rc
+}
+
+{
+    failed=()
+    part tests "$TEST_S" "$PY" -m pytest -q -m gpu tests -p no:cacheprovider -rfE --durations=15 \
+        >"$OUT/tests.log" 2>&1 &
+    tests_pid=$!
+    part trainer "$BENCH_S" "$PY" -m benchmarks.gpu.trainer --out "$RES" --steps 5 || failed+=(trainer)
+    wait "$tests_pid" || failed+=(tests)
+    # On a quiet GPU from here: the throughput figures.
+    part learner "$BENCH_S" "$PY" -m benchmarks.gpu.learner --out "$RES" || failed+=(learner)
+    part sync "$BENCH_S" "$PY" -m benchmarks.gpu.sync --out "$RES" || failed+=(sync)
+    part engine "$BENCH_S" "$PY" -m benchmarks.gpu.engine --out "$RES" --gen 256 --repeats 2 \
+        --compression-batch 16 --compression-gen 128 || failed+=(engine)
+    "$PY" -m benchmarks.gpu --out "$RES" --summary-only
+    tail -n 25 "$OUT/tests.log"
+    if ((${#failed[@]})); then
+        echo "[gpu-check] FAILED: ${failed[*]}"
+        exit 1
+    fi
+    echo "[gpu-check] all parts passed"
+} 2>&1 | tee "$OUT/bench.log"
