@@ -69,7 +69,7 @@ def _run(config: Path, nproc: int, steps: int, env: dict[str, str]) -> float:
         if line.startswith(f"step {steps} "):
             last = time.monotonic()
     if proc.wait() != 0 or last is None:
-        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode} (last step line seen: {last is not None})")
+        raise SystemExit(f"{cmd[-3]} exited {proc.returncode} (last step line seen: {last is not None})")
     return time.monotonic() - last
 
 
