@@ -132,8 +132,13 @@ def test_three_steps_with_everything_on_then_resume(tmp_path):
     assert max(first_exit, exit_s) < 10.0, (first_exit, exit_s)
 
 
-def test_runtime_is_nccl_on_the_gpu(runtime):
+def test_runtime_is_nccl_on_the_gpu_and_takes_cpu_collectives(runtime):
     import torch.distributed as dist
 
-    assert dist.get_backend() == "nccl" and not runtime.cpu
+    assert "cuda:nccl" in dist.get_backend() and not runtime.cpu
     assert runtime.device == torch.device("cuda", torch.cuda.current_device())
+    for device in (runtime.device, torch.device("cpu")):  # the trainer's flags are CPU tensors
+        flag = torch.ones(1, dtype=torch.int64, device=device)
+        dist.all_reduce(flag)
+        dist.broadcast(flag, 0)
+        assert int(flag) == dist.get_world_size()

@@ -5,14 +5,18 @@
 #   OUT/tests.log        pytest -m gpu (runs beside the demo-step benchmark: tiny models, and that
 #                        benchmark's CPU baseline uses no GPU)
 #   OUT/bench.log        the benchmarks' output
-#   OUT/res/*.json       one record per benchmark; OUT/res/summary.md the tables
+#   OUT/res/*.json       one record per benchmark; OUT/res/summary.md the tables;
+#                        OUT/res/learner_profile.txt the learner step's top operators
 # Exit status: non-zero when any part failed or hit its limit.
-#   GPU_PYTHON=python3 GPU_OUT=gpu-results TEST_S=300 BENCH_S=150 tools/gpu_check.sh
+#   GPU_PYTHON=python3 GPU_OUT=gpu-results TEST_S=300 BENCH_S=150 ENGINE_ARGS="..." tools/gpu_check.sh
 set -uo pipefail
 PY=${GPU_PYTHON:-python3}
 OUT=${GPU_OUT:-gpu-results}
 TEST_S=${TEST_S:-300}
 BENCH_S=${BENCH_S:-150}
+# The engine benchmark's shapes (its defaults, 64 x 512 greedy, take minutes on one GPU).
+ENGINE_ARGS=${ENGINE_ARGS:---batch 32 --gen 128 --rl-prompts 4 --group 8 --repeats 1 --compression-batch 16 --compression-gen 128}
+read -ra engine_args <<<"$ENGINE_ARGS"
 RES="$OUT/res"
 mkdir -p "$RES"
 export PYTHONUNBUFFERED=1
@@ -35,10 +39,9 @@ part() {  # part NAME LIMIT_S CMD...: timeout signals its whole process group (t
     part trainer "$BENCH_S" "$PY" -m benchmarks.gpu.trainer --out "$RES" --steps 5 || failed+=(trainer)
     wait "$tests_pid" || failed+=(tests)
     # On a quiet GPU from here: the throughput figures.
-    part learner "$BENCH_S" "$PY" -m benchmarks.gpu.learner --out "$RES" || failed+=(learner)
+    part learner "$BENCH_S" "$PY" -m benchmarks.gpu.learner --out "$RES" --profile || failed+=(learner)
     part sync "$BENCH_S" "$PY" -m benchmarks.gpu.sync --out "$RES" || failed+=(sync)
-    part engine "$BENCH_S" "$PY" -m benchmarks.gpu.engine --out "$RES" --gen 256 --repeats 2 \
-        --compression-batch 16 --compression-gen 128 || failed+=(engine)
+    part engine "$BENCH_S" "$PY" -m benchmarks.gpu.engine --out "$RES" "${engine_args[@]}" || failed+=(engine)
     "$PY" -m benchmarks.gpu --out "$RES" --summary-only
     tail -n 25 "$OUT/tests.log"
     if ((${#failed[@]})); then

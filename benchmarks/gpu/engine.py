@@ -140,7 +140,9 @@ def _throughput_rows(args, path: Path, device: torch.device, dtype: torch.dtype,
     rows = []
     for name, (engine_run, hf_run) in cases.items():
         engine_rate, tokens = _rate(engine_run, device, args.repeats)
+        print(f"{name}: engine {engine_rate:,.0f} tokens/s", flush=True)  # partial results survive a limit
         hf_rate, hf_tokens = _rate(hf_run, device, args.repeats)
+        print(f"{name}: HF generate {hf_rate:,.0f} tokens/s", flush=True)
         assert tokens == hf_tokens, (name, tokens, hf_tokens)
         rows.append(
             {
@@ -174,6 +176,7 @@ def _compression_rows(args, path: Path, device: torch.device, dtype: torch.dtype
         )
         run = _engine_run(EmbeddedEngine(path, cfg), prompts, args.compression_gen, 0.0)
         rates[method] = _rate(run, device, args.repeats)[0]
+        print(f"compression {method}: {rates[method]:,.0f} tokens/s", flush=True)
     base = rates.get("none")
     return [
         {

@@ -34,6 +34,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=None, help="override the device's BF16 peak")
+    p.add_argument(
+        "--profile", action="store_true", help="OUT/learner_profile.txt: where each step's time goes"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shape, runs on CPU (no figures)")
     p.add_argument("--out", type=Path, default=Path("gpu-results"))
     args = p.parse_args(argv)
@@ -136,6 +139,8 @@ def _measure(args, hf: dict, impl: str, rt, peak: float | None) -> list[dict]:
     rows = []
     for name, (fn, flops_per_token) in runs.items():
         times = common.wall_times(fn, rt.device, warmup=args.warmup, repeats=args.repeats)
+        if args.profile:
+            _profile(fn, rt.device, args.out / "learner_profile.txt", f"{impl} {name}")
         seconds = common.median(times)
         tflops = flops_per_token * n * args.seq / seconds / 1e12
         rows.append(
@@ -152,6 +157,21 @@ def _measure(args, hf: dict, impl: str, rt, peak: float | None) -> list[dict]:
             }
         )
     return rows
+
+
+def _profile(fn, device: torch.device, path: Path, title: str) -> None:
+    """Append the top operators of one profiled call of `fn` by self device time (CPU time on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        common.synchronize(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(f"## {title}\n{table}\n")
 
 
 def _peak_gib(device: torch.device) -> float | None:

@@ -58,6 +58,7 @@ class Runtime:
         return self.pp_rank == self.pp_size - 1
 
 
+CUDA_BACKENDS = "cpu:gloo,cuda:nccl"
 _generation = 0  # how many worlds this process has initialised (see _init_process_group)
 
 
@@ -99,14 +100,16 @@ def seed_everything(seed: int, *, pp_rank: int) -> None:
 def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = None) -> Runtime:
     """Initialise torch.distributed, megatron parallel state and RNG; return this rank's `Runtime`.
 
-    `backend` defaults to "nccl" when CUDA is available and "gloo" otherwise; with gloo the CPU
-    execution mode (`parallel.cpu_mode`) is entered until `shutdown()`. On failure everything set
-    up so far is torn down again.
+    `backend` defaults to NCCL for CUDA tensors plus gloo for CPU tensors when CUDA is available
+    (`CUDA_BACKENDS`: the trainer's small control collectives, flags and byte counts, are CPU
+    tensors, and NCCL alone refuses them), and to "gloo" otherwise; with gloo the CPU execution mode
+    (`parallel.cpu_mode`) is entered until `shutdown()`. On failure everything set up so far is
+    torn down again.
     """
     launch = launch_env()
     cfg.validate_world(launch.world_size)
     use_cuda = torch.cuda.is_available() and backend != "gloo"
-    backend = backend or ("nccl" if use_cuda else "gloo")
+    backend = backend or (CUDA_BACKENDS if use_cuda else "gloo")
     if use_cuda:
         torch.cuda.set_device(launch.local_rank)
         device = torch.device("cuda", launch.local_rank)
