@@ -83,7 +83,7 @@ def parsed_launch_argv() -> dict:
     argv = sglang_argv(cfg)
     args = prepare_server_args(argv[3:])  # after `python -m sglang.launch_server`
     fields = (
-        "model_path", "host", "port", "tp_size", "custom_weight_loader", "admin_api_key", "page_size",
+        "model_path", "host", "port", "tp_size", "custom_weight_loader", "admin_api_key", "dtype", "page_size",
         "disable_overlap_schedule",
     )  # fmt: skip
     return {
