@@ -1,4 +1,10 @@
-"""The plugin's KV-compression hooks on sglang 0.5.23, and the per-process state they share.
+"""The plugin's KV hooks on sglang 0.5.23 (compression and KV figures), and the per-process state
+they share.
+
+Always (any KV method, "none" included): the KV figures of every request (`kv_report`), written
+AFTER `ScheduleBatch.prepare_for_extend` (prefill: the prompt's positions) and at the end of the
+BEFORE hook on `prepare_for_decode` (after any compression), into the request's
+`customized_info`, which SGLang returns in the response's meta_info.
 
 One compressed decode step (page size 1, no overlap scheduling, no speculative decoding):
 1. BEFORE `managers/schedule_batch.py: ScheduleBatch.prepare_for_decode`: every request of the
@@ -24,10 +30,12 @@ from typing import Any
 
 import torch
 
-from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, build_compressor
+from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor, build_compressor
 from sparserl_mcore.sglang.kv_compaction import SGLangCompactor
+from sparserl_mcore.sglang.kv_report import KVReport, slot_bytes
 
 PREPARE_FOR_DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
+PREPARE_FOR_EXTEND = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention.forward"
 ALLOC_ROWS = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc_rows"
@@ -83,39 +91,51 @@ class QueryRing:
 
 
 class KVHooks:
-    """The hook functions (bound methods) and the state they share in one SGLang scheduler process."""
+    """The hook functions (bound methods) and the state they share in one SGLang scheduler process.
+    With method "none" only the KV figures are reported; nothing is compressed."""
 
     def __init__(self, cfg: KVCompressionConfig) -> None:
-        if cfg.method not in SGLANG_METHODS:
+        if cfg.enabled and cfg.method not in SGLANG_METHODS:
             raise ValueError(
                 f"kv method {cfg.method!r} does not work inside SGLang (choose from {list(SGLANG_METHODS)}): "
                 "h2o needs per-step attention mass that SGLang's attention backends do not return"
             )
-        compressor = build_compressor(cfg)
-        assert compressor is not None
-        self.cfg, self.compressor = cfg, compressor
+        self.cfg = cfg
+        self.compressor: KVCompressor | None = build_compressor(cfg) if cfg.enabled else None
         self.compactor: SGLangCompactor | None = None
         self.ring: QueryRing | None = None
+        self.report: KVReport | None = None
 
     def targets(self) -> list[tuple[str, str]]:
         """(dotted path, hook type name) of every hook this configuration needs."""
-        hooks = [(PREPARE_FOR_DECODE, "BEFORE"), (INIT_NEW, "AFTER"), (ALLOC_ROWS, "AFTER")]
-        if self.compressor.needs_window_queries:
-            hooks.append((ATTENTION, "AROUND"))
+        hooks = [(PREPARE_FOR_EXTEND, "AFTER"), (PREPARE_FOR_DECODE, "BEFORE")]
+        if self.compressor is not None:
+            hooks += [(INIT_NEW, "AFTER"), (ALLOC_ROWS, "AFTER")]
+            if self.compressor.needs_window_queries:
+                hooks.append((ATTENTION, "AROUND"))
         return hooks
 
     def hook(self, target: str) -> Any:
         return {
+            PREPARE_FOR_EXTEND: self.after_prepare_for_extend,
             PREPARE_FOR_DECODE: self.before_prepare_for_decode,
             INIT_NEW: self.after_init_new,
             ALLOC_ROWS: self.after_alloc_rows,
             ATTENTION: self.around_attention,
         }[target]
 
-    def _bind(self, batch: Any) -> SGLangCompactor:
-        """Build the state on the first decode batch (the pools exist only then) and refuse what
-        cannot work: checked once, on the objects SGLang really uses."""
-        if self.compactor is None:
+    def _report(self, batch: Any) -> KVReport:
+        if self.report is None:
+            from sglang.srt.runtime_context import get_parallel
+
+            pool = batch.token_to_kv_pool_allocator.get_kvcache()
+            self.report = KVReport(slot_bytes(pool, get_parallel().tp_size))
+        return self.report
+
+    def _bind(self, batch: Any) -> SGLangCompactor | None:
+        """Build the compression state on the first decode batch (the pools exist only then) and
+        refuse what cannot work: checked once, on the objects SGLang really uses."""
+        if self.compactor is None and self.compressor is not None:
             if not batch.spec_algorithm.is_none():
                 raise SystemExit("sparserl plugin: KV compression does not support speculative decoding")
             if batch.enable_overlap:
@@ -131,9 +151,31 @@ class KVHooks:
                 )
         return self.compactor
 
+    def after_prepare_for_extend(self, result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+        """Prefill: each request's forward attends over its whole (extended) sequence."""
+        report = self._report(batch)
+        for req, length in zip(batch.reqs, batch.seq_lens_cpu.tolist(), strict=True):
+            report.record(req, int(length))
+
     def before_prepare_for_decode(self, batch: Any, *args: Any, **kwargs: Any) -> None:
-        """Compress the due requests and shrink their kv lengths before SGLang allocates the next slot."""
+        """Compress the due requests and shrink their kv lengths before SGLang allocates the next
+        slot; then report what each request's decode forward will attend over."""
         compactor = self._bind(batch)
+        shrink = self._compress_due(batch, compactor) if compactor is not None else [0] * len(batch.reqs)
+        if any(shrink):
+            delta = torch.tensor(shrink, dtype=batch.seq_lens_cpu.dtype)
+            batch.seq_lens_cpu = batch.seq_lens_cpu - delta
+            batch.seq_lens = batch.seq_lens - delta.to(batch.seq_lens.device, batch.seq_lens.dtype)
+            if batch.orig_seq_lens is not None:
+                batch.orig_seq_lens = batch.orig_seq_lens - delta.to(
+                    batch.orig_seq_lens.device, batch.orig_seq_lens.dtype
+                )
+        report = self._report(batch)
+        for req, length, freed in zip(batch.reqs, batch.seq_lens_cpu.tolist(), shrink, strict=True):
+            report.record(req, int(length) + 1, evicted=freed)  # + the slot this step appends
+
+    def _compress_due(self, batch: Any, compactor: SGLangCompactor) -> list[int]:
+        """Compress each due request of the batch; the positions each one freed."""
         shrink = [0] * len(batch.reqs)
         for i, req in enumerate(batch.reqs):
             if not compactor.due(req):
@@ -145,14 +187,7 @@ class KVHooks:
                     continue
             before = req.kv.kv_committed_len
             shrink[i] = before - compactor.compress(req, queries).kv_len
-        if any(shrink):
-            delta = torch.tensor(shrink, dtype=batch.seq_lens_cpu.dtype)
-            batch.seq_lens_cpu = batch.seq_lens_cpu - delta
-            batch.seq_lens = batch.seq_lens - delta.to(batch.seq_lens.device, batch.seq_lens.dtype)
-            if batch.orig_seq_lens is not None:
-                batch.orig_seq_lens = batch.orig_seq_lens - delta.to(
-                    batch.orig_seq_lens.device, batch.orig_seq_lens.dtype
-                )
+        return shrink
 
     def after_init_new(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
         """Decode positions = SGLang's (kv length - 1) + what the row evicted."""
