@@ -58,7 +58,10 @@ print(json.dumps(out))
 
 
 def _probe(extra_env: dict[str, str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([CPU_SITE, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([CPU_SITE, *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     env.update(extra_env)
     proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -72,7 +75,9 @@ def test_stand_ins_let_kernels_be_defined_and_refuse_every_call_by_name():
     assert out["kernel_call"].startswith("triton.jit(kernel): called on a box without CUDA")
     assert out["op_call"].startswith("sgl_kernel.fused_add_rmsnorm: called on a box without CUDA")
     assert out["helper_call"].startswith("triton.cdiv: called")
-    assert out["driver"].startswith("triton.runtime.driver.active: called")  # as the wheel raises without a driver
+    assert out["driver"].startswith(
+        "triton.runtime.driver.active: called"
+    )  # as the wheel raises without a driver
     assert out["versions"] == ["3.5.0", "0.0.0"] and out["knobs"] == "absent"
 
 

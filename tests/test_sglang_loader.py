@@ -94,4 +94,5 @@ def test_launch_argv_is_accepted_by_sglangs_parser(results):
         "page_size": 1,  # with KV compression the launcher adds these three
         "disable_overlap_schedule": True,
         "decode_graph": "disabled",
+        "max_running_requests": 256,  # snapkv's query ring is sized from it
     }

@@ -115,7 +115,9 @@ def test_the_plugins_kv_figures_become_kv_stats():
     obj = _response("a", [9, 10, 11], "1")
     obj["meta_info"]["sparserl_kv"] = [[7, 0, 0, 700], None, [12, 5, 1, 1200]]  # a token no hook saw
     stats = wire.read_sample(obj, REQUESTS[0]).kv_stats
-    assert stats == KVStats(peak_retained_tokens=12, evictions=5, compressions=1, peak_pages=12, peak_kv_bytes=1200)
+    assert stats == KVStats(
+        peak_retained_tokens=12, evictions=5, compressions=1, peak_pages=12, peak_kv_bytes=1200
+    )
     obj["meta_info"]["sparserl_kv"] = [[7, 0, 0]]
     with pytest.raises(ValueError, match="sparserl_kv"):
         wire.read_sample(obj, REQUESTS[0])

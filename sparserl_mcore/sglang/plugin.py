@@ -16,7 +16,8 @@ sparserl-mcore next to SGLang changes nothing by itself. Hooks:
   `ScheduleBatch.prepare_for_extend`, BEFORE `ScheduleBatch.prepare_for_decode`);
 - with a KV method other than "none": the compression hooks of `kv_hooks.KVHooks` (in the same
   BEFORE hook on `prepare_for_decode`, AFTER `ForwardBatch.init_new`, AFTER
-  `ReqToTokenPool.alloc_rows`, AROUND `RadixAttention.forward` for policies scoring with queries);
+  `ReqToTokenPool.alloc_rows`, AROUND `RadixAttention.forward` and AFTER `ModelRunner.initialize`
+  for policies scoring with queries);
   docs/sglang.md, "KV compression".
 """
 
@@ -97,6 +98,7 @@ def _kv_hooks(config: dict[str, Any]) -> KVHooks:
     from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
 
     try:
-        return KVHooks(KVCompressionConfig(**dict(config.get("kv") or {})))
+        cfg = KVCompressionConfig(**dict(config.get("kv") or {}))
+        return KVHooks(cfg, max_running_requests=config.get("max_running_requests"))
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"sparserl plugin: bad kv settings in ${PLUGIN_ENV}: {exc}") from None
