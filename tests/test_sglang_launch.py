@@ -86,6 +86,7 @@ def test_kv_compression_launches_with_the_settings_the_plugin_needs(method, grap
     argv = " ".join(sglang_argv(cfg))
     assert "--page-size 1 --disable-overlap-schedule" in argv
     assert ("--cuda-graph-backend-decode disabled" in argv) == graphs_off  # query capture runs in Python
+    assert ("--cuda-graph-backend-prefill disabled" in argv) == graphs_off  # the prompt's last queries too
     assert json.loads(child_env(cfg, {})[PLUGIN_ENV])["kv"]["budget"] == 256
 
 

@@ -16,9 +16,10 @@ One compressed decode step (page size 1, no overlap scheduling, no speculative d
    positions from the (compacted) `seq_lens`; the positions each row evicted are added back, so
    RoPE sees the token's true position. Under CUDA graphs the replay copies these positions in.
 3. AROUND `layers/radix_attention.py: RadixAttention.forward` (only for policies that score with
-   the window queries): each decode query is written into a ring of the last `window` queries per
-   request row and layer. A replayed CUDA graph skips this Python code, so the launcher disables
-   decode CUDA graphs for these policies.
+   the window queries): each decode query, and the last `window` queries of each request's
+   prefill (the columns set by the AFTER hook on `ForwardBatch.init_new`), is written into a ring
+   of the last `window` queries per request row and layer. A replayed CUDA graph skips this
+   Python code, so the launcher disables decode and prefill CUDA graphs for these policies.
 4. AFTER `mem_cache/memory_pool.py: ReqToTokenPool.alloc_rows`: a row taken by a new (or
    re-admitted) request starts with nothing evicted and an empty query ring.
 5. AFTER `model_executor/model_runner.py: ModelRunner.initialize` (only with a query ring): the
@@ -33,6 +34,7 @@ The sampled token and its log-prob come from the forward over the compressed cac
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,8 +56,11 @@ SGLANG_METHODS = ("snapkv", "rkv", "streamingllm")
 
 
 class QueryRing:
-    """The last `window` decode queries of every req_to_token row, per layer: [L, rows, w, Hq, d],
-    allocated whole when built (`for_model`, at model load), never inside a forward."""
+    """The last `window` queries of every req_to_token row, per layer: [L, rows, w, Hq, d],
+    allocated whole when built (`for_model`, at model load), never inside a forward. A prefill
+    (extend) forward writes the last `window` queries of each request's new tokens, a decode forward
+    one query per request: the queries the embedded engine keeps (`rollout/batch_forward.py`), so a
+    compression right after the prompt scores with the prompt's last queries there and here."""
 
     def __init__(
         self, *, layers: int, start_layer: int, rows: int, window: int, q_heads: int, head_dim: int,
@@ -67,6 +72,7 @@ class QueryRing:
         self.seen = torch.zeros(rows, dtype=torch.int64, device=device)
         self._rows: torch.Tensor | None = None
         self._cols: torch.Tensor | None = None
+        self._tokens: torch.Tensor | None = None  # extend: which of the forward's queries go in
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, rows: int, window: int, dtype: torch.dtype) -> QueryRing:
@@ -99,13 +105,34 @@ class QueryRing:
     def begin_step(self, rows: torch.Tensor) -> None:
         """A decode forward over `rows` starts: each row writes its next ring column."""
         rows = rows.to(torch.int64)
-        self._rows, self._cols = rows, self.seen[rows] % self.window
+        self._rows, self._cols, self._tokens = rows, self.seen[rows] % self.window, None
         self.seen[rows] += 1
+
+    def begin_extend(self, rows: Sequence[int], extend_lens: Sequence[int]) -> None:
+        """A prefill forward over `rows` starts; its queries are the rows' new tokens back to back
+        (`extend_lens` each): the last `window` of each row go into its next ring columns."""
+        tokens: list[int] = []
+        ring_rows: list[int] = []
+        cols: list[int] = []
+        start = 0
+        for row, n in zip(rows, extend_lens, strict=True):
+            take, seen = min(n, self.window), int(self.seen[row])
+            tokens += range(start + n - take, start + n)
+            ring_rows += [row] * take
+            cols += [(seen + j) % self.window for j in range(take)]
+            self.seen[row] += take
+            start += n
+        device = self.seen.device
+        self._rows = torch.tensor(ring_rows, dtype=torch.int64, device=device)
+        self._cols = torch.tensor(cols, dtype=torch.int64, device=device)
+        self._tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
 
     def record(self, layer_id: int, q: torch.Tensor) -> None:
         if self._rows is None or self._cols is None:
             return
-        q = q.reshape(self._rows.numel(), self.q_heads, self.head_dim)
+        q = q.reshape(-1, self.q_heads, self.head_dim)
+        if self._tokens is not None:
+            q = q[self._tokens.to(q.device)]
         self.buf[layer_id - self.start_layer, self._rows, self._cols] = q.to(self.buf.dtype)
 
     def window_queries(self, row: int) -> torch.Tensor | None:
@@ -267,16 +294,20 @@ class KVHooks:
         return shrink
 
     def after_init_new(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        """Decode positions = SGLang's (kv length - 1) + what the row evicted."""
-        if self.compactor is None or not forward_batch.forward_mode.is_decode():
-            return forward_batch
+        """Decode positions = SGLang's (kv length - 1) + what the row evicted; the query ring's
+        columns for this forward (decode, or a prefill's last `window` queries per request)."""
+        mode = forward_batch.forward_mode
         rows = forward_batch.req_pool_indices.to(torch.int64)
-        offset = self.compactor.evicted[rows].to(
-            forward_batch.positions.device, forward_batch.positions.dtype
-        )
-        forward_batch.positions = forward_batch.positions + offset
-        if self.ring is not None:
-            self.ring.begin_step(rows)
+        if mode.is_decode():
+            if self.compactor is not None:
+                offset = self.compactor.evicted[rows].to(
+                    forward_batch.positions.device, forward_batch.positions.dtype
+                )
+                forward_batch.positions = forward_batch.positions + offset
+            if self.ring is not None:
+                self.ring.begin_step(rows)
+        elif self.ring is not None and mode.is_extend():
+            self.ring.begin_extend(rows.tolist(), list(forward_batch.extend_seq_lens_cpu))
         return forward_batch
 
     def after_alloc_rows(self, rows: list[int] | None, *args: Any, **kwargs: Any) -> None:
@@ -288,7 +319,8 @@ class KVHooks:
     def around_attention(
         self, original: Any, layer: Any, q: Any, k: Any, v: Any, forward_batch: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        if self.ring is not None and forward_batch.forward_mode.is_decode():
+        mode = forward_batch.forward_mode
+        if self.ring is not None and (mode.is_decode() or mode.is_extend()):
             self.ring.record(layer.layer_id, q)
         return original(layer, q, k, v, forward_batch, *args, **kwargs)
 

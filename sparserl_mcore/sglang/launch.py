@@ -9,7 +9,7 @@ own process group with:
   every SGLang process; `SGLANG_PLUGINS` is extended with `sparserl` only when the user already
   restricts the plugins (otherwise every installed plugin loads, ours included);
 - with KV compression: `--page-size 1 --disable-overlap-schedule`, and for the policies that score
-  with queries `--cuda-graph-backend-decode disabled` and `--max-running-requests N` (default
+  with queries `--cuda-graph-backend-decode/-prefill disabled` and `--max-running-requests N` (default
   `RING_MAX_RUNNING_REQUESTS`: the plugin's query ring has N + 1 rows and is allocated when the
   model is loaded, before SGLang sizes its KV pool; docs/sglang.md "KV compression"); flags it
   cannot follow are refused (`KV_REFUSED_FLAGS`);
@@ -138,8 +138,9 @@ def sglang_argv(cfg: LaunchConfig) -> list[str]:
         # the plugin compresses between steps on the scheduler's own batch (docs/sglang.md)
         argv += ["--page-size", "1", "--disable-overlap-schedule"]
         if cfg.kv.method != "streamingllm":
-            # query capture runs inside RadixAttention.forward, which a replayed CUDA graph skips
-            argv += ["--cuda-graph-backend-decode", "disabled"]
+            # query capture runs inside RadixAttention.forward (decode steps and the prompt's last
+            # queries), which a replayed CUDA graph skips
+            argv += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
     if cfg.running_requests is not None:
         argv += ["--max-running-requests", str(cfg.running_requests)]
     if cfg.token is not None:
