@@ -51,9 +51,14 @@ class LiveServer:
 
         wait_until(ready, timeout=timeout, what=f"sparserl sglang-serve at {self.url}", interval=0.5)
 
+    def terminate(self) -> None:
+        """Ask it to stop (the launcher stops SGLang's process group); `stop` waits."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # the launcher stops SGLang's process group
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
