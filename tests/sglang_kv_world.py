@@ -273,3 +273,48 @@ def decode_step(hooks: KVHooks, batch, queries: torch.Tensor | None = None, *, k
         hooks.around_attention(lambda *args, **kw: seen.append(args[0]), attn, q, None, None, fb)
     assert len(seen) == L  # the original forward always runs
     return fb
+
+
+REPLICA_STEPS = 5  # decode steps before the budget is reached (more than the window: the ring wraps)
+
+
+def replica_scenario(method: str, rank: int, world: int) -> dict:
+    """One TP rank of a model with ONE KV head compressing a request (tests/sglang_tp_worker.py
+    runs it in SGLang's TP=1 and TP=2 worlds): at TP=2 the KV head is replicated on both ranks,
+    each holding 2 of the 4 query heads, as `QKVParallelLinear` cuts them. The same K/V (seeded)
+    and full-width queries everywhere, each rank's attention seeing its own query heads. Returns
+    the K this rank keeps and the entries a selection with only its own query heads would keep."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)  # the seeded values must not depend on the caller's default
+    try:
+        return _replica_scenario(method, rank, world)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _replica_scenario(method: str, rank: int, world: int) -> dict:
+    w, _, b = world_with_shared_prefix(kv_heads=1)
+    n = b.kv.kv_committed_len - REPLICA_STEPS
+    w.rtp.req_to_token[b.kv.req_pool_idx, n : b.kv.kv_committed_len] = 0
+    b.kv.kv_committed_len = b.kv.kv_allocated_len = n
+    q_local = HQ // world
+    hooks = plugin_hooks(method, runner=model_runner(q_heads=q_local, kv_heads=1, total_kv_heads=1))
+    batch = decode_batch(w, [b])
+    gen = torch.Generator().manual_seed(5)
+    heads = slice(rank * q_local, (rank + 1) * q_local)
+    for _ in range(REPLICA_STEPS):
+        decode_step(hooks, batch, torch.randn(L, 1, HQ, D, generator=gen)[:, :, heads], kv_heads=1)
+    entries = w.row(b)
+    keys = (
+        torch.stack([w.kv.k_buffer[layer][entries] for layer in range(L)]).transpose(1, 2).reshape(L, -1, D)
+    )
+    window = hooks.ring.window_queries(b.kv.req_pool_idx)
+    keep = CFG["budget"] - CFG["interval"]
+    own_only = hooks.compressor.select(keys, window, keep)
+    decode_step(hooks, batch, torch.randn(L, 1, HQ, D, generator=gen)[:, :, heads], kv_heads=1)  # compresses
+    kept = w.rtp.req_to_token[b.kv.req_pool_idx, :keep].to(torch.int64)
+    return {
+        "kept_k": [w.kv.k_buffer[layer][kept].tolist() for layer in range(L)],
+        "own_heads_only": own_only.tolist(),
+        "evicted": int(hooks.compactor.evicted[b.kv.req_pool_idx]),
+    }

@@ -160,6 +160,54 @@ def test_a_request_pool_larger_than_the_ring_is_refused_at_the_first_decode():
     plugin_hooks("snapkv", max_running_requests=4).before_prepare_for_decode(decode_batch(w, [a, b]))  # fits
 
 
+def test_compressed_requests_are_retracted_last():
+    """SGLang retracts the request with the fewest outputs first (`_get_decode_retraction_order`,
+    popped from the end). A compressed request frees at most the budget and costs a dense
+    re-prefill of prompt + output: our AFTER hook (applied with SGLang's own hook wrapper) puts it
+    behind every uncompressed one."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    w, a, b = world_with_shared_prefix()
+    w.grow(a, 12, tokens=list(range(300, 312)))  # a: 22 entries, 12 outputs, below the budget
+    hooks = plugin_hooks("streamingllm")
+    decode_step(hooks, decode_batch(w, [a, b]))  # b (24 entries, 11 outputs) is compressed
+    assert hooks.compactor.compressed(b) and not hooks.compactor.compressed(a)
+    original = ScheduleBatch._get_decode_retraction_order
+    wrapped = _wrap_fn(original, hooks.after_retraction_order, HookType.AFTER)
+    assert original([a, b])[-1] == 1  # SGLang alone would retract b, the compressed one
+    assert wrapped([a, b])[-1] == 0 and wrapped([b, a])[-1] == 1  # now a goes first
+    assert wrapped([a]) == original([a])
+
+
+def test_a_retracted_compressed_request_is_compressed_again_after_its_dense_re_prefill():
+    """SGLang's own retraction (`release_req`: row freed without a radix insert, `reset_for_retract`
+    keeps output_ids) then re-admission re-prefills prompt + output densely on a fresh row (our
+    AFTER hook on alloc_rows resets it); the first decode step compresses it back to the budget and
+    decodes at its true position."""
+    from sglang.srt.managers.schedule_batch import release_req
+
+    w, a, b = world_with_shared_prefix()
+    hooks = plugin_hooks("streamingllm")
+    decode_step(hooks, decode_batch(w, [b]))
+    b.output_ids.append(299)  # the token that step sampled
+    assert hooks.compactor.compressed(b) and b.kv.kv_committed_len == hooks.cfg.keep_tokens + 1
+    free_before = w.alloc.available_size()
+    held = b.kv.kv_committed_len - b.kv.cache_protected_len
+    release_req(
+        req=b, remaing_req_count=0, req_to_token_pool=w.rtp, token_to_kv_pool_allocator=w.alloc,
+        tree_cache=w.tree, hisparse_coordinator=None,
+    )  # fmt: skip
+    assert w.alloc.available_size() == free_before + held and b.kv.req_pool_idx is None
+    tokens = list(b.origin_input_ids) + list(b.output_ids)  # what SGLang re-prefills
+    again = w.admit("b-again", tokens)  # through SGLang's prefix match: A's prompt is still shared
+    hooks.after_alloc_rows([again.kv.req_pool_idx])
+    assert not hooks.compactor.compressed(again) and again.kv.kv_committed_len == len(tokens) == 25
+    fb = decode_step(hooks, decode_batch(w, [again]))
+    assert again.kv.kv_committed_len == hooks.cfg.keep_tokens + 1  # compressed before this step
+    assert fb.positions.tolist() == [len(tokens)]  # the new token's true position
+
+
 def test_refusals_when_sglang_runs_what_the_plugin_cannot_follow():
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 

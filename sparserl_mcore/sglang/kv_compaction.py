@@ -117,6 +117,11 @@ class SGLangCompactor:
         """The embedded engine's trigger (`KVCompressionConfig.should_compress`) on the whole row."""
         return self.cfg.should_compress(req.kv.kv_committed_len)
 
+    def compressed(self, req: Any) -> bool:
+        """The request's row has been compressed since it was (re)admitted."""
+        row = req.kv.req_pool_idx
+        return row is not None and int(self.evicted[row]) > 0
+
     def reset_rows(self, rows: list[int]) -> None:
         """A row handed to a new request has evicted nothing yet."""
         if rows:

@@ -28,6 +28,13 @@ One compressed decode step (page size 1, no overlap scheduling, no speculative d
    the model is loaded, inside `ModelRunner.__init__`. SGLang measures the free device memory for
    its KV pool later (`TpModelWorker.alloc_memory_pool` -> `KVCacheConfigurator.configure` ->
    `_profile_available_bytes`), so the pool is sized around the ring, not over it.
+6. AFTER `managers/schedule_batch.py: ScheduleBatch._get_decode_retraction_order` (a staticmethod,
+   which the registry keeps one): under memory pressure SGLang retracts from the end of that order
+   (fewest outputs first); compressed requests are moved to the front, so they are retracted only
+   when no uncompressed request is left to retract. Retracting one frees at most `budget` slots but
+   costs a dense re-prefill of its prompt and output (`reset_for_retract` keeps `output_ids`),
+   which is then compressed again at its first decode steps (the embedded engine restarts such a
+   request from its prompt instead).
 The sampled token and its log-prob come from the forward over the compressed cache.
 """
 
@@ -49,6 +56,7 @@ INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention.forward"
 ALLOC_ROWS = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc_rows"
 MODEL_INIT = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
+RETRACTION_ORDER = "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order"
 
 # policies that work inside SGLang; h2o needs the attention mass of every decode step, which the
 # attention backends do not expose
@@ -181,7 +189,7 @@ class KVHooks:
         """(dotted path, hook type name) of every hook this configuration needs."""
         hooks = [(PREPARE_FOR_EXTEND, "AFTER"), (PREPARE_FOR_DECODE, "BEFORE")]
         if self.compressor is not None:
-            hooks += [(INIT_NEW, "AFTER"), (ALLOC_ROWS, "AFTER")]
+            hooks += [(INIT_NEW, "AFTER"), (ALLOC_ROWS, "AFTER"), (RETRACTION_ORDER, "AFTER")]
             if self.compressor.needs_window_queries:
                 hooks += [(ATTENTION, "AROUND"), (MODEL_INIT, "AFTER")]
         return hooks
@@ -194,6 +202,7 @@ class KVHooks:
             ALLOC_ROWS: self.after_alloc_rows,
             ATTENTION: self.around_attention,
             MODEL_INIT: self.after_model_init,
+            RETRACTION_ORDER: self.after_retraction_order,
         }[target]
 
     def after_model_init(self, result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
@@ -309,6 +318,18 @@ class KVHooks:
         elif self.ring is not None and mode.is_extend():
             self.ring.begin_extend(rows.tolist(), list(forward_batch.extend_seq_lens_cpu))
         return forward_batch
+
+    def after_retraction_order(
+        self, order: list[int], reqs: Any, *args: Any, **kwargs: Any
+    ) -> list[int] | None:
+        """SGLang's order (most preferred to keep first) with the compressed requests first, each
+        group in SGLang's own order; None (SGLang's order) when none is compressed."""
+        if self.compactor is None:
+            return None
+        compressed = [i for i in order if self.compactor.compressed(reqs[i])]
+        if not compressed:
+            return None
+        return compressed + [i for i in order if i not in set(compressed)]
 
     def after_alloc_rows(self, rows: list[int] | None, *args: Any, **kwargs: Any) -> None:
         if rows and self.compactor is not None:
