@@ -57,19 +57,19 @@ print(json.dumps(out))
 """
 
 
-def _probe(extra_env: dict[str, str]) -> dict:
+def _probe() -> dict:
+    """PROBE's findings in a fresh process with cpu_site first on PYTHONPATH (as the launcher sets)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([CPU_SITE, *filter(None, [os.environ.get("PYTHONPATH")])]),
     }
-    env.update(extra_env)
     proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_stand_ins_let_kernels_be_defined_and_refuse_every_call_by_name():
-    out = _probe({})
+    out = _probe()
     assert out["installed"] == ["sgl_kernel", "triton", "torchvision"]  # none is installed here
     assert out["defined"] == ["Kernel", "Kernel", "Derived"]
     assert out["kernel_call"].startswith("triton.jit(kernel): called on a box without CUDA")
