@@ -7,11 +7,13 @@ TORCH  := torch==2.13.0
 # SGLang for the CPU tests of the SGLang integration: the pinned wheels without their (CUDA) deps (the
 # router is a Rust binary that runs on CPU: tests/test_sglang_router.py starts it), plus
 # the pure-python modules its layers / KV pools / scheduler data structures import (SGLang's own pins
-# where it has them). sgl_kernel, triton and torchvision are stubbed by tests/sglang_cpu.py.
-SGLANG := sglang==0.5.23 sglang-router==0.3.2
+# where it has them), plus what its HTTP server imports (a live CPU server: tests/test_sglang_live.py;
+# xgrammar without its declared triton dependency). sgl_kernel, triton and torchvision are CPU
+# stand-ins (sparserl_mcore/sglang/cpu_stubs.py).
+SGLANG := sglang==0.5.23 sglang-router==0.3.2 xgrammar==0.2.7
 SGLANG_CPU_DEPS := orjson pybase64 requests msgspec pyzmq ipython aiohttp apache-tvm-ffi==0.1.11 \
 	dill sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf openai==2.8.0 partial_json_parser \
-	setproctitle einops
+	setproctitle einops uvloop==0.23.0 python-multipart==0.0.34 jsonschema==4.26.0 soundfile==0.13.1
 
 .PHONY: setup test demo bench lint slurm-test apt-shellcheck gpu-wheels gpu-check
 

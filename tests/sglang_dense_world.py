@@ -6,11 +6,11 @@
 A worker is one SGLang server's TP ranks, each a process: SGLang 0.5.23's real `Qwen2ForCausalLM`
 (SGLang's parallel state over gloo, loaded with checkpoint A), its real `WeightUpdater` and its
 real scheduler-side `SchedulerWeightUpdaterManager` (session checks, receive + load, weight
-version). SGLang's HTTP server does not import here (no uvloop; `managers/scheduler.py` needs the
-real sgl_kernel), so TP rank 0 answers the same routes with a stdlib HTTP server: it parses each
-body into SGLang's own request struct (`managers/io_struct.py`; an unknown or missing field
-fails), hands (route, body) to every TP rank over the TP CPU group as SGLang's scheduler does,
-and every rank calls the manager. `tp_worker.TpModelWorker` does not import either: `_TpWorker`
+version). Its HTTP server and scheduler are not used here (they run live, with TP=1 only, in
+tests/test_sglang_live.py), so TP rank 0 answers the same routes with a stdlib HTTP server: it
+parses each body into SGLang's own request struct (`managers/io_struct.py`; an unknown or missing
+field fails), hands (route, body) to every TP rank over the TP CPU group as SGLang's scheduler
+does, and every rank calls the manager. `tp_worker.TpModelWorker` is not built either: `_TpWorker`
 holds the four members the manager uses, each the body it has in 0.5.23.
 
 The sender imports no SGLang: it is what the trainer runs (`sparserl_mcore.sglang.dense_sync`,

@@ -84,8 +84,8 @@ def parsed_launch_argv() -> dict:
     argv = sglang_argv(cfg)
     args = prepare_server_args(argv[3:])  # after `python -m sglang.launch_server`
     fields = (
-        "model_path", "host", "port", "tp_size", "custom_weight_loader", "admin_api_key", "page_size",
-        "disable_overlap_schedule", "max_running_requests",
+        "model_path", "host", "port", "tp_size", "custom_weight_loader", "admin_api_key", "dtype",
+        "page_size", "disable_overlap_schedule", "max_running_requests",
     )  # fmt: skip
     return {
         "module": argv[2],

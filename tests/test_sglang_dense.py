@@ -2,9 +2,9 @@
 
 Processes (tests/sglang_dense_world.py): three SGLang TP ranks (SGLang's `Qwen2ForCausalLM` on
 checkpoint A, its `WeightUpdater`, its `SchedulerWeightUpdaterManager`) behind our stand-in for
-SGLang's HTTP routes (SGLang's http_server does not import on CPU), and the sender, which imports
-no SGLang. The sender runs `dense_sync` over BOTH workers in one gloo group (world 1 + 1 + 2, rank
-offsets 1 and 2) with 48 KiB buckets: SGLang's real `init_weights_update_group` (its
+SGLang's HTTP routes (a live server runs in tests/test_sglang_live.py, TP=1 only), and the sender,
+which imports no SGLang. The sender runs `dense_sync` over BOTH workers in one gloo group (world 1
++ 1 + 2, rank offsets 1 and 2) with 48 KiB buckets: SGLang's real `init_weights_update_group` (its
 `init_custom_process_group`) meets our `open_update_group`, and SGLang's real
 `receive_weights_from_distributed("flattened_bucket")` + `load_weights` meet our broadcasts.
 Then a sparse patch through our loader, then a second dense sync on the same master port (the

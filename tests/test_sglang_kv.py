@@ -8,7 +8,7 @@ Built from SGLang's own classes and request lifecycle functions: `MHATokenToKVPo
 budget, our compactor compresses it, and B is released through SGLang's own `release_kv_cache`.
 The reference for what is kept is the embedded engine's compaction (`rollout/compaction.py`) fed
 the same K/V and queries. What is not built here: `ScheduleBatch` and the scheduler
-(`srt/managers/scheduler.py` does not import with the CPU stubs, tests/sglang_cpu.py); the hook
+(a live scheduler runs them in tests/test_sglang_live.py); the hook
 wiring is tested on the objects it receives in tests/test_sglang_kv_hooks.py.
 """
 

@@ -96,6 +96,35 @@ def test_window_queries_captured_in_attention_reach_the_policy(cache):
             assert torch.equal(w.kv.k_buffer[layer][kept, h], k_before[layer][entries[idx[layer, h]], h])
 
 
+def test_a_prefill_puts_each_prompts_last_queries_into_the_ring():
+    """As the embedded engine does (`rollout/batch_forward.py`), so a compression right after the
+    prompt scores with its last `window` queries, not with none."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    hooks = plugin_hooks("snapkv")
+    lens, rows = [6, 2], [1, 3]  # one prompt longer than the window (4), one shorter
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=2, input_ids=torch.zeros(8, dtype=torch.int64),
+        req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens), out_cache_loc=torch.arange(8),
+        seq_lens_sum=8, extend_seq_lens_cpu=lens,
+    )  # fmt: skip
+    hooks.after_alloc_rows(rows)
+    fb = hooks.after_init_new(fb, ForwardBatch, None, None)
+    q = torch.randn(L, 8, HQ, D, generator=torch.Generator().manual_seed(5))  # the batch's tokens
+    for layer in range(L):
+        attn = RadixAttention(num_heads=HQ, head_dim=D, scaling=1.0, num_kv_heads=HK, layer_id=layer)
+        hooks.around_attention(lambda *args, **kw: None, attn, q[layer].reshape(8, -1), None, None, fb)
+
+    def expected(tokens: slice) -> torch.Tensor:  # [L * Hq, w', d], oldest first
+        part = q[:, tokens]
+        return part.transpose(1, 2).reshape(L * HQ, part.shape[1], D)
+
+    assert torch.equal(hooks.ring.window_queries(1), expected(slice(2, 6)))  # its last 4 of 6
+    assert torch.equal(hooks.ring.window_queries(3), expected(slice(6, 8)))  # both of its 2
+    assert hooks.ring.window_queries(0) is None
+
+
 def test_the_query_ring_is_allocated_at_model_load_from_max_running_requests(capsys):
     """Sized from the launcher's --max-running-requests (+1: SGLang's request pool has a padding
     row), allocated in the AFTER hook of ModelRunner.initialize, i.e. before SGLang measures free

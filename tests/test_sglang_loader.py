@@ -7,11 +7,11 @@ parameter bit for bit with a second SGLang model that loaded B through SGLang's 
 (fused qkv_proj / gate_up_proj, vocab padded 130 -> 192 and split per rank). Every update goes
 through SGLang's real `WeightUpdater.update_weights_from_tensor` (custom-loader dispatch) with our
 plugin loaded by SGLang's `load_plugins`. A corrupt base on one rank must make every rank answer
-(False, message). Not exercised: the HTTP server and scheduler processes (`sglang.srt.managers.
-scheduler` does not import with the CPU stubs, tests/sglang_cpu.py). The TP=1 process also
-parses `sparserl sglang-serve`'s command line with SGLang's own `prepare_server_args`. The same
-worlds also run the loader's failure and dtype checks and one KV compression with a KV head
-replicated over the TP ranks (their processes are the costly part).
+(False, message). The HTTP server and scheduler processes around them run in
+tests/test_sglang_live.py (TP=1 only). The TP=1 process also parses `sparserl sglang-serve`'s
+command line with SGLang's own `prepare_server_args`. The same worlds also run the loader's
+failure and dtype checks and one KV compression with a KV head replicated over the TP ranks
+(their processes are the costly part).
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ def test_launch_argv_is_accepted_by_sglangs_parser(results):
         "tp_size": 2,
         "custom_weight_loader": ["sparserl_mcore.sglang.loader.load_patch_fragments"],
         "admin_api_key": "secret-token",
+        "dtype": "bfloat16",  # our patches are BF16 whatever the checkpoint's dtype
         "page_size": 1,  # with KV compression the launcher adds these three
         "disable_overlap_schedule": True,
         "decode_graph": "disabled",

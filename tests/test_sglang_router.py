@@ -1,14 +1,14 @@
 """The real sglang-router (0.3.2, its Rust binary) in front of two real `sparserl serve` workers.
 
-SGLang's own server cannot start here (no CUDA); `sparserl serve` answers the routes the router
-uses: it registers a worker after GET /health and GET /get_model_info (it also tries
-/server_info, /get_server_info and /model_info, 404 here), and forwards each /generate
-re-serialized with SGLang's default `GenerateReqInput` fields, which our server accepts. What is
-checked: the worker list (`router_workers`), SGLang-dialect generation through the router
-(`SGLangRouter`, seeds honoured: the same samples as the worker gives directly), the trainer's
-own path (`rollout.router_url` -> `build_engines` -> `EnginePool`), the weight sync taking a
-dropped worker out, the preflight check, and that a dead router fails the step at once with its
-URL in the error.
+Cheaper than SGLang workers (tests/test_sglang_live.py puts it in front of those); `sparserl serve`
+answers the routes the router uses: it registers a worker after GET /health and GET /get_model_info
+(it also tries /server_info, /get_server_info and /model_info, 404 here), and forwards each
+/generate re-serialized with SGLang's default `GenerateReqInput` fields, which our server accepts.
+What is checked: the worker list (`router_workers`), SGLang-dialect generation through the router
+(`SGLangRouter`, seeds honoured: the same samples as the worker gives directly), the trainer's own
+path (`rollout.router_url` -> `build_engines` -> `EnginePool`), the weight sync taking a dropped
+worker out, the preflight check, and that a dead router fails the step at once with its URL in the
+error.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """`sglang.wire`: our /generate requests parsed by SGLang 0.5.23's own request classes, and its
-response shape read back.
+response shape read back, corner cases included (a live server answers the common case in
+tests/test_sglang_live.py).
 
-SGLang cannot generate on CPU (its scheduler and HTTP server do not import here: no uvloop, no
-real sgl_kernel), so generation itself is not exercised. The request side goes through SGLang's
-real `GenerateReqInput.normalize_batch_and_arguments` and, per request, its real
-`SamplingParams(**dict)` + `normalize` + `verify` (what `TokenizerManager` does with each
-`sampling_params` dict). The response side is a dict built as `TokenizerManager._handle_batch_output`
-builds it in 0.5.23 (its module does not import here).
+The request side goes through SGLang's real `GenerateReqInput.normalize_batch_and_arguments`
+and, per request, its real `SamplingParams(**dict)` + `normalize` + `verify` (what
+`TokenizerManager` does with each `sampling_params` dict). The response side is a dict shaped as
+`TokenizerManager._handle_batch_output` builds it in 0.5.23 (as a live server answered it), with
+the cases a quiet server does not produce: weight-version spans of an update mid-request, KV
+figures with gaps, malformed figures.
 """
 
 from __future__ import annotations
@@ -93,4 +94,30 @@ def test_sglang_results_become_samples():
 )
 def test_results_from_unsynced_or_inconsistent_workers_are_refused(obj, error):
     with pytest.raises(ValueError, match=error):
+        wire.read_sample(obj, REQUESTS[0])
+
+
+def test_a_request_spanning_a_weight_update_carries_its_oldest_version():
+    """SGLang labels a response with the LAST version (`weight_version`) and lists the spans; the
+    sample's staleness is its oldest."""
+    obj = _response("a", [9, 10, 11], "5")
+    obj["meta_info"]["weight_versions"] = [
+        {"version": "4", "start": 0, "end": 1},
+        {"version": "5", "start": 1, "end": 3},
+    ]
+    assert wire.read_sample(obj, REQUESTS[0]).weight_version == 4
+    obj["meta_info"]["weight_versions"][0]["version"] = "default"  # tokens before any sync of ours
+    with pytest.raises(ValueError, match="'default'"):
+        wire.read_sample(obj, REQUESTS[0])
+
+
+def test_the_plugins_kv_figures_become_kv_stats():
+    obj = _response("a", [9, 10, 11], "1")
+    obj["meta_info"]["sparserl_kv"] = [[7, 0, 0, 700], None, [12, 5, 1, 1200]]  # a token no hook saw
+    stats = wire.read_sample(obj, REQUESTS[0]).kv_stats
+    assert stats == KVStats(
+        peak_retained_tokens=12, evictions=5, compressions=1, peak_pages=12, peak_kv_bytes=1200
+    )
+    obj["meta_info"]["sparserl_kv"] = [[7, 0, 0]]
+    with pytest.raises(ValueError, match="sparserl_kv"):
         wire.read_sample(obj, REQUESTS[0])

@@ -3,11 +3,14 @@
 Stable command line (the Slurm scripts call it on rollout nodes):
 
     sparserl sglang-serve --model-path DIR [--host H] [--port P] [--tp-size N] [--token T]
-        [--kv-method M --kv-budget B ...] [--max-running-requests R] [--startup-timeout S]
+        [--device cuda|cpu] [--kv-method M --kv-budget B ...] [--max-running-requests R]
+        [--startup-timeout S]
         [-- <extra sglang.launch_server args>]
 
-The token comes from --token or SPARSERL_SERVE_TOKEN and becomes SGLang's --admin-api-key. The
-KV flags are those of `sparserl serve` (same KVCompressionConfig). Prints
+The token comes from --token or SPARSERL_SERVE_TOKEN and becomes SGLang's --admin-api-key (an
+empty one is refused). The checkpoint is checked before SGLang starts (`launch.check_model`). The
+KV flags are those of `sparserl serve` (same KVCompressionConfig). `--device cpu` runs SGLang's
+CPU engine with our stand-ins for its CUDA-only packages (docs/sglang.md). Prints
 `sparserl sglang-serve: ready <url>` once GET /health answers 200; exits 0 on SIGTERM/SIGINT
 after stopping SGLang's whole process group, or with SGLang's exit code if it dies.
 """
@@ -30,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for weight routes (or ${TOKEN_ENV})"
     )
     parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: SGLang's CPU engine (tests, small models)",
+    )
+    parser.add_argument(
         "--max-running-requests",
         type=int,
         default=None,
@@ -47,6 +56,10 @@ def config_from_args(args: argparse.Namespace):  # -> LaunchConfig
     from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
     from sparserl_mcore.sglang.launch import LaunchConfig
 
+    if args.token == "":  # LaunchConfig refuses it too; here the message can name both sources
+        raise ValueError(
+            f"--token (or ${TOKEN_ENV}) is empty; give a long random string, or none on loopback"
+        )
     extra = list(args.sglang_args)
     if extra[:1] == ["--"]:
         extra = extra[1:]
@@ -55,7 +68,8 @@ def config_from_args(args: argparse.Namespace):  # -> LaunchConfig
         host=args.host,
         port=args.port,
         tp_size=args.tp_size,
-        token=args.token or None,
+        token=args.token,
+        device=args.device,
         kv=KVCompressionConfig(**_given(args, KV_FLAGS, "kv_")),
         max_running_requests=args.max_running_requests,
         extra_args=tuple(extra),
@@ -64,10 +78,11 @@ def config_from_args(args: argparse.Namespace):  # -> LaunchConfig
 
 
 def run(args: argparse.Namespace) -> int:
-    from sparserl_mcore.sglang.launch import serve
+    from sparserl_mcore.sglang.launch import check_model, serve
 
     try:
         cfg = config_from_args(args)
+        check_model(cfg)
     except ValueError as exc:
         print(f"sparserl sglang-serve: error: {exc}", file=sys.stderr)
         return 2

@@ -229,6 +229,24 @@ def router_workers(router_url: str, *, timeout: float = 10.0) -> list[str]:
     return urls
 
 
+def weight_routes_refuse(url: str, token: str | None, *, timeout: float = 5.0) -> int | None:
+    """The HTTP status (401 / 403) with which an SGLang worker refuses `token` on its weight routes,
+    or None when it lets it through (or cannot be asked).
+
+    One `POST /update_weights_from_tensor` with an empty JSON object: SGLang's auth middleware
+    (`srt/utils/auth.py: decide_request_auth`, ADMIN_OPTIONAL) answers before the body is read, and
+    a request it lets through is refused as malformed (`serialized_named_tensors` is required), so
+    nothing is updated either way."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        answer = httpx.post(
+            url.rstrip("/") + "/update_weights_from_tensor", json={}, headers=headers, timeout=timeout
+        )
+    except httpx.HTTPError:
+        return None
+    return answer.status_code if answer.status_code in (401, 403) else None
+
+
 def server_kind(url: str, token: str | None = None, *, timeout: float = 5.0) -> str | None:
     """ "sglang" or "sparserl" from one GET /server_info, None when the server does not say.
 

@@ -9,13 +9,20 @@ own process group with:
   every SGLang process; `SGLANG_PLUGINS` is extended with `sparserl` only when the user already
   restricts the plugins (otherwise every installed plugin loads, ours included);
 - with KV compression: `--page-size 1 --disable-overlap-schedule`, and for the policies that score
-  with queries `--cuda-graph-backend-decode disabled` and `--max-running-requests N` (default
+  with queries `--cuda-graph-backend-decode/-prefill disabled` and `--max-running-requests N` (default
   `RING_MAX_RUNNING_REQUESTS`: the plugin's query ring has N + 1 rows and is allocated when the
   model is loaded, before SGLang sizes its KV pool; docs/sglang.md "KV compression"); flags it
   cannot follow are refused (`KV_REFUSED_FLAGS`);
 - `--admin-api-key <token>` when a token is given: SGLang then requires it on the weight, pause
   and flush routes (auth level ADMIN_OPTIONAL) while /generate stays open, the same split as
-  `sparserl serve`.
+  `sparserl serve`;
+- `--dtype bfloat16`: our patches carry BF16 bits, and SGLang would otherwise serve a float32 (or
+  dtype-less) checkpoint in float16 (`srt/configs/model_config.py: _get_and_verify_dtype`), which
+  every patch would then fail against; another `--dtype` among the extra flags is refused;
+- with `device="cpu"`: SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1`, `--device cpu`, torch SDPA
+  attention, PyTorch sampling, the scheduler asleep when idle) and our stand-ins for the CUDA-only
+  packages in every SGLang process (`cpu_site/sitecustomize.py` on PYTHONPATH, `cpu_stubs.py`).
+`check_model` refuses, before SGLang starts, a checkpoint the sparse sync cannot serve.
 It then polls `GET /health` until 200 (SGLang answers 503 while starting), prints one
 `sparserl sglang-serve: ready <url>` line, and waits. SIGTERM / SIGINT, a failed start or the
 child's exit end the whole process group (SIGTERM, then SIGKILL after `grace_s`).
@@ -26,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -39,6 +47,12 @@ import httpx
 from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
 from sparserl_mcore.rollout.server import is_loopback
 from sparserl_mcore.sglang.loader import LOADER_PATH
+
+DEVICES = ("cuda", "cpu")
+SERVED_DTYPE = "bfloat16"  # what the sparse sync's patches carry
+CPU_SITE = str(pathlib.Path(__file__).with_name("cpu_site"))  # sitecustomize.py: the CPU stand-ins
+# SGLang's CPU engine (x86 default `intel_amx` and the flashinfer sampler call sgl_kernel / CUDA ops)
+CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch")
 
 PLUGIN_NAME = "sparserl"  # the entry point name in pyproject.toml (group sglang.srt.plugins)
 PLUGIN_ENV = "SPARSERL_SGLANG"  # JSON settings of the plugin; unset: the plugin stays inert
@@ -61,6 +75,7 @@ class LaunchConfig:
     port: int = 30000
     tp_size: int = 1
     token: str | None = None
+    device: str = "cuda"
     kv: KVCompressionConfig = dataclasses.field(default_factory=KVCompressionConfig)
     max_running_requests: int | None = None
     extra_args: tuple[str, ...] = ()
@@ -80,7 +95,11 @@ class LaunchConfig:
                 "(or SPARSERL_SERVE_TOKEN) so only the trainer can update weights, or bind 127.0.0.1"
             )
         if self.token is not None and len(self.token) < 8:
-            raise ValueError("token is shorter than 8 characters; use a long random string")
+            what = "is empty" if not self.token else "is shorter than 8 characters"
+            raise ValueError(f"token {what}; use a long random string (or give none on loopback)")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r}: choose from {list(DEVICES)}")
+        _check_sync_launch(self.extra_args)
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests={self.max_running_requests}: must be >= 1")
         if self.kv.enabled:
@@ -112,13 +131,16 @@ def sglang_argv(cfg: LaunchConfig) -> list[str]:
     """The child's command line (checked against sglang 0.5.23's own parser in the tests)."""
     argv = [cfg.python, "-m", cfg.module, "--model-path", cfg.model_path]
     argv += ["--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp_size)]
-    argv += ["--custom-weight-loader", LOADER_PATH]
+    argv += ["--custom-weight-loader", LOADER_PATH, "--dtype", SERVED_DTYPE]
+    if cfg.device == "cpu":
+        argv += [*CPU_ARGS, "--sleep-on-idle"]  # an idle scheduler otherwise polls half a core
     if cfg.kv.enabled:
         # the plugin compresses between steps on the scheduler's own batch (docs/sglang.md)
         argv += ["--page-size", "1", "--disable-overlap-schedule"]
         if cfg.kv.method != "streamingllm":
-            # query capture runs inside RadixAttention.forward, which a replayed CUDA graph skips
-            argv += ["--cuda-graph-backend-decode", "disabled"]
+            # query capture runs inside RadixAttention.forward (decode steps and the prompt's last
+            # queries), which a replayed CUDA graph skips
+            argv += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
     if cfg.running_requests is not None:
         argv += ["--max-running-requests", str(cfg.running_requests)]
     if cfg.token is not None:
@@ -143,6 +165,52 @@ KV_REFUSED_FLAGS = (
     "--enable-dp-attention",
     "--attn-dp-size",
 )
+
+
+def _flag_values(extra_args: tuple[str, ...], flag: str) -> list[str]:
+    """Values given to `flag` among SGLang's extra flags (`--flag v` or `--flag=v`)."""
+    values = []
+    for i, arg in enumerate(extra_args):
+        if arg == flag:
+            values.append(extra_args[i + 1] if i + 1 < len(extra_args) else "")
+        elif arg.startswith(flag + "="):
+            values.append(arg.split("=", 1)[1])
+    return values
+
+
+def _check_sync_launch(extra_args: tuple[str, ...]) -> None:
+    """SGLang settings under which our sparse BF16 patches cannot land."""
+    for dtype in _flag_values(extra_args, "--dtype"):
+        if dtype != SERVED_DTYPE:
+            raise ValueError(
+                f"--dtype {dtype}: the trainer's weight patches are BF16, so SGLang must serve "
+                f"{SERVED_DTYPE} weights (sparserl sglang-serve passes it); drop --dtype"
+            )
+    if _flag_values(extra_args, "--quantization"):
+        raise ValueError(
+            "--quantization: the sparse weight sync writes BF16 values into unquantized parameters; "
+            "serve the BF16 checkpoint"
+        )
+
+
+def check_model(cfg: LaunchConfig) -> None:
+    """Refuse, in one line and before SGLang starts, a checkpoint the sparse sync cannot serve: a
+    directory that is not a complete HF checkpoint with a tokenizer, an architecture without an
+    SGLang layout, a quantized one, or one whose heads `tp_size` does not split."""
+    from sparserl_mcore.ckpt.preflight import check_hf_checkpoint
+    from sparserl_mcore.sglang.layout import SGLangLayout
+
+    hf = check_hf_checkpoint(cfg.model_path, label="--model-path", tokenizer=True)
+    config = json.loads((pathlib.Path(cfg.model_path) / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise ValueError(
+            f"--model-path {cfg.model_path}: a quantized checkpoint; the sparse weight sync serves "
+            "BF16 weights only"
+        )
+    try:
+        SGLangLayout(hf, tp_size=cfg.tp_size)
+    except ValueError as exc:
+        raise ValueError(f"--model-path {cfg.model_path} at --tp-size {cfg.tp_size}: {exc}") from None
 
 
 def _check_kv_launch(kv: KVCompressionConfig, extra_args: tuple[str, ...]) -> None:
@@ -177,6 +245,9 @@ def child_env(cfg: LaunchConfig, base: dict[str, str] | None = None) -> dict[str
     env = dict(os.environ if base is None else base)
     env[PLUGIN_ENV] = json.dumps(plugin_settings(cfg), sort_keys=True)
     env[ORIGINAL_LOGPROB_ENV] = "false"
+    if cfg.device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's `is_cpu()`; without it the CUDA paths are taken
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (CPU_SITE, env.get("PYTHONPATH")) if p)
     allowed = [p.strip() for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
     if allowed and PLUGIN_NAME not in allowed:
         env["SGLANG_PLUGINS"] = ",".join([*allowed, PLUGIN_NAME])

@@ -12,8 +12,10 @@ sparserl-mcore next to SGLang changes nothing by itself. Hooks:
 - AROUND `model_executor.model_runner_components.weight_updater.WeightUpdater.update_weights_from_tensor`:
   our loader's `SyncRejected` becomes `(False, message)`, which SGLang answers as HTTP 400 (an
   exception there would end the scheduler process).
-- with a KV method other than "none": the compression hooks of `kv_hooks.KVHooks` (BEFORE
-  `ScheduleBatch.prepare_for_decode`, AFTER `ForwardBatch.init_new`, AFTER
+- always: the KV figures each response carries (`kv_report`: AFTER
+  `ScheduleBatch.prepare_for_extend`, BEFORE `ScheduleBatch.prepare_for_decode`);
+- with a KV method other than "none": the compression hooks of `kv_hooks.KVHooks` (in the same
+  BEFORE hook on `prepare_for_decode`, AFTER `ForwardBatch.init_new`, AFTER
   `ReqToTokenPool.alloc_rows`, AROUND `RadixAttention.forward` and AFTER `ModelRunner.initialize`
   for policies scoring with queries);
   docs/sglang.md, "KV compression".
@@ -81,8 +83,7 @@ def register() -> None:
         return
     kv_hooks = _kv_hooks(config)
     hooks: list[tuple[str, Callable[..., Any], str]] = [(WEIGHT_UPDATER, report_rejections, "AROUND")]
-    if kv_hooks is not None:
-        hooks += [(target, kv_hooks.hook(target), kind) for target, kind in kv_hooks.targets()]
+    hooks += [(target, kv_hooks.hook(target), kind) for target, kind in kv_hooks.targets()]
     missing = missing_targets([target for target, _, _ in hooks])
     if missing:
         raise SystemExit(f"sparserl plugin: this SGLang lacks the hooked names {missing}; pin sglang==0.5.23")
@@ -92,12 +93,12 @@ def register() -> None:
         HookRegistry.register(target, fn, HookType[kind])
 
 
-def _kv_hooks(config: dict[str, Any]) -> KVHooks | None:
-    """The compression hooks for the settings' "kv" section, or None for method "none"."""
+def _kv_hooks(config: dict[str, Any]) -> KVHooks:
+    """The KV hooks for the settings' "kv" section (method "none": the KV figures only)."""
     from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
 
     try:
         cfg = KVCompressionConfig(**dict(config.get("kv") or {}))
-        return KVHooks(cfg, max_running_requests=config.get("max_running_requests")) if cfg.enabled else None
+        return KVHooks(cfg, max_running_requests=config.get("max_running_requests"))
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"sparserl plugin: bad kv settings in ${PLUGIN_ENV}: {exc}") from None

@@ -10,9 +10,13 @@ SGLang's where this module adapts (read in the 0.5.23 wheel, file: symbol):
 - response (`managers/tokenizer_manager.py: TokenizerManager._handle_batch_output`): `output_ids`,
   `meta_info` with `id`, `finish_reason` ({"type": "stop"|"length"|"abort", ...}),
   `cached_tokens`, `weight_version` (SGLang's label string: the version our sync sent, or
-  "default" on a worker that never got our weights) and `output_token_logprobs` as
-  [logprob, token_id, text|null] (`detokenize_logprob_tokens`). There is no `kv_stats`: SGLang
-  reports none, so samples carry zero `KVStats` (the trainer's KV metrics read 0 for SGLang).
+  "default" on a worker that never got our weights), `weight_versions` (`utils/weight_versions.py:
+  add_weight_versions_to_meta_info`: [{"version", "start", "end"}] output-token spans, more than
+  one when a weight update landed while the request ran; `weight_version` is the LAST span's)
+  and `output_token_logprobs` as [logprob, token_id, text|null] (`detokenize_logprob_tokens`).
+  SGLang has no KV statistics of its own: our plugin adds `sparserl_kv` (`kv_report`), read into
+  the sample's `KVStats`; a server without our plugin gives zero `KVStats`.
+A sample's `weight_version` is the OLDEST version any of its tokens came from (its staleness).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from sparserl_mcore.rollout import http_wire
 from sparserl_mcore.rollout.protocol import GenerateRequest, KVStats, Sample, SamplingParams
+from sparserl_mcore.sglang import kv_report
 
 
 def sampling_json(params: SamplingParams) -> dict[str, Any]:
@@ -62,16 +67,39 @@ def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
     or when the worker does not hold weights this trainer sent (its label is not a version)."""
     meta = obj["meta_info"]
     output_ids, logprobs = http_wire.read_outputs(obj, request)
-    label = str(meta["weight_version"])
-    if not label.isdigit():
-        raise ValueError(f"weight_version={label!r}: this worker holds no weights synced by the trainer")
     return Sample(
         rid=str(meta["id"]),
         prompt_ids=request.input_ids,
         output_ids=output_ids,
         output_logprobs=logprobs,
         finish_reason=meta["finish_reason"]["type"],
-        kv_stats=KVStats(),
-        weight_version=int(label),
+        kv_stats=read_kv_stats(meta),
+        weight_version=oldest_version(meta),
         cached_prompt_tokens=int(meta.get("cached_tokens", 0)),
+    )
+
+
+def oldest_version(meta: dict[str, Any]) -> int:
+    """The oldest weight version among the response's token spans (`weight_versions`), or its
+    `weight_version` when it has none; ValueError for a label our sync did not send."""
+    spans = meta.get("weight_versions") or [{"version": meta["weight_version"]}]
+    labels = [str(span["version"]) for span in spans]
+    for label in labels:
+        if not label.isdigit():
+            raise ValueError(f"weight_version={label!r}: this worker holds no weights synced by the trainer")
+    return min(int(label) for label in labels)
+
+
+def read_kv_stats(meta: dict[str, Any]) -> KVStats:
+    """The request's KV figures as our plugin reported them (`kv_report`); zeros without them."""
+    figures = kv_report.read(meta)
+    if figures is None:
+        return KVStats()
+    peak, evictions, compressions, peak_bytes = figures
+    return KVStats(
+        peak_retained_tokens=peak,
+        evictions=evictions,
+        compressions=compressions,
+        peak_pages=peak,  # page size 1: one slot per retained position
+        peak_kv_bytes=peak_bytes,
     )

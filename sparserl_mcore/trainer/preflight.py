@@ -13,6 +13,8 @@ torchrun or srun run it themselves). It needs neither megatron nor a process gro
 - remote servers (`probe_servers`, the launching rank only): each one that answers is the kind
   `rollout.server` says (`sglang.client.server_kind`: one GET /server_info), since SGLang and
   `sparserl serve` take weights through different routes and a mix-up would fail at the first sync;
+  an SGLang worker lets the trainer's token through to its weight routes
+  (`sglang.client.weight_routes_refuse`), since a refused token loses the worker at the first sync;
   a `rollout.router_url` that answers routes to exactly `rollout.urls` (`router_workers`), since
   weights reach only those;
 - resume (`run_record`): what the run continues from and which settings changed since; refused
@@ -63,7 +65,7 @@ def check_run(cfg: RunConfig, *, world_size: int, probe_servers: bool = True) ->
 
 
 def _check_servers(cfg: RunConfig) -> None:
-    from sparserl_mcore.sglang.client import server_kind
+    from sparserl_mcore.sglang.client import server_kind, weight_routes_refuse
 
     rc = cfg.rollout
     if rc.engine != "remote":
@@ -76,6 +78,13 @@ def _check_servers(cfg: RunConfig) -> None:
             raise PreflightError(
                 f"rollout.urls: {url} answers as {what}, but rollout.server={rc.server}; "
                 f"set rollout.server={kind}"
+            )
+        refused = weight_routes_refuse(url, token) if kind == "sglang" else None
+        if refused is not None:
+            given = f"the token in ${rc.token_env}" if token else "no token (rollout.token_env is unset)"
+            raise PreflightError(
+                f"rollout.urls: {url} refuses its weight routes with {given} (HTTP {refused}); set "
+                "rollout.token_env to the variable holding the token the server was started with"
             )
     _check_router(rc)
 
