@@ -58,7 +58,8 @@ def _run(config: Path, nproc: int, env: dict[str, str]) -> None:
     from sparserl_mcore.parallel.launch import torchrun_command
 
     script = str(Path(launchers.train.__file__).resolve())
-    subprocess.run(torchrun_command([script, "--config", str(config)], nproc), env=env, check=True)
+    cmd = torchrun_command([script, "--config", str(config)], nproc, log_dir=config.parent / "torchrun")
+    subprocess.run(cmd, env=env, check=True)
 
 
 def _phases(metrics: Path, steps: int) -> dict[str, float]:
