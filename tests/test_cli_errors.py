@@ -126,6 +126,20 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
             2,
             "not a checkpoint",
         ),
+        (
+            [
+                "convert",
+                "mcore-to-hf",
+                "--mcore-dir",
+                "{hf}",
+                "--out",
+                "{tmp}/o",
+                "--max-shard-size",
+                "2 gigs",
+            ],
+            2,
+            "--max-shard-size: '2 gigs': use a size like 2GB",
+        ),
         (["convert", "verify"], 2, "the following arguments are required: --hf-dir, --mcore-dir"),
         (["convert", "verify", "--hf-dir", "/nonexistent", "--mcore-dir", "{hf}"], 2, "no such directory"),
         (

@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument(
         "--hf-config-dir", default=None, help="config.json + tokenizer source (default: the copy stored in M)"
     )
-    to_hf.add_argument("--max-shard-size", default="2GB", help="safetensors file size limit, e.g. 500MB")
+    to_hf.add_argument(
+        "--max-shard-size", type=shard_size, default="2GB", help="safetensors file size limit, e.g. 500MB"
+    )
     for p in (to_mcore, to_hf):
         p.add_argument("--out", required=True, help="output directory (written atomically)")
         p.add_argument(
@@ -125,6 +127,15 @@ def preflight_hf(hf_dir: str | pathlib.Path, tp: int, pp: int, dtype: str | None
     stored = HFCheckpoint(hf_dir).config_dtype()
     if (dtype or stored or "float32") not in ("float32", "bfloat16"):
         raise ValueError(f"{hf_dir} stores dtype {stored!r}; convert with --dtype float32 or bfloat16")
+
+
+def shard_size(text: str) -> str:
+    """argparse type of the --max-shard-size flags: the text, once `parse_size` reads it."""
+    try:
+        parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a size like 2GB, 500MB or 100KB") from None
+    return text
 
 
 def parse_size(text: str) -> int:

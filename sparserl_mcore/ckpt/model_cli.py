@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sparserl_mcore.ckpt.cli import shard_size
 from sparserl_mcore.cli_args import non_negative_int, positive_int
 
 # --dtype spellings -> the torch dtype name make_tiny takes
@@ -29,19 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="float32", help="float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)"
     )
     tiny.add_argument(
-        "--max-shard-size", type=_shard_size, default=None, help='e.g. "200KB": write sharded safetensors'
+        "--max-shard-size", type=shard_size, default=None, help='e.g. "200KB": write sharded safetensors'
     )
     tiny.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-
-
-def _shard_size(text: str) -> str:
-    from sparserl_mcore.ckpt.cli import parse_size
-
-    try:
-        parse_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use a size like 2GB, 500MB or 100KB") from None
-    return text
 
 
 def run(args: argparse.Namespace) -> int:

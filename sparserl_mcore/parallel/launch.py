@@ -13,7 +13,9 @@ Lifetime (the contract a rank's checkpoint-on-SIGTERM handler can rely on):
   (SPARSERL_STOP_GRACE_S, default 60) are SIGKILLed with torchrun; a second signal kills at once.
   The launcher then exits 128 + the signal number.
 - SIGKILL of the launching process: the kernel sends torchrun SIGTERM (PR_SET_PDEATHSIG, set in the
-  child before exec); torchrun SIGTERMs its ranks and SIGKILLs them 30 s later.
+  child before exec); torchrun SIGTERMs its ranks' process groups and SIGKILLs them 30 s later.
+  The trainer's ranks take it as a stop: they finish the step, checkpoint and exit 0 (their console
+  output goes on in rank 0's log, `rank_entry.ConsoleOut`).
 - A rank whose torchrun dies gets SIGKILL (`rank_entry` sets its own parent-death signal).
 - A rank that dies: torchrun sees it within its 0.1 s monitor interval and stops the others.
 torchrun's own files go to `log_dir/torchelastic/` (removed when it exits, and by the next launch into
@@ -70,7 +72,7 @@ def torchrun_command(
 
     log_dir: torchrun's own per-run files (its workers' error records). Without it torchrun makes a
     `torchelastic_*` directory in the temp directory for every launch and never removes it; the
-    launchers here give it a folder of the launch's own (removed with the launch, `_torchrun_dir`).
+    launchers here give it a folder of the launch's own, removed with the launch.
     """
     if nproc < 1:
         raise ValueError(f"nproc={nproc}: must be >= 1")

@@ -12,7 +12,10 @@ Rank side, `rank_main(main)`:
 - it writes `<log dir>/rank<R>.pgid` (its process group: torchrun starts every rank in a session
   of its own, and what a rank spawns, e.g. dist-checkpoint worker processes, stays in that group)
   and `<log dir>/rank<R>.exit.json`: the exit code and, for an uncaught exception,
-  "Type: first line of the message" (the full traceback goes to the rank's log).
+  "Type: first line of the message" (the full traceback goes to the rank's log);
+- then a launched rank exits at once (`_leave`), without the interpreter's slow teardown.
+Helper processes a rank spawns that must outlive a stop signal to its group start with
+`helper_process_init`.
 
 Launcher side, `summarize(log_dir, nproc)`: one line per distinct error with its ranks and the log
 that holds the traceback; ranks killed by a signal are read from torchrun's own failure report.
