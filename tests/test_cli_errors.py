@@ -282,6 +282,7 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
         ([*SGLANG, "--port", "0"], 2, ARGPARSE + r"--port: 0: must be a TCP port \(1..65535\)"),
         ([*SGLANG, "--port", "70000"], 2, ARGPARSE + "--port: 70000: must be a TCP port"),
         ([*SGLANG, "--tp-size", "0"], 2, ARGPARSE + "--tp-size: 0: must be >= 1"),
+        ([*SGLANG, "--max-running-requests", "0"], 2, ARGPARSE + "--max-running-requests: 0: must be >= 1"),
         ([*SGLANG, "--startup-timeout", "-1"], 2, ARGPARSE + "--startup-timeout: -1: must be > 0"),
         ([*SGLANG, "--startup-timeout", "nan"], 2, ARGPARSE + "--startup-timeout: nan: give a finite number"),
         ([*SGLANG, "--kv-method", "h2o"], 2, "kv method 'h2o' does not work inside SGLang"),
