@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import threading
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -341,6 +342,10 @@ class RolloutConfig:
                     f"router_url={self.router_url!r}: must be an http(s):// URL other than the worker urls"
                 )
         _positive(self, "request_timeout_s", "tensor_parallel_size")
+        if self.request_timeout_s > threading.TIMEOUT_MAX:  # its consumers wait on threading primitives
+            raise ValueError(
+                f"request_timeout_s={self.request_timeout_s:g}: must be <= {threading.TIMEOUT_MAX:g}"
+            )
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries}: must be >= 0")
 

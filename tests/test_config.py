@@ -128,6 +128,10 @@ def test_remote_engine_urls_from_an_override() -> None:
         (["optimizer.lr=.inf"], ["optimizer.lr: inf is not allowed here"]),
         (["optimizer.betas=[0.9, .nan]"], ["optimizer.betas[1]: nan"]),
         (["rollout.request_timeout_s=1e999"], ["rollout.request_timeout_s: inf"]),
+        (
+            ["rollout.request_timeout_s=1e300"],
+            ["rollout", "request_timeout_s=1e+300: must be <= 9.22337e+09"],
+        ),
         (["rollout.kv.rkv_lambda=-inf"], ["rollout.kv.rkv_lambda: -inf is not allowed"]),
         (["loss.policy.kl_coef=inf"], ["loss.policy.kl_coef: inf is not allowed"]),
         (["dgg.eps=nan"], ["dgg.eps: nan"]),
