@@ -19,6 +19,9 @@ key of its section.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import threading
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -45,6 +48,15 @@ T = TypeVar("T", bound="DataclassInstance")
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the dotted key."""
 
+
+# Float keys where an infinite value is a setting ("no bound"); every other float must be finite.
+UNBOUNDED_KEYS: dict[str, str] = {
+    "loss.correction.reject_high": "no upper rejection bound",
+    "loss.correction.truncate_max": "no truncation",
+    "loss.correction.log_ratio_clamp": "no clamp",
+    "loss.policy.clip_eps_high": "no upper clip",
+}
+INT64 = 2**63  # integers reach torch tensors and C sizes: they must fit a signed 64-bit integer
 
 # Keys that moved: old dotted key -> (new dotted key, why). An old key is refused with this hint.
 MOVED_KEYS: dict[str, tuple[str, str]] = {
@@ -96,7 +108,14 @@ def _unwrap_raw(value: Any, tp: Any) -> Any:
     try:
         return yaml.safe_load(value.text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"cannot parse {value.text!r}: {exc}") from exc
+        raise ConfigError(f"cannot parse {value.text!r}: {_yaml_problem(exc)}") from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (PyYAML's own text spans several)."""
+    mark = getattr(exc, "problem_mark", None)
+    what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else what
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -129,15 +148,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if not -INT64 <= value < INT64:
+            raise ConfigError(f"{key}: {value} does not fit a 64-bit integer")
         return value
     if tp is float:
-        # YAML 1.1 reads `1e-6` (no dot) as a string; accept any text float() understands.
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        return _coerce_float(value, key)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r} (quote it in YAML)")
@@ -149,6 +164,22 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return dict(value)
     raise ConfigError(f"{key}: unsupported field type {_type_name(tp)} (schema bug)")
+
+
+def _coerce_float(value: Any, key: str) -> float:
+    # YAML 1.1 reads `1e-6` (no dot) as a string; accept any text float() understands.
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if math.isnan(number):
+        raise ConfigError(f"{key}: nan is not a setting; give a number")
+    general = re.sub(r"\[\d+\]", "", key)  # betas[0] -> betas
+    if math.isinf(number) and general not in UNBOUNDED_KEYS:
+        raise ConfigError(f"{key}: {number} is not allowed here; give a finite number")
+    return number
 
 
 def _coerce_tuple(value: Any, args: tuple[Any, ...], key: str) -> tuple[Any, ...]:
@@ -311,6 +342,10 @@ class RolloutConfig:
                     f"router_url={self.router_url!r}: must be an http(s):// URL other than the worker urls"
                 )
         _positive(self, "request_timeout_s", "tensor_parallel_size")
+        if self.request_timeout_s > threading.TIMEOUT_MAX:  # its consumers wait on threading primitives
+            raise ValueError(
+                f"request_timeout_s={self.request_timeout_s:g}: must be <= {threading.TIMEOUT_MAX:g}"
+            )
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries}: must be >= 0")
 
@@ -445,6 +480,9 @@ class OptimizerConfig:
             raise ValueError("weight_decay, clip_grad and lr_warmup_steps must be >= 0 (clip_grad 0 = off)")
 
 
+MAX_SEED = 2**31  # train.seed: numpy's legacy seeding takes [0, 2**32), minus stage and step offsets
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The loop's size. A step samples prompts_per_step * rollout.group_size sequences, then
@@ -462,6 +500,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "prompts_per_step", "global_batch_size", "micro_batch_size", "reuse_epochs")
+        if not 0 <= self.seed < MAX_SEED:
+            raise ValueError(
+                f"seed={self.seed}: must be in [0, {MAX_SEED - 1}] (numpy seeds take 32 bits, and "
+                "megatron adds 100 per pipeline stage)"
+            )
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} is not a multiple of "
@@ -569,7 +612,7 @@ def load_config_text(text: str, overrides: Sequence[str] = ()) -> RunConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"invalid YAML: {exc}") from exc
+        raise ConfigError(f"invalid YAML: {_yaml_problem(exc)}") from None
     return config_from_dict(data or {}, overrides)
 
 

@@ -15,13 +15,19 @@
 
 `--seed S` seeds everything that differs between runs: the task splits, the random init and the
 warm start's batch order (trainer/warmstart.py prepare_policy), and the RL run (train.seed).
+
+The whole configuration (overrides, --nproc against the model it will make, the reward, the
+output directories) is checked before the warm start: a problem is one line and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
+
+from sparserl_mcore.cli_args import positive_int
 
 DEMO_YAML = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 
@@ -30,8 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", default="runs/demo", help="run directory (model, data, metrics, checkpoints)"
     )
-    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: examples/demo.yaml)")
-    parser.add_argument("--nproc", type=int, default=2, help="learner ranks (tensor parallel size)")
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help="GRPO steps (default: examples/demo.yaml)"
+    )
+    parser.add_argument("--nproc", type=positive_int, default=2, help="learner ranks (tensor parallel size)")
     parser.add_argument(
         "--seed",
         type=int,
@@ -132,20 +140,46 @@ def summary_table(metrics_path: Path, window: int = 5):
     return table
 
 
+def checked_config(out: Path, args: argparse.Namespace) -> dict:
+    """`demo_config` once everything that can be checked before the model and data exist passed
+    (`preflight.check_before_assets` with the shape of the model the warm start makes); raises
+    ConfigError / PreflightError."""
+    from sparserl_mcore.ckpt.atomic import output_problem
+    from sparserl_mcore.config import config_from_dict
+    from sparserl_mcore.trainer.preflight import PreflightError, check_before_assets
+    from sparserl_mcore.trainer.warmstart import DEMO_MODEL
+
+    problem = output_problem(out)
+    if problem:
+        raise PreflightError(f"--out {problem}")
+    config = demo_config(out, args.steps, args.nproc, args.overrides, seed=args.seed)
+    shape = {
+        "num_layers": DEMO_MODEL.layers,
+        "num_heads": DEMO_MODEL.heads,
+        "num_kv_heads": DEMO_MODEL.kv_heads,
+    }
+    check_before_assets(config_from_dict(config), world_size=args.nproc, **shape)
+    return config
+
+
 def run(args: argparse.Namespace) -> int:
     import yaml
     from rich.console import Console
 
+    from sparserl_mcore.config import ConfigError
     from sparserl_mcore.telemetry.console import quiet_library_output
     from sparserl_mcore.trainer.cli import main as train
+    from sparserl_mcore.trainer.preflight import PreflightError
 
     quiet_library_output()
     console = Console()
     out = Path(args.out).resolve()
     start = time.perf_counter()
-    config = demo_config(
-        out, args.steps, args.nproc, args.overrides, seed=args.seed
-    )  # fails before any training
+    try:
+        config = checked_config(out, args)
+    except (ConfigError, PreflightError) as exc:
+        print(f"sparserl demo: {exc}", file=sys.stderr)
+        return 2
     metrics = Path(config["telemetry"]["dir"]) / "metrics.jsonl"
     prepare(out, console, args.seed)
     cfg_path = out / "demo.yaml"

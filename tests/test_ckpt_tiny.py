@@ -1,10 +1,13 @@
 """`sparserl model make-tiny` output loads with transformers; its tokenizer round-trips the text the
-demo feeds it; atomic output directories leave nothing behind on error."""
+demo feeds it; atomic output directories leave nothing behind on error, and what they leave follows
+the user's umask."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -98,3 +101,25 @@ def test_a_dead_writers_temp_goes_at_the_next_start_a_live_ones_stays(tmp_path):
     with atomic_output_dir(tmp_path / "out") as tmp:
         (tmp / "v1").write_text("1")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, "out"])
+
+
+def test_outputs_get_the_modes_of_the_users_umask(tmp_path):
+    """What the writers leave (make-tiny's atomic directory, whose safetensors file safetensors
+    writes 0600; an atomic file from mkstemp; a patched HF directory from mkdtemp) has the modes
+    open() / mkdir() give under the umask, not the private 0600 / 0700."""
+    from sparserl_mcore.sync.hf_files import load_state, save_state_like
+    from sparserl_mcore.sync.transport_dir import atomic_write_bytes
+
+    previous = os.umask(0o022)
+    try:
+        for umask, files, dirs in ((0o022, 0o644, 0o755), (0o027, 0o640, 0o750)):
+            os.umask(umask)
+            tiny = make_tiny(TinyModelConfig(seed=umask), tmp_path / f"tiny-{umask:o}")
+            copy = tmp_path / f"copy-{umask:o}"
+            save_state_like(load_state(tiny), copy, like=tiny)
+            atomic_write_bytes(tmp_path / f"p-{umask:o}.patch", b"patch")
+            written = [tiny, *tiny.rglob("*"), copy, *copy.rglob("*"), tmp_path / f"p-{umask:o}.patch"]
+            modes = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
+            assert modes == {str(p): oct(dirs if p.is_dir() else files) for p in written}
+    finally:
+        os.umask(previous)

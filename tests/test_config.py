@@ -120,6 +120,22 @@ def test_remote_engine_urls_from_an_override() -> None:
         (["sync.broadcast={master_address: n0, master_port: 0}"], ["master_port=0", "TCP port"]),
         (["rollout.sampling.seed=3"], ["rollout.sampling.seed=3", "from train.seed"]),
         (["train.prompts_per_step=3"], ["3 * 8 = 24", "global_batch_size=256"]),
+        # every number inside the range its consumer takes (issue 27)
+        (["train.seed=-1"], ["train", "seed=-1", "[0, 2147483647]", "numpy seeds take 32 bits"]),
+        (["train.seed=2147483648"], ["seed=2147483648", "[0, 2147483647]"]),
+        (["train.steps=9223372036854775808"], ["train.steps", "does not fit a 64-bit integer"]),
+        (["optimizer.lr=nan"], ["optimizer.lr: nan is not a setting"]),
+        (["optimizer.lr=.inf"], ["optimizer.lr: inf is not allowed here"]),
+        (["optimizer.betas=[0.9, .nan]"], ["optimizer.betas[1]: nan"]),
+        (["rollout.request_timeout_s=1e999"], ["rollout.request_timeout_s: inf"]),
+        (
+            ["rollout.request_timeout_s=1e300"],
+            ["rollout", "request_timeout_s=1e+300: must be <= 9.22337e+09"],
+        ),
+        (["rollout.kv.rkv_lambda=-inf"], ["rollout.kv.rkv_lambda: -inf is not allowed"]),
+        (["loss.policy.kl_coef=inf"], ["loss.policy.kl_coef: inf is not allowed"]),
+        (["dgg.eps=nan"], ["dgg.eps: nan"]),
+        (["train.steps=[1"], ["cannot parse '[1'", "(line 1, column 3)"]),
     ],
 )
 def test_errors_name_the_key_and_the_allowed_values(overrides: list[str], expected: list[str]) -> None:
@@ -129,6 +145,16 @@ def test_errors_name_the_key_and_the_allowed_values(overrides: list[str], expect
         assert fragment in str(err.value), (fragment, str(err.value))
 
 
+def test_an_infinite_bound_is_a_setting_only_where_it_means_no_bound() -> None:
+    cfg = build(
+        "loss.correction.truncate_max=inf", "loss.correction.reject_high=.inf", "train.seed=2147483647"
+    )
+    assert cfg.loss.correction.truncate_max == cfg.loss.correction.reject_high == float("inf")
+    assert cfg.train.seed == 2**31 - 1
+    with pytest.raises(ConfigError, match="nan is not a setting"):
+        build("loss.correction.truncate_max=nan")
+
+
 def test_missing_required_key_and_bad_yaml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="missing required key model.hf_path"):
         config_from_dict({"model": {}, "data": {"train_path": "t"}})
@@ -136,8 +162,9 @@ def test_missing_required_key_and_bad_yaml(tmp_path: Path) -> None:
         config_from_dict({"model": {"hf_path": "m"}})
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {hf_path: m\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid YAML"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid YAML: .* \(line 2, column 1\)$") as err:
         load_config(bad)
+    assert "\n" not in str(err.value)  # PyYAML's own text spans several lines
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "absent.yaml")
     nested = tmp_path / "nested.yaml"

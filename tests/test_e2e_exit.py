@@ -53,7 +53,7 @@ def test_run_exits_within_10_s_of_its_last_step_and_leaves_no_process(tmp_path):
         checkpoint={"every": 1, "save_hf": None},
     )
     proc = subprocess.Popen(
-        torchrun_command([TRAIN, "--config", str(cfg)], 2),
+        torchrun_command([TRAIN, "--config", str(cfg)], 2, log_dir=tmp_path / "torchrun"),
         env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

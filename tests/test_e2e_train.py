@@ -56,14 +56,15 @@ def test_tp2_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path):
     assert sum(rewards[2:]) > sum(rewards[:2]), rewards
     assert (tmp_path / "full" / "hf" / "model.safetensors.index.json").is_file()
 
-    # The same run under `sparserl train --nproc 2`; rank 1 is SIGKILLed mid step 3, after the
-    # step-2 checkpoint: the launcher ends the run within seconds, naming the rank.
+    # The same run under `sparserl train --nproc 2`; rank 1 is SIGKILLed mid step 4, after the
+    # step-2 checkpoint and step 3's metrics: the launcher ends the run within seconds, naming the
+    # rank, and step 3 is abandoned (logged, not checkpointed).
     killed = write_config(tmp_path, hf, "killed")
     cmd = [PY, "-m", "sparserl_mcore", "train", "--config", str(killed), "--nproc", "2"]
     latest = tmp_path / "killed" / "ckpt" / "latest"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: _checkpointed(latest, 2, proc), timeout=240, what="the step-2 checkpoint")
+        wait_until(lambda: _logged(tmp_path, 3, proc), timeout=240, what="step 3 in metrics.jsonl")
         rank1 = next(p for p in psutil.Process(proc.pid).children(recursive=True) if _rank(p) == "1")
         everyone = psutil.Process(proc.pid).children(recursive=True)
         rank1.kill()
@@ -74,6 +75,7 @@ def test_tp2_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1 and down_s < 15, (down_s, err)
+    assert latest.read_text().strip() == "step_00000002"
     assert re.search(r"^  rank 1: killed by SIGKILL \(log: .*rank1\.log\)$", err, re.M), err
     assert "Traceback" not in err
     assert psutil.wait_procs(everyone, timeout=10)[1] == []
@@ -89,6 +91,8 @@ def test_tp2_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path):
     )
     events = [r for r in metrics(tmp_path, "killed") if r.get("event") == "resumed"]
     assert [(e["step"], e["rng"]) for e in events] == [(2, "restored")]
+    # the re-run step 3 replaced the abandoned one: every step once, as in the uninterrupted run
+    assert _step_rewards(tmp_path, "killed") == _step_rewards(tmp_path, "full")
 
     a, b = _weights(tmp_path / "full" / "hf"), _weights(tmp_path / "killed" / "hf")
     assert a.keys() == b.keys()
@@ -108,9 +112,16 @@ def _rank(proc: psutil.Process) -> str | None:
         return None
 
 
-def _checkpointed(latest, step: int, proc: subprocess.Popen) -> bool:
+def _step_rewards(root, name: str) -> list[tuple[int, float]]:
+    return [(r["step"], r["rollout/reward_mean"]) for r in metrics(root, name) if "rollout/reward_mean" in r]
+
+
+def _logged(root, step: int, proc: subprocess.Popen) -> bool:
     assert proc.poll() is None, proc.communicate()
-    return latest.is_file() and latest.read_text().strip() == f"step_{step:08d}"
+    try:
+        return any(s == step for s, _ in _step_rewards(root, "killed"))
+    except FileNotFoundError:
+        return False
 
 
 def test_nonfinite_loss_skips_every_update_and_leaves_weights_and_sync_untouched(tmp_path):

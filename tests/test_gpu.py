@@ -88,7 +88,9 @@ def test_bf16_sync_into_a_gpu_engine_is_bit_identical(tmp_path):
 
 def _train(cfg: pathlib.Path, steps: int) -> tuple[str, float]:
     """Run `sparserl train` on 1 GPU rank; (output, seconds from the last step's line to exit)."""
-    cmd = torchrun_command([TRAIN, "--config", str(cfg), f"train.steps={steps}"], 1)
+    cmd = torchrun_command(
+        [TRAIN, "--config", str(cfg), f"train.steps={steps}"], 1, log_dir=cfg.parent / "torchrun"
+    )
     proc = subprocess.Popen(
         cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -245,8 +246,10 @@ def _ranks_of(launcher: subprocess.Popen, entry: str, n: int) -> list[psutil.Pro
 
 
 def test_sigterm_of_sparserl_train_stops_every_rank(tmp_path):
+    """Mid-run, the ranks checkpoint and the run reports one outcome: stopped (not "done", not
+    "failed"), exit code 128 + SIGTERM."""
     hf = make_assets(tmp_path)
-    cfg = write_config(tmp_path, hf, "term")
+    cfg = write_config(tmp_path, hf, "term", train={"steps": 20})
     cmd = [sys.executable, "-m", "sparserl_mcore", "train", "--config", str(cfg), "--nproc", "2"]
     launcher = subprocess.Popen(
         cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -254,14 +257,24 @@ def test_sigterm_of_sparserl_train_stops_every_rank(tmp_path):
     try:
         _ranks_of(launcher, "sparserl_mcore.launch.train", 2)
         everyone = psutil.Process(launcher.pid).children(recursive=True)
+        wait_until(lambda: _logged_step(tmp_path / "term", launcher), timeout=300, what="step 1")
         launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=120)
+        out, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 128 + signal.SIGTERM, err
-    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    assert re.search(
+        r"^sparserl train: stopped by SIGTERM: steps 0 -> \d+ in .*; rerun the same", out, re.M
+    ), out
+    assert "done" not in out and err == "", (out, err)  # one outcome, said once
     assert _gone([p.pid for p in everyone], timeout=10) == []
+
+
+def _logged_step(run, launcher: subprocess.Popen) -> bool:
+    assert launcher.poll() is None, launcher.communicate()
+    path = run / "metrics" / "metrics.jsonl"
+    return path.is_file() and '"rollout/reward_mean"' in path.read_text()
 
 
 def test_sigkill_of_sparserl_convert_then_the_next_writer_clears_its_temp(tmp_path):

@@ -87,7 +87,7 @@ def test_sigusr1_to_one_rank_checkpoints_exits_0_and_the_rerun_matches_an_uninte
 
     cfg = write_config(tmp_path, hf, "stopped", **sections)
     proc = subprocess.Popen(
-        torchrun_command([TRAIN, "--config", str(cfg)], 2),
+        torchrun_command([TRAIN, "--config", str(cfg)], 2, log_dir=tmp_path / "torchrun"),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -112,7 +112,7 @@ def test_sigusr1_to_one_rank_checkpoints_exits_0_and_the_rerun_matches_an_uninte
     assert 1 <= saved < 4
     latest = tmp_path / "stopped" / "ckpt" / "latest"
     assert latest.read_text().strip() == f"step_{saved:08d}"
-    assert f"stopped by SIGUSR1 after step {saved}" in out
+    assert f"stopped by SIGUSR1: steps 0 -> {saved} in " in out and "done" not in out
     assert not (tmp_path / "stopped" / "hf").exists()  # no final export for a stopped run
 
     launch_local([TRAIN, "--config", str(cfg)], 2, env=env, timeout=300)

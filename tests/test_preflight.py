@@ -206,6 +206,45 @@ def test_a_layout_that_cannot_load_is_refused_naming_both_layouts(assets):
     assert "distributed optimizer, requested TP=2" in line and "optimizer.distributed=true" in line
 
 
+def test_a_checkpoint_cut_short_or_missing_a_file_is_refused(assets):
+    """run.json records every file's size when the checkpoint is complete; a shard cut short (a
+    full disk, a copy) or gone is refused before any rank loads it (tests/test_e2e_kill.py does
+    the same on a real checkpoint)."""
+    root, hf = assets
+    path = _saved(root, hf, "cut", 2, train={"steps": 6})
+    step_dir = root / "cut" / "ckpt" / "step_00000002"
+    shard = step_dir / "__0_0.distcp"
+    shard.write_bytes(b"x" * 1000)
+    record = json.loads((step_dir / "run.json").read_text())  # re-recorded with the shard in it
+    record["files"]["__0_0.distcp"] = 1000
+    (step_dir / "run.json").write_text(json.dumps(record))
+    assert check_run(load_config(path), world_size=2).notes[0].startswith("resuming from")
+    shard.write_bytes(b"x" * 900)
+    with pytest.raises(PreflightError) as refused:
+        check_run(load_config(path), world_size=2)
+    line = str(refused.value)
+    assert re.search(
+        r"cannot resume step_00000002: .*__0_0\.distcp has 900 bytes where the checkpoint wrote 1000", line
+    )
+    assert "set checkpoint.resume=false to start over" in line
+    shard.unlink()
+    with pytest.raises(PreflightError, match=r"__0_0\.distcp is missing"):
+        check_run(load_config(path), world_size=2)
+
+
+def test_a_run_that_starts_over_says_it_replaces_the_old_metrics(assets):
+    root, hf = assets
+    path = _config(root, hf, "again")
+    cfg = load_config(path)
+    assert check_run(cfg, world_size=2).notes == ()
+    metrics = pathlib.Path(cfg.telemetry.dir) / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text('{"step": 1}\n')
+    assert check_run(cfg, world_size=2).notes == (
+        f"{metrics} holds an earlier run's metrics: this run starts it over",
+    )
+
+
 class _Front(http.server.BaseHTTPRequestHandler):
     """GET /server_info as SGLang answers it (a JSON object of its settings, tp_size among them)
     on the "sglang" server, 404 (no such route, as `sparserl serve`) on the other."""

@@ -160,3 +160,79 @@ def test_demo_summary_table_shows_start_end_and_savings(tmp_path: Path) -> None:
         "20 of 1280",
     ):
         assert expected in text, text
+
+
+def test_a_resumed_run_keeps_the_history_up_to_its_checkpoint_and_logs_each_step_once(tmp_path: Path) -> None:
+    """The interrupted run logged steps 3 and 4 after its step-2 checkpoint: the resumed run
+    (resume_step=2) drops them (and what was logged with them) and logs its own; the file is
+    rewritten whole, and a run that starts over starts an empty file."""
+    cfg = TelemetryConfig(dir=str(tmp_path), progress=False, plot=False, gpu_stats=False)
+    path = tmp_path / "metrics.jsonl"
+    before = [
+        {"step": 0, "eval/pass1_dense": 0.1},
+        {"step": 1, "rollout/reward_mean": 0.1},
+        {"step": 2, "rollout/reward_mean": 0.2},
+        {"event": "stopped", "reason": "SIGUSR1", "step": 2},
+        {"step": 3, "rollout/reward_mean": 0.3},
+        {"event": "engine_failed", "url": "http://x"},
+        {"step": 4, "rollout/reward_mean": 0.4},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in before) + '{"step": 5, "rollou')
+    logger = MetricsLogger(cfg, resume_step=2)
+    logger.event("resumed", {"step": 2})
+    for step in (3, 4):
+        logger.log({"rollout/reward_mean": step / 100}, step=step)
+    logger.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r.get("step"), r.get("event"), r.get("rollout/reward_mean")) for r in rows] == [
+        (0, None, None),
+        (1, None, 0.1),
+        (2, None, 0.2),
+        (2, "stopped", None),
+        (2, "resumed", None),
+        (3, None, 0.03),
+        (4, None, 0.04),
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temp file left
+    MetricsLogger(cfg).close()
+    assert path.read_text() == ""
+
+
+def _served_samples(tmp_path: Path, kv):
+    import torch
+
+    from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
+    from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
+    from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
+
+    hf = make_tiny(TinyModelConfig(seed=5), tmp_path / f"tiny-{kv.method}")
+    engine = EmbeddedEngine(hf, EngineConfig(device="cpu", page_size=8, kv_compression=kv))
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    requests = [GenerateRequest(input_ids=tuple(range(10, 10 + n)), sampling=params) for n in (5, 11, 19)]
+    samples = engine.generate(requests)
+    info = engine.model_info()
+    per_token = info["page_bytes"] // info["page_size"]  # K+V of one position, all layers
+    return samples, per_token, torch.zeros(len(samples))
+
+
+def test_the_kv_saving_compares_whole_pages_with_whole_pages(tmp_path: Path) -> None:
+    """Uncompressed, a request's peak KV is exactly the dense figure (1.0x, never "0.8x less");
+    compressed below the generation length, it is less, in the same units."""
+    from types import SimpleNamespace
+
+    from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
+    from sparserl_mcore.trainer.loop import rollout_metrics
+
+    for kv, saving in (
+        (KVCompressionConfig(), "(1.0x less)"),
+        (
+            KVCompressionConfig(method="streamingllm", budget=16, interval=4, window=4, sink_tokens=4),
+            "(2.0x less)",  # 3 of 6 pages: max(prompt + 1, budget) = 20 positions
+        ),
+    ):
+        samples, per_token, rewards = _served_samples(tmp_path, kv)
+        got = rollout_metrics(samples, SimpleNamespace(rewards_B=rewards), per_token)
+        page = 8 * per_token
+        cached = 19 + 30 - 1  # the longest prompt and its output but the last token
+        assert got["rollout/dense_kv_bytes"] == -(-cached // 8) * page  # 6 whole pages
+        assert saving in step_line(1, got), (kv.method, got)

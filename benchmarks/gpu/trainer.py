@@ -60,7 +60,7 @@ def _run(config: Path, nproc: int, steps: int, env: dict[str, str]) -> float:
     from sparserl_mcore.parallel.launch import torchrun_command
 
     script = str(Path(launchers.train.__file__).resolve())
-    cmd = torchrun_command([script, "--config", str(config)], nproc)
+    cmd = torchrun_command([script, "--config", str(config)], nproc, log_dir=config.parent / "torchrun")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     last = None

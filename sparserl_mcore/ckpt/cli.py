@@ -16,6 +16,8 @@ import importlib
 import pathlib
 import sys
 
+from sparserl_mcore.cli_args import positive_float, positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -28,14 +30,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument(
         "--hf-config-dir", default=None, help="config.json + tokenizer source (default: the copy stored in M)"
     )
-    to_hf.add_argument("--max-shard-size", default="2GB", help="safetensors file size limit, e.g. 500MB")
+    to_hf.add_argument(
+        "--max-shard-size", type=shard_size, default="2GB", help="safetensors file size limit, e.g. 500MB"
+    )
     for p in (to_mcore, to_hf):
         p.add_argument("--out", required=True, help="output directory (written atomically)")
-        p.add_argument("--tp", type=int, default=None, help="tensor parallel ranks (default: 1 / as saved)")
-        p.add_argument("--pp", type=int, default=None, help="pipeline parallel ranks (default: 1 / as saved)")
+        p.add_argument(
+            "--tp", type=positive_int, default=None, help="tensor parallel ranks (default: 1 / as saved)"
+        )
+        p.add_argument(
+            "--pp", type=positive_int, default=None, help="pipeline parallel ranks (default: 1 / as saved)"
+        )
         p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-        p.add_argument("--timeout", type=float, default=None, help="seconds before the ranks are killed")
+        p.add_argument(
+            "--timeout", type=positive_float, default=None, help="seconds before the ranks are killed"
+        )
     verify = sub.add_parser("verify", help="compare megatron logits with HF transformers")
     importlib.import_module("sparserl_mcore.ckpt.verify_cli").add_arguments(
         verify
@@ -50,12 +60,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         argv, nproc = _prepare(args)
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"sparserl convert {args.action}: error: {exc}", file=sys.stderr)
         return 2
     try:
         _launch(argv, nproc, args)
     except RanksFailed as exc:
-        print(f"error: the conversion ranks failed; nothing was written to {args.out}", file=sys.stderr)
+        print(
+            f"sparserl convert {args.action}: error: the conversion ranks failed; nothing was written "
+            f"to {args.out}",
+            file=sys.stderr,
+        )
         print(str(exc), file=sys.stderr)
         return exc.result.returncode
     print(f"wrote {args.out}")
@@ -113,6 +127,15 @@ def preflight_hf(hf_dir: str | pathlib.Path, tp: int, pp: int, dtype: str | None
     stored = HFCheckpoint(hf_dir).config_dtype()
     if (dtype or stored or "float32") not in ("float32", "bfloat16"):
         raise ValueError(f"{hf_dir} stores dtype {stored!r}; convert with --dtype float32 or bfloat16")
+
+
+def shard_size(text: str) -> str:
+    """argparse type of the --max-shard-size flags: the text, once `parse_size` reads it."""
+    try:
+        parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a size like 2GB, 500MB or 100KB") from None
+    return text
 
 
 def parse_size(text: str) -> int:

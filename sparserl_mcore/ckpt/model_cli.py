@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sparserl_mcore.ckpt.cli import shard_size
+from sparserl_mcore.cli_args import non_negative_int, positive_int
+
 # --dtype spellings -> the torch dtype name make_tiny takes
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -14,19 +17,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight HF checkpoint")
     tiny.add_argument("--arch", required=True, help="qwen2 | qwen3 | llama")
     tiny.add_argument("--out", required=True, help="output directory (written atomically)")
-    tiny.add_argument("--layers", type=int, default=2)
-    tiny.add_argument("--hidden", type=int, default=64)
-    tiny.add_argument("--heads", type=int, default=4)
-    tiny.add_argument("--kv-heads", type=int, default=2)
-    tiny.add_argument("--head-dim", type=int, default=None, help="default: hidden // heads")
-    tiny.add_argument("--ffn", type=int, default=128, help="MLP intermediate size")
-    tiny.add_argument("--vocab", type=int, default=128)
+    tiny.add_argument("--layers", type=positive_int, default=2)
+    tiny.add_argument("--hidden", type=positive_int, default=64)
+    tiny.add_argument("--heads", type=positive_int, default=4)
+    tiny.add_argument("--kv-heads", type=positive_int, default=2)
+    tiny.add_argument("--head-dim", type=positive_int, default=None, help="default: hidden // heads")
+    tiny.add_argument("--ffn", type=positive_int, default=128, help="MLP intermediate size")
+    tiny.add_argument("--vocab", type=positive_int, default=128)
     tiny.add_argument("--tie-embeddings", action="store_true")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=non_negative_int, default=0)
     tiny.add_argument(
         "--dtype", default="float32", help="float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)"
     )
-    tiny.add_argument("--max-shard-size", default=None, help='e.g. "200KB": write sharded safetensors')
+    tiny.add_argument(
+        "--max-shard-size", type=shard_size, default=None, help='e.g. "200KB": write sharded safetensors'
+    )
     tiny.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
 
 

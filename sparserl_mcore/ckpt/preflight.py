@@ -31,7 +31,8 @@ def check_hf_checkpoint(
     path = Path(hf_dir)
     where = f"{label} {hf_dir}"
     if not path.is_dir():
-        raise CheckpointError(f"{where}: no such directory")
+        what = "is a file, not a checkpoint directory" if path.exists() else "no such directory"
+        raise CheckpointError(f"{where}: {what}")
     try:
         hf = parse_hf_config(path)
         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate_model(

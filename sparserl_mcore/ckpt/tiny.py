@@ -52,6 +52,10 @@ class TinyModelConfig:
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ValueError(f"head_dim={self.head_dim} must be >= 1 (or None: hidden // heads)")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed={self.seed} must be in [0, 2**63)")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
         if self.head_dim is None and self.hidden % self.heads:

@@ -19,24 +19,28 @@ import shutil
 import sys
 import tempfile
 
+from sparserl_mcore.cli_args import positive_float, positive_int
+
 EXIT_MATCH, EXIT_MISMATCH, EXIT_REFUSED, EXIT_RANKS_FAILED = 0, 1, 2, 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-dir", required=True, help="HF checkpoint (the reference)")
     parser.add_argument("--mcore-dir", required=True, help="Megatron dist checkpoint to verify")
-    parser.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size to load at")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size to load at")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor_model_parallel_size to load at")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline_model_parallel_size to load at")
     parser.add_argument(
         "--tolerance",
-        type=float,
+        type=positive_float,
         default=1e-5,
         help="max allowed |mcore - hf| / max|hf| over real-token logits (default 1e-5, fp32)",
     )
     parser.add_argument(
         "--cpu", action="store_true", help="run the ranks on CPU over gloo even where GPUs are visible"
     )
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=1800.0, help="seconds before the ranks are killed"
+    )
 
 
 def preflight(args: argparse.Namespace) -> None:

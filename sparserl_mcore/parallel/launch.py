@@ -13,9 +13,13 @@ Lifetime (the contract a rank's checkpoint-on-SIGTERM handler can rely on):
   (SPARSERL_STOP_GRACE_S, default 60) are SIGKILLed with torchrun; a second signal kills at once.
   The launcher then exits 128 + the signal number.
 - SIGKILL of the launching process: the kernel sends torchrun SIGTERM (PR_SET_PDEATHSIG, set in the
-  child before exec); torchrun SIGTERMs its ranks and SIGKILLs them 30 s later.
+  child before exec); torchrun SIGTERMs its ranks' process groups and SIGKILLs them 30 s later.
+  The trainer's ranks take it as a stop: they finish the step, checkpoint and exit 0 (their console
+  output goes on in rank 0's log, `rank_entry.ConsoleOut`).
 - A rank whose torchrun dies gets SIGKILL (`rank_entry` sets its own parent-death signal).
 - A rank that dies: torchrun sees it within its 0.1 s monitor interval and stops the others.
+torchrun's own files go to `log_dir/torchelastic/` (removed when it exits, and by the next launch into
+the same log dir if the launcher was killed), never to a `torchelastic_*` folder in the temp dir.
 torchrun starts every rank in a session of its own, so teardown walks the process tree rather than
 signalling one process group; once torchrun is gone, every rank's process group is killed too
 (the children of a rank that died, e.g. dist-checkpoint workers, would outlive the run otherwise).
@@ -26,9 +30,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -37,6 +43,7 @@ import psutil
 
 from sparserl_mcore.parallel.rank_entry import (
     LOG_DIR_ENV,
+    TORCHRUN_DIR,
     clear_logs,
     common_exit_code,
     die_with_parent,
@@ -58,11 +65,19 @@ class LaunchError(RuntimeError):
         self.output = output
 
 
-def torchrun_command(argv: Sequence[str], nproc: int) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc_per_node N <argv>` for this interpreter."""
+def torchrun_command(
+    argv: Sequence[str], nproc: int, *, log_dir: str | os.PathLike | None = None
+) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc_per_node N <argv>` for this interpreter.
+
+    log_dir: torchrun's own per-run files (its workers' error records). Without it torchrun makes a
+    `torchelastic_*` directory in the temp directory for every launch and never removes it; the
+    launchers here give it a folder of the launch's own, removed with the launch.
+    """
     if nproc < 1:
         raise ValueError(f"nproc={nproc}: must be >= 1")
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *argv]
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return head + ([f"--log-dir={log_dir}"] if log_dir is not None else []) + list(argv)
 
 
 def _kill_tree(pid: int) -> None:
@@ -95,24 +110,25 @@ def launch_local(
     together; on a non-zero exit or a timeout a `LaunchError` with that output is raised. A timeout
     (or an interrupt) kills torchrun and every rank.
     """
-    cmd = torchrun_command(argv, nproc)
-    with subprocess.Popen(
-        cmd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=die_with_parent,
-    ) as proc:
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc.pid)
-            output, _ = proc.communicate()
-            raise LaunchError(cmd, None, output) from None
-        except BaseException:
-            _kill_tree(proc.pid)
-            raise
+    with tempfile.TemporaryDirectory(prefix="sparserl-torchrun-") as own:
+        cmd = torchrun_command(argv, nproc, log_dir=own)
+        with subprocess.Popen(
+            cmd,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=die_with_parent,
+        ) as proc:
+            try:
+                output, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_tree(proc.pid)
+                output, _ = proc.communicate()
+                raise LaunchError(cmd, None, output) from None
+            except BaseException:
+                _kill_tree(proc.pid)
+                raise
     if proc.returncode != 0:
         raise LaunchError(cmd, proc.returncode, output)
     return subprocess.CompletedProcess(cmd, proc.returncode, output, None)
@@ -129,10 +145,12 @@ class RanksResult:
     nproc: int
     stopped_by: str | None = None  # "SIGTERM" / "SIGINT" when a signal stopped the run
     timed_out: bool = False
+    stopped_cleanly: bool = False  # stopped by a signal, and every rank then exited 0 by itself
 
     def failure_lines(self) -> list[str]:
-        """One line per distinct error, naming the ranks and the log file with the full traceback."""
-        if self.returncode == 0:
+        """One line per distinct error, naming the ranks and the log file with the full traceback;
+        none for a run whose ranks ended cleanly (also after a stop signal: they report it)."""
+        if self.returncode == 0 or self.stopped_cleanly:
             return []
         if self.stopped_by:  # what the ranks report after a stop is its consequence
             return [f"stopped by {self.stopped_by}; rank logs: {self.log_dir}"]
@@ -211,7 +229,7 @@ def run_ranks(
     """
     log_path = clear_logs(log_dir)
     grace = float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S)) if grace_s is None else grace_s
-    cmd = torchrun_command(argv, nproc)
+    cmd = torchrun_command(argv, nproc, log_dir=log_path / TORCHRUN_DIR)
     with (log_path / "torchrun.log").open("w") as torchrun_log:
         proc = subprocess.Popen(
             cmd,
@@ -234,6 +252,7 @@ def run_ranks(
         finally:
             proc.wait()
             _kill_groups(log_path)
+            shutil.rmtree(log_path / TORCHRUN_DIR, ignore_errors=True)
     return _result(proc.returncode, log_path, nproc, stopper.signum, timed_out)
 
 
@@ -246,7 +265,8 @@ def _kill_groups(log_dir: Path) -> None:
 
 def _result(code: int, log_dir: Path, nproc: int, signum: int | None, timed_out: bool) -> RanksResult:
     if signum is not None:
-        return RanksResult(128 + signum, log_dir, nproc, stopped_by=signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        return RanksResult(128 + signum, log_dir, nproc, stopped_by=name, stopped_cleanly=code == 0)
     if timed_out:
         return RanksResult(1, log_dir, nproc, timed_out=True)
     if code == 0:

@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any
 
+from sparserl_mcore.cli_args import non_negative_float, positive_float
+
 TOKEN_ENV = "SPARSERL_SERVE_TOKEN"
 
 # flag suffix -> (EngineConfig field, type, help)
@@ -27,13 +29,23 @@ ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "seed": ("seed", int, "generator of requests that bring no seed"),
 }
 # flag -> (ServerConfig field, type, help)
-LIMIT_FLAGS: dict[str, tuple[str, type, str]] = {
+LIMIT_FLAGS: dict[str, tuple[str, Any, str]] = {
     "max-new-tokens": ("max_new_tokens", int, "cap on a request's max_new_tokens (none: the context length)"),
     "max-pending-requests": ("max_pending_requests", int, "accepted, unanswered requests; more: 503 (4096)"),
     "request-timeout": (
         "request_timeout_s",
-        float,
+        non_negative_float,
         "seconds: a request not started by then gets 503, a running one is aborted (3600; 0: none)",
+    ),
+    "client-timeout": (
+        "client_timeout_s",
+        positive_float,
+        "seconds a client may leave a request head or body unfinished before it is disconnected (60)",
+    ),
+    "keep-alive-timeout": (
+        "keep_alive_s",
+        positive_float,
+        "seconds an idle connection is kept between requests (5)",
     ),
 }
 # flag suffix (after --kv-) -> (KVCompressionConfig field, type, help)
@@ -75,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kv.add_argument(f"--kv-{flag}", type=kind, default=None, help=text)
 
 
-def _given(args: argparse.Namespace, flags: dict[str, tuple[str, type, str]], prefix: str) -> dict[str, Any]:
+def _given(args: argparse.Namespace, flags: dict[str, tuple[str, Any, str]], prefix: str) -> dict[str, Any]:
     values = {}
     for flag, (field, _, _) in flags.items():
         value = getattr(args, (prefix + flag).replace("-", "_"))
@@ -107,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             **_limits(args),
         )
         engine_cfg = _engine_config(args)
+        engine_cfg.resolved_device()  # a CUDA device that is not there, before loading anything
     except ValueError as exc:
         print(f"sparserl serve: error: {exc}", file=sys.stderr)
         return 2

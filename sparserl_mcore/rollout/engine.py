@@ -93,6 +93,8 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r}: choose 'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.page_size < 1:
             raise ValueError(f"page_size={self.page_size}: must be >= 1")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed={self.seed}: must be in [0, 2**63)")
         if self.capacity_pages is not None and self.capacity_bytes is not None:
             raise ValueError("capacity_pages and capacity_bytes are both set: set at most one")
         for name in ("capacity_pages", "capacity_bytes"):
@@ -111,9 +113,16 @@ class EngineConfig:
             )
 
     def resolved_device(self) -> torch.device:
+        """The device to run on; ValueError naming what is there for a CUDA device that is not."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (device.index or 0) >= count:
+                there = f"{count} CUDA device(s) visible" if count else "no CUDA device here"
+                raise ValueError(f"device={self.device!r}: {there}; use 'cpu' or 'auto'")
+        return device
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

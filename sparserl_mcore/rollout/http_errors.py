@@ -16,6 +16,7 @@ from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from sparserl_mcore.rollout.protocol import WeightVersionConflict
 from sparserl_mcore.rollout.serve_worker import DeadlineExceeded, Overloaded, ShuttingDown
@@ -37,6 +38,8 @@ def as_serve_error(exc: BaseException) -> ServeError:
     """The HTTP answer for an exception raised while serving a request."""
     if isinstance(exc, ServeError):
         return exc
+    if isinstance(exc, ClientDisconnect):  # the client left: routine, nobody reads the answer
+        return ServeError(499, "client disconnected")
     if isinstance(exc, WeightVersionConflict):
         return ServeError(409, str(exc))
     if isinstance(exc, ValueError):

@@ -154,6 +154,8 @@ def parse_pause(body: bytes) -> PauseMode:
         return "abort"
     try:
         obj = json.loads(body)
+    except RecursionError:
+        raise ValueError("body is not valid JSON: nested too deeply") from None
     except ValueError as exc:
         raise ValueError(f"body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict) or set(obj) - {"mode"}:

@@ -10,10 +10,12 @@ Routes (request/response shapes in docs/rollout.md and `http_wire`):
 [token]: needs `Authorization: Bearer <token>` when the server has a token. Without a token the
 server only binds loopback, so nobody else on the network can replace its weights.
 
-Every request is validated here, before it reaches the engine (sampling contract, vocabulary,
-context length, the operator's limits); a refusal is one 4xx answer `{"error": reason}` and one
-log line. Engine work runs on `EngineWorker`'s thread, never on the event loop; a /generate whose
-client disconnects is cancelled (see serve_worker) while the other requests carry on.
+Every request is validated here, before it reaches the engine (body type and JSON, sampling
+contract, vocabulary, context length, the operator's limits); a refusal is one 4xx answer
+`{"error": reason}` and one log line. Engine work runs on `EngineWorker`'s thread, never on the
+event loop; a /generate whose client disconnects is cancelled (see serve_worker) while the other
+requests carry on, and a client that leaves mid-body is one INFO line, not an error. A client that
+stalls (no request head, or half a body, for `client_timeout_s`) is disconnected (`http_timeouts`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import ipaddress
+import json
 import logging
 import secrets
 import socket
@@ -35,8 +38,10 @@ from typing import Any
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import PlainTextResponse
+from starlette.requests import ClientDisconnect
 
-from sparserl_mcore.rollout.http_errors import add_error_handlers, answers
+from sparserl_mcore.rollout.http_errors import ServeError, add_error_handlers, answers
+from sparserl_mcore.rollout.http_timeouts import stall_timeout_protocol
 from sparserl_mcore.rollout.http_wire import Decode, Encode, parse_generate, parse_pause, render_sample
 from sparserl_mcore.rollout.protocol import RequestLimits, RolloutEngine
 from sparserl_mcore.rollout.serve_worker import EngineWorker
@@ -58,6 +63,9 @@ class ServerConfig:
     max_pending_requests: requests accepted and not yet answered; more get 503 + Retry-After.
     request_timeout_s: a request not started by then fails (503), a running one is aborted and
     returns what it generated (finish_reason abort). None: no deadline.
+    client_timeout_s: a connection whose client owes bytes (a new connection's first request head,
+    the rest of a head or of a body) and sends none for this long is closed. keep_alive_s: an idle
+    connection between requests is closed after this long (uvicorn's timeout_keep_alive).
     """
 
     host: str = "127.0.0.1"
@@ -68,6 +76,8 @@ class ServerConfig:
     max_new_tokens: int | None = None
     max_pending_requests: int | None = 4096
     request_timeout_s: float | None = 3600.0
+    client_timeout_s: float = 60.0
+    keep_alive_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -90,6 +100,10 @@ class ServerConfig:
                 raise ValueError(f"{name}={value}: must be >= 1")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s={self.request_timeout_s}: must be > 0 seconds (or None)")
+        for name in ("client_timeout_s", "keep_alive_s"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name}={value}: must be > 0 seconds")
 
 
 def is_loopback(host: str) -> bool:
@@ -128,6 +142,7 @@ def create_app(
 
     app = FastAPI(title="sparserl serve", lifespan=lifespan)
     app.state.worker = worker
+    app.state.config = cfg  # make_uvicorn reads the connection timeouts
     add_error_handlers(app)
     auth = _bearer_auth(cfg.token)
 
@@ -184,7 +199,7 @@ def create_app(
     @app.post("/pause_generation", dependencies=[Depends(auth)])
     async def pause_generation(request: Request) -> dict[str, Any]:
         with answers():
-            mode = parse_pause(await request.body())
+            mode = parse_pause(await _body(request))
             await asyncio.to_thread(worker.pause, mode)
         return {"success": True, "message": f"generation paused ({mode})"}
 
@@ -226,8 +241,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def make_uvicorn(app: FastAPI, *, log_level: str = "info") -> uvicorn.Server:
-    """The uvicorn server for `app`; run it with `.run(sockets=[bind_socket(...)])`."""
-    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    """The uvicorn server for `app` with the connection timeouts of its `ServerConfig`; run it with
+    `.run(sockets=[bind_socket(...)])`."""
+    cfg = getattr(app.state, "config", None) or ServerConfig()
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        http=stall_timeout_protocol(cfg.client_timeout_s),
+        timeout_keep_alive=cfg.keep_alive_s,  # type: ignore[arg-type]  # uvicorn annotates int
+    )
+    return uvicorn.Server(config)
 
 
 class BackgroundServer:
@@ -312,18 +336,38 @@ def _bearer_auth(token: str | None) -> Callable[..., None]:
     return check
 
 
-async def _json(request: Request) -> Any:
+async def _body(request: Request) -> bytes:
     try:
-        return await request.json()
+        return await request.body()
+    except ClientDisconnect:  # routine: logged at INFO by the error handler, nobody reads the answer
+        raise ServeError(499, "client disconnected before its request body arrived") from None
+
+
+def _media_type(request: Request) -> str | None:
+    ctype = request.headers.get("content-type")
+    return ctype.split(";")[0].strip().lower() if ctype is not None else None
+
+
+async def _json(request: Request) -> Any:
+    """The JSON body: application/json (or +json; a request without a Content-Type is read as
+    JSON too, as FastAPI and SGLang do), anything else 415; a body that does not parse 400."""
+    media = _media_type(request)
+    if media is not None and media != "application/json" and not media.endswith("+json"):
+        raise ServeError(415, f"content-type {media!r}: send the body as application/json")
+    body = await _body(request)
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ValueError("body is not valid JSON: nested too deeply") from None
     except ValueError as exc:
         raise ValueError(f"body is not valid JSON: {exc}") from None
 
 
 async def _octets(request: Request) -> bytes:
-    ctype = request.headers.get("content-type", "")
-    if not ctype.startswith("application/octet-stream"):
-        raise HTTPException(415, f"content-type {ctype!r}: send the bytes as application/octet-stream")
-    body = await request.body()
+    if _media_type(request) != "application/octet-stream":
+        ctype = request.headers.get("content-type", "")
+        raise ServeError(415, f"content-type {ctype!r}: send the bytes as application/octet-stream")
+    body = await _body(request)
     if not body:
         raise ValueError("empty body")
     return body

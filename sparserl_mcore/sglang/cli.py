@@ -21,14 +21,15 @@ import argparse
 import os
 import sys
 
+from sparserl_mcore.cli_args import port, positive_float, positive_int
 from sparserl_mcore.rollout.cli import KV_FLAGS, TOKEN_ENV, _given
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", required=True, help="HF checkpoint directory SGLang loads")
     parser.add_argument("--host", default="127.0.0.1", help="bind address; non-loopback needs a token")
-    parser.add_argument("--port", type=int, default=30000, help="TCP port of the SGLang HTTP server")
-    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel GPUs of this server")
+    parser.add_argument("--port", type=port, default=30000, help="TCP port of the SGLang HTTP server")
+    parser.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel GPUs of this server")
     parser.add_argument(
         "--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for weight routes (or ${TOKEN_ENV})"
     )
@@ -40,12 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-running-requests",
-        type=int,
+        type=positive_int,
         default=None,
         help="requests decoded at once (SGLang's flag; default: SGLang's, or 256 with --kv-method "
         "snapkv / rkv, whose query ring is sized from it)",
     )
-    parser.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
+    parser.add_argument(
+        "--startup-timeout", type=positive_float, default=1800.0, help="seconds to wait for /health"
+    )
     kv = parser.add_argument_group("KV compression (omitted: KVCompressionConfig defaults)")
     for flag, (_, kind, text) in KV_FLAGS.items():
         kv.add_argument(f"--kv-{flag}", type=kind, default=None, help=text)
@@ -78,10 +81,11 @@ def config_from_args(args: argparse.Namespace):  # -> LaunchConfig
 
 
 def run(args: argparse.Namespace) -> int:
-    from sparserl_mcore.sglang.launch import check_model, serve
+    from sparserl_mcore.sglang.launch import check_model, check_startable, serve
 
     try:
         cfg = config_from_args(args)
+        check_startable(cfg)
         check_model(cfg)
     except ValueError as exc:
         print(f"sparserl sglang-serve: error: {exc}", file=sys.stderr)

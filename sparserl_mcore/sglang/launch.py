@@ -127,6 +127,27 @@ class LaunchConfig:
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
 
+def check_startable(cfg: LaunchConfig) -> None:
+    """What SGLang itself needs before it is started, or a ValueError naming the fix: the package,
+    and a CUDA device unless `device` is "cpu" (SGLang would otherwise fail after
+    seconds of imports with a traceback of its own). Stand-in servers (`module`) are not checked."""
+    import importlib.util
+
+    if cfg.module != SGLANG_MODULE:
+        return
+    if importlib.util.find_spec("sglang") is None:
+        raise ValueError(
+            "SGLang is not installed here: pip install 'sparserl-mcore[sglang]', or use `sparserl serve`"
+        )
+    import torch
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "no CUDA device here: SGLang serves on GPUs; run it on a GPU node, pass `--device cpu` "
+            "for SGLang's CPU engine, or use `sparserl serve` (the embedded engine runs on CPU)"
+        )
+
+
 def sglang_argv(cfg: LaunchConfig) -> list[str]:
     """The child's command line (checked against sglang 0.5.23's own parser in the tests)."""
     argv = [cfg.python, "-m", cfg.module, "--model-path", cfg.model_path]

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sparserl_mcore.cli_args import non_negative_int, positive_int
+
 if TYPE_CHECKING:
     from sparserl_mcore.config import RunConfig
     from sparserl_mcore.slurm.layout import RolloutServer
@@ -27,19 +29,24 @@ SCRIPT_NAME, CONFIG_NAME = "job.sbatch", "job-config.yaml"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="YAML run config (see examples/)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
-    parser.add_argument("--learner-nodes", type=int, required=True, help="nodes running the learner")
+    parser.add_argument("--learner-nodes", type=positive_int, required=True, help="nodes running the learner")
     parser.add_argument(
-        "--rollout-nodes", type=int, default=0, help="nodes running rollout servers (0: colocated)"
+        "--rollout-nodes",
+        type=non_negative_int,
+        default=0,
+        help="nodes running rollout servers (0: colocated)",
     )
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (0: CPU nodes)")
     parser.add_argument(
-        "--ranks-per-node", type=int, default=None, help="CPU nodes only: ranks/servers per node"
+        "--gpus-per-node", type=non_negative_int, default=8, help="GPUs per node (0: CPU nodes)"
+    )
+    parser.add_argument(
+        "--ranks-per-node", type=positive_int, default=None, help="CPU nodes only: ranks/servers per node"
     )
     parser.add_argument("--partition", default=None)
     parser.add_argument("--time", default="24:00:00", help="time limit, Slurm format (default 24:00:00)")
     parser.add_argument(
         "--stop-before",
-        type=int,
+        type=positive_int,
         default=900,
         metavar="SECONDS",
         help="signal the trainer this long before the time limit to checkpoint and requeue (900)",
@@ -51,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: SGLang when it imports on the nodes, else the embedded engine",
     )
-    parser.add_argument("--rollout-port", type=int, default=30000, help="port of each node's first server")
+    parser.add_argument(
+        "--rollout-port", type=positive_int, default=30000, help="port of each node's first server"
+    )
     parser.add_argument("--out", default=None, help=f"script path (default: <telemetry.dir>/{SCRIPT_NAME})")
     parser.add_argument("--dry-run", action="store_true", help="write the script, do not submit it")
 
@@ -86,8 +95,9 @@ def _rollout_server(asked: RolloutServer, cfg: RunConfig) -> RolloutServer:
 
 def build_job(args: argparse.Namespace) -> Job:
     """Validate and render without writing anything. Raises ConfigError / LayoutError."""
+    from sparserl_mcore.ckpt.atomic import output_problem
     from sparserl_mcore.config import load_config, to_yaml
-    from sparserl_mcore.slurm.layout import LayoutError, SlurmLayout, check_layout
+    from sparserl_mcore.slurm.layout import LayoutError, SlurmLayout, check_job, check_layout
     from sparserl_mcore.slurm.render import render, topology_overrides
 
     cfg = load_config(args.config, args.overrides)
@@ -107,6 +117,7 @@ def build_job(args: argparse.Namespace) -> Job:
         rollout_server=_rollout_server(args.rollout_server, cfg),
         rollout_port=args.rollout_port,
     )
+    check_job(layout)  # the job's own flags first: what the config below is built from
     # What the learners will run: the config plus the job's own servers (placeholder addresses).
     slots = layout.rollout_nodes * layout.ranks_per_node
     urls = [f"http://rollout-{i}:{layout.rollout_port}" for i in range(slots)]
@@ -116,6 +127,10 @@ def build_job(args: argparse.Namespace) -> Job:
     config_path = Path(run_dir) / CONFIG_NAME
     script = render(job_cfg, layout, run_dir=run_dir, config_path=str(config_path), command=_command(args))
     script_path = Path(args.out) if args.out else Path(run_dir) / SCRIPT_NAME
+    for flag, path in (("telemetry.dir", config_path), ("--out", script_path)):
+        problem = output_problem(path, directory=False)
+        if problem:
+            raise LayoutError(f"{flag}: {problem}")
     return Job(script, to_yaml(cfg), script_path, config_path)
 
 
@@ -133,12 +148,13 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def write_job(job: Job) -> None:
+    from sparserl_mcore.ckpt.atomic import file_mode
     from sparserl_mcore.sync.transport_dir import atomic_write_bytes
 
     atomic_write_bytes(job.config_path, job.config_yaml.encode())
     (job.config_path.parent / "logs").mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(job.script_path, job.script.encode())
-    job.script_path.chmod(0o755)
+    job.script_path.chmod(file_mode(directory=True))  # executable, as far as the umask allows
 
 
 def run(args: argparse.Namespace) -> int:

@@ -76,7 +76,7 @@ def time_limit_seconds(text: str) -> int:
 def check_layout(cfg: RunConfig, layout: SlurmLayout, hf_config: Path | None = None) -> None:
     """Raise LayoutError naming the first thing that cannot work. `hf_config`: the model's
     config.json when readable here (shared filesystem), for the head/layer divisibility checks."""
-    _check_job(layout)
+    check_job(layout)
     _check_learners(cfg, layout)
     _check_rollouts(cfg, layout)
     _check_resumable(cfg)
@@ -84,7 +84,8 @@ def check_layout(cfg: RunConfig, layout: SlurmLayout, hf_config: Path | None = N
         _check_model(cfg, layout, hf_config)
 
 
-def _check_job(layout: SlurmLayout) -> None:
+def check_job(layout: SlurmLayout) -> None:
+    """The job's own settings (what needs no run config); LayoutError naming the flag and value."""
     if layout.learner_nodes < 1:
         raise LayoutError(f"--learner-nodes {layout.learner_nodes}: a job needs at least one learner node")
     if layout.rollout_nodes < 0:
@@ -99,6 +100,13 @@ def _check_job(layout: SlurmLayout) -> None:
     for flag, value in (("--partition", layout.partition), ("--job-name", layout.job_name)):
         if value is not None and not _NAME.match(value):
             raise LayoutError(f"{flag} {value!r}: use letters, digits and . _ , - only")
+    low, high = layout.rollout_port - 2, layout.rollout_port + layout.ranks_per_node - 1
+    if low < 1 or high > 65535:
+        raise LayoutError(
+            f"--rollout-port {layout.rollout_port}: the job uses ports {low}..{high} on a rollout node "
+            "(the router two below, one per server from it); choose a port in "
+            f"[3, {65536 - layout.ranks_per_node}]"
+        )
     limit = time_limit_seconds(layout.time)
     if not 0 < layout.stop_before_s < min(limit, MAX_SIGNAL_LEAD_S + 1):
         raise LayoutError(

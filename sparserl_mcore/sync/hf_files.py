@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from sparserl_mcore.ckpt.atomic import file_mode, umask_modes
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -41,11 +43,20 @@ def load_state(path: Path) -> dict[str, torch.Tensor]:
     root = path.parent if path.is_file() else path
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
-        for name, tensor in load_file(root / file).items():
+        for name, tensor in _read(root / file).items():
             if name in state:
                 raise ValueError(f"tensor {name!r} appears in more than one file of {path}")
             state[name] = tensor.contiguous()
     return state
+
+
+def _read(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except OSError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for a bad header
+        raise ValueError(f"{file} is not a readable safetensors file ({exc})") from None
 
 
 def _names_and_metadata(file: Path) -> tuple[list[str], dict[str, str] | None]:
@@ -58,6 +69,7 @@ def _atomic_file(state: dict[str, torch.Tensor], out: Path, metadata: dict[str, 
     os.close(fd)
     try:
         save_file(state, tmp, metadata=metadata)
+        os.chmod(tmp, file_mode())  # mkstemp's 0600 -> what open() would have made
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -87,6 +99,7 @@ def save_state_like(state: dict[str, torch.Tensor], out: Path, like: Path) -> No
         for file in weight_files(like):
             names, metadata = _names_and_metadata(like / file)
             save_file({n: state[n] for n in names}, tmp / file, metadata=metadata)
+        umask_modes(tmp)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

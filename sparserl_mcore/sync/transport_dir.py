@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sparserl_mcore.ckpt.atomic import file_mode
 from sparserl_mcore.sync.apply import HFReceiver
 from sparserl_mcore.sync.codec import PatchError
 
@@ -37,6 +38,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
+            os.fchmod(f.fileno(), file_mode())  # mkstemp's 0600 -> what open() would have made
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -4,7 +4,9 @@ It fans each step's scalars out to the configured sinks (JSONL always, TensorBoa
 GPU memory/utilisation when there is a GPU, prints a short human-formatted line per step (above
 the live progress line, through the same console), records events (engine failures, skipped
 non-finite steps, ...) in the JSONL file, and draws the PNG at close.
-On other ranks build it with `enabled=False`: every method is then a no-op.
+On other ranks build it with `enabled=False`: every method is then a no-op. A run that resumes from
+a checkpoint at step S passes `resume_step=S`: the file keeps its history up to S and drops what the
+interrupted run logged after it (`sinks.JsonlSink`); without it the file starts empty.
 
     logger = MetricsLogger(cfg.telemetry, run_config=to_dict(cfg))
     logger.log({"rollout/reward_mean": 0.4, ...}, step=3)
@@ -77,6 +79,7 @@ class MetricsLogger:
         enabled: bool = True,
         run_config: Mapping[str, Any] | None = None,
         device_index: int = 0,
+        resume_step: int | None = None,
     ) -> None:
         self.cfg, self.enabled = cfg, enabled
         self.dir = Path(cfg.dir)
@@ -87,7 +90,7 @@ class MetricsLogger:
         from rich.console import Console
 
         self.console = Console()
-        self._jsonl = JsonlSink(self.path)
+        self._jsonl = JsonlSink(self.path, keep_through_step=resume_step)
         self._sinks.append(self._jsonl)
         if cfg.tensorboard:
             self._sinks.append(TensorBoardSink(self.dir / "tensorboard"))

@@ -137,7 +137,8 @@ def plot_metrics(
         elif scale == "zero":
             ax.set_ylim(0, ax.get_ylim()[1] * 1.2)  # headroom for the legend
     run_dir = Path(jsonl_path).resolve().parent
-    fig.suptitle(title or f"{run_dir}: {len(records)} logged steps", fontsize=13)
+    trained = {r["step"] for r in records if r["step"] > 0}  # eval-only rows share their step's number
+    fig.suptitle(title or f"{run_dir}: {len(trained)} steps logged", fontsize=13)
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,12 +29,20 @@ def _json_value(value: float) -> float | None:
 class JsonlSink:
     """One JSON object per line: {"step": N, "time": unix_s, "<metric>": value, ...}; events too.
 
-    Each line is flushed as written, so a killed run keeps every completed step.
+    Each line is flushed as written, so a killed run keeps every completed step. A run that resumes
+    from a checkpoint at step S (`keep_through_step=S`) keeps the file's history up to that
+    checkpoint and drops what the interrupted run logged after it (the steps this run does again),
+    so every step is in the file once; a run that starts over (None) starts an empty file. Either
+    way the file is rewritten whole (temp file + rename) before anything is appended.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, keep_through_step: int | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = _history(self.path, keep_through_step) if keep_through_step is not None else []
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
         self._file = self.path.open("a")
 
     def _line(self, record: Mapping[str, Any]) -> None:
@@ -48,6 +57,27 @@ class JsonlSink:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _history(path: Path, step: int) -> list[str]:
+    """The lines of `path` logged up to a checkpoint at `step`: everything before the first record
+    of a later step (a run logs in order; an unreadable line, e.g. one cut by a kill, is dropped)."""
+    try:
+        lines = path.read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return []
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        if isinstance(record.get("step"), int) and record["step"] > step:
+            break
+        kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
 
 
 class TensorBoardSink:

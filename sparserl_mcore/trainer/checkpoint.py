@@ -21,10 +21,12 @@ rank gets its RNG streams back (a bit-identical continuation); at another they a
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -36,7 +38,9 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from sparserl_mcore.ckpt.atomic import file_mode
 from sparserl_mcore.loss.lm_head_grad import leaf_optimizers
+from sparserl_mcore.parallel.rank_entry import helper_process_init
 from sparserl_mcore.parallel.runtime import seed_everything
 from sparserl_mcore.trainer.learner import unwrap_model
 from sparserl_mcore.trainer.run_layout import RunLayout
@@ -49,7 +53,7 @@ from sparserl_mcore.trainer.run_record import (
     write_record,
 )
 
-__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint", "start_checkpoint_writer"]
 _OPTIM_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -103,6 +107,7 @@ def _save_rng(path: Path) -> None:
         tensors[f"tracker/{name}"] = state.cpu().contiguous()
     meta = {"python": [py_version, py_gauss], "numpy": [np_name, int(np_pos), int(np_has_gauss), np_gauss]}
     save_file(tensors, str(path), metadata={"scalars": json.dumps(meta)})
+    path.chmod(file_mode())  # safetensors writes 0600; the checkpoint's other files follow the umask
 
 
 def _load_rng(path: Path) -> None:
@@ -120,6 +125,27 @@ def _load_rng(path: Path) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
 
 
+def _tmp_dir(root: Path, step: int) -> Path:
+    return root / f".step_{step:08d}.tmp"
+
+
+def _no_partial_on_error(save: Callable[..., Path]) -> Callable[..., Path]:
+    """A save that raises (a full disk, a rank that died) removes its temp directory on rank 0:
+    nothing partial is left beside the checkpoints, and `latest` still names the last good one."""
+
+    @functools.wraps(save)
+    def guarded(root: str | os.PathLike, step: int, **kwargs: Any) -> Path:
+        try:
+            return save(root, step, **kwargs)
+        except BaseException:
+            if dist.get_rank() == 0:
+                shutil.rmtree(_tmp_dir(Path(root), step), ignore_errors=True)
+            raise
+
+    return guarded
+
+
+@_no_partial_on_error
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
@@ -136,7 +162,7 @@ def save_checkpoint(
     `record`: config, world_size, data and layout of `run_record.write_record` (rank 0 writes it)."""
     root = Path(root)
     rank = dist.get_rank()
-    final, tmp = _step_dir(root, step), root / f".step_{step:08d}.tmp"
+    final, tmp = _step_dir(root, step), _tmp_dir(root, step)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -254,3 +280,25 @@ def _load_distributed_adam(leaf: DistributedOptimizer, state: dict[str, Any]) ->
     finally:
         for p, step in steps.items():
             per_param[p]["step"] = step.clone()
+
+
+def start_checkpoint_writer() -> None:
+    """Start megatron's checkpoint-writer queue now, in a manager process that survives stop signals.
+
+    megatron-core 0.16 (`dist_checkpointing.strategies.filesystem_async`) collects what its forked
+    writer processes wrote through a queue served by a multiprocessing Manager, which it spawns at
+    the first save (seconds on a busy box) and keeps in `_results_queue`. torchrun stops a rank by
+    signalling its whole process group: that manager died with the SIGTERM that asks the rank for
+    a stop checkpoint, and the checkpoint then failed (BrokenPipeError). Started here, before the
+    first step, the manager ignores the stop signals and dies with its rank
+    (`rank_entry.helper_process_init`); megatron finds the queue and uses it.
+    """
+    import multiprocessing.managers
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    manager = multiprocessing.managers.SyncManager(ctx=torch.multiprocessing.get_context("spawn"))
+    manager.start(initializer=helper_process_init)
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive

@@ -21,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from sparserl_mcore.cli_args import positive_int
+
 # Set by the launching process for its ranks: the checks ran there already.
 CHECKED_ENV = "SPARSERL_RUN_CHECKED"
 
@@ -30,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10"
     )
-    parser.add_argument("--nproc", type=int, default=None, help="launch N local ranks with torchrun")
+    parser.add_argument("--nproc", type=positive_int, default=None, help="launch N local ranks with torchrun")
     parser.add_argument(
         "--save-hf", default=None, metavar="DIR", help="export the final policy as HF safetensors"
     )
@@ -123,7 +125,14 @@ def launch_ranks(config: str, overrides: list[str], nproc: int, *, log_dir: Path
         _say(note)
     argv = ["-m", "sparserl_mcore.launch.train", "--config", config, *overrides]
     result = run_ranks(argv, nproc, log_dir=log_dir, env={CHECKED_ENV: "1"})
-    lines = result.failure_lines()
+    if result.stopped_by and not result.stopped_cleanly:
+        _say(
+            f"stopped by {result.stopped_by} (exit code {result.returncode}) before the ranks could "
+            f"end cleanly with a stop checkpoint; rank logs: {log_dir}",
+            error=True,
+        )
+        return result.returncode
+    lines = result.failure_lines()  # none after a clean stop: rank 0 reported it
     if lines:
         _say(f"the run failed (exit code {result.returncode}):", error=True)
         for line in lines:

@@ -63,13 +63,23 @@ class RunSummary:
     first_step: int = 0  # the step this run started from (> 0 when it resumed)
     seconds: float = 0.0
     rewards: tuple[float, float] | None = None  # mean reward of this run's first and last step
+    stopped_by: str | None = None  # the signal that ended the run early ("SIGTERM", "SIGUSR1")
 
     def report(self) -> list[str]:
         """A short summary and the paths a user looks at next (those this run wrote)."""
-        head = "done" if self.exit_code == EXIT_OK else f"stopped (exit code {self.exit_code})"
+        if self.stopped_by:
+            head = f"stopped by {self.stopped_by}"
+        else:
+            head = "done" if self.exit_code == EXIT_OK else f"stopped (exit code {self.exit_code})"
         line = f"{head}: steps {self.first_step} -> {self.steps} in {_duration(self.seconds)}"
         if self.rewards is not None:
             line += f", reward {self.rewards[0]:.3f} -> {self.rewards[1]:.3f}"
+        if self.stopped_by:
+            line += (
+                "; rerun the same command to resume"
+                if self.checkpoint_path
+                else "; no checkpoint.dir: nothing saved"
+            )
         paths = {
             "metrics": self.metrics_path,
             "plot": self.plot_path,
@@ -89,6 +99,8 @@ def train(cfg: RunConfig) -> RunSummary:
     groups destroyed, so nothing the run started outlives it."""
     runtime = parallel.initialize(cfg.parallel, seed=cfg.train.seed)
     try:
+        if cfg.checkpoint.dir:
+            checkpoint.start_checkpoint_writer()
         resume_from = resume_checkpoint(cfg)
         parts = build_parts(cfg, runtime, resume_from=resume_from)
         layout = run_layout.requested_layout(cfg, runtime.world_size, parts.learner.spec.padded_vocab_size)
@@ -289,8 +301,7 @@ class Trainer:
         if ckpt_dir:
             ckpt = self.save() if self._saved_step != step else checkpoint.latest_checkpoint(ckpt_dir)
         self.parts.telemetry.event("stopped", {"reason": reason, "step": step, "checkpoint": str(ckpt)})
-        then = "rerun the same command to resume" if ckpt else "no checkpoint.dir: nothing saved"
-        return self._summary(EXIT_OK, ckpt, message=f"stopped by {reason} after step {step}; {then}")
+        return self._summary(EXIT_OK, ckpt, stopped_by=reason)
 
     def _checkpoint_due(self) -> bool:
         every = self.cfg.checkpoint.every
@@ -354,7 +365,13 @@ class Trainer:
         p.syncer.full_sync([p.pool, p.dense_pool], version=self.state.sync_version)
 
     def _summary(
-        self, code: int, ckpt: Path | None, *, hf: Path | None = None, message: str = ""
+        self,
+        code: int,
+        ckpt: Path | None,
+        *,
+        hf: Path | None = None,
+        message: str = "",
+        stopped_by: str | None = None,
     ) -> RunSummary:
         paths = self.parts.telemetry.close()
         return RunSummary(
@@ -368,22 +385,29 @@ class Trainer:
             first_step=self._first_step,
             seconds=time.monotonic() - self._started,
             rewards=(self._rewards[0], self._rewards[-1]) if self._rewards else None,
+            stopped_by=stopped_by,
         )
 
 
 def rollout_metrics(samples: Sequence[Any], batch: Any, kv_bytes_per_token: int) -> dict[str, float]:
     """Reward and KV statistics of one step's samples (before the zero-variance filter).
 
-    dense_kv_bytes: what the longest request's KV would take uncompressed (prompt + output tokens).
+    peak_kv_bytes: the most KV one request held, in the engine's whole pool pages. dense_kv_bytes:
+    what the longest request would hold uncompressed (every cached position: prompt + output but
+    the last token), in whole pages of the same size, so the two compare like with like.
     """
-    peak_kv = max((s.kv_stats.peak_kv_bytes for s in samples), default=0)
-    longest = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
+    peak = max(samples, key=lambda s: s.kv_stats.peak_kv_bytes)
+    cached = max(max(len(s.prompt_ids), len(s.prompt_ids) + len(s.output_ids) - 1) for s in samples)
+    dense = cached * kv_bytes_per_token
+    if peak.kv_stats.peak_pages:  # round up to the pages the engine allocates
+        page_bytes = peak.kv_stats.peak_kv_bytes // peak.kv_stats.peak_pages
+        dense = -(-dense // page_bytes) * page_bytes
     lengths = torch.tensor([len(s.output_ids) for s in samples], dtype=torch.float32)
     return {
         "rollout/reward_mean": float(batch.rewards_B.mean()),
         "rollout/response_len_mean": float(lengths.mean()),
-        "rollout/peak_kv_bytes": float(peak_kv),
-        "rollout/dense_kv_bytes": float(longest * kv_bytes_per_token),
+        "rollout/peak_kv_bytes": float(peak.kv_stats.peak_kv_bytes),
+        "rollout/dense_kv_bytes": float(dense),
         "rollout/peak_retained_tokens": float(max(s.kv_stats.peak_retained_tokens for s in samples)),
         "rollout/truncated_frac": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
     }

@@ -8,8 +8,9 @@ torchrun or srun run it themselves). It needs neither megatron nor a process gro
   tokenizer (`ckpt.preflight.check_hf_checkpoint`, safetensors headers only);
 - data: the files exist, parse, have the prompt and answer keys, and split as configured;
 - reward: the function imports and accepts reward.kwargs;
-- outputs: telemetry.dir, checkpoint.dir and checkpoint.save_hf are directories or can be made;
-  a remote engine's token variable is set;
+- outputs: telemetry.dir, checkpoint.dir and checkpoint.save_hf are directories this process can
+  create files in (tried, as the run will: `ckpt.atomic.output_problem`); a remote engine's token
+  variable is set;
 - remote servers (`probe_servers`, the launching rank only): each one that answers is the kind
   `rollout.server` says (`sglang.client.server_kind`: one GET /server_info), since SGLang and
   `sparserl serve` take weights through different routes and a mix-up would fail at the first sync;
@@ -30,12 +31,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sparserl_mcore.ckpt.atomic import output_problem
 from sparserl_mcore.config import RolloutConfig, RunConfig, to_dict
 from sparserl_mcore.trainer.run_layout import requested_layout
 from sparserl_mcore.trainer.run_record import (
+    LATEST,
     SavedRun,
     check_resumable,
     config_changes,
+    damage,
     latest_checkpoint,
     read_saved_run,
 )
@@ -51,6 +55,7 @@ class RunPlan:
 
     notes: tuple[str, ...] = ()
     complete: bool = False
+    resumes: bool = False  # continues from a checkpoint (its metrics history is kept)
 
 
 def check_run(cfg: RunConfig, *, world_size: int, probe_servers: bool = True) -> RunPlan:
@@ -61,7 +66,12 @@ def check_run(cfg: RunConfig, *, world_size: int, probe_servers: bool = True) ->
     _check_outputs(cfg)
     if probe_servers:
         _check_servers(cfg)
-    return _resume_plan(cfg, world_size, n_train)
+    plan = _resume_plan(cfg, world_size, n_train)
+    metrics = Path(cfg.telemetry.dir) / "metrics.jsonl"
+    if not plan.complete and not plan.resumes and metrics.is_file() and metrics.stat().st_size:
+        note = f"{metrics} holds an earlier run's metrics: this run starts it over"
+        plan = dataclasses.replace(plan, notes=(*plan.notes, note))
+    return plan
 
 
 def _check_servers(cfg: RunConfig) -> None:
@@ -120,11 +130,37 @@ def _check_hf(path: str, key: str, cfg: RunConfig) -> Any:
         raise PreflightError(f"{exc}{hint if not Path(path).exists() else ''}") from None
 
 
-def _check_model(cfg: RunConfig, world_size: int) -> None:
+def check_before_assets(
+    cfg: RunConfig, *, world_size: int, num_layers: int, num_heads: int, num_kv_heads: int
+) -> None:
+    """What can be checked before the model and data exist (`sparserl demo` runs it before it makes
+    them): the layout against the world size and a model of this shape, the reward, the outputs."""
+    _check_layout(cfg, world_size)
+    try:
+        cfg.parallel.validate_model(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    except ValueError as exc:
+        raise PreflightError(f"parallel: {exc}") from None
+    _check_reward(cfg)
+    _check_outputs(cfg)
+
+
+def _check_layout(cfg: RunConfig, world_size: int) -> None:
     try:
         cfg.parallel.validate_world(world_size)
     except ValueError as exc:
         raise PreflightError(f"parallel: {exc}") from None
+    dp = world_size // cfg.parallel.model_parallel_size
+    rollouts = cfg.train.prompts_per_step * cfg.rollout.group_size
+    if rollouts < cfg.train.micro_batch_size * dp:
+        raise PreflightError(
+            f"train.prompts_per_step * rollout.group_size = {rollouts} sequences per step cannot fill one "
+            f"micro-batch (train.micro_batch_size={cfg.train.micro_batch_size}) on each of {dp} "
+            "data-parallel ranks; sample more per step or use fewer data-parallel ranks"
+        )
+
+
+def _check_model(cfg: RunConfig, world_size: int) -> None:
+    _check_layout(cfg, world_size)
     hf = _check_hf(cfg.model.hf_path, "model.hf_path", cfg)
     if cfg.loss.policy.kl_coef > 0 and cfg.model.ref_path:
         ref = _check_hf(cfg.model.ref_path, "model.ref_path", cfg)
@@ -133,13 +169,22 @@ def _check_model(cfg: RunConfig, world_size: int) -> None:
             raise PreflightError(
                 f"model.ref_path {cfg.model.ref_path}: not the policy's architecture ({diff} differ)"
             )
-    dp = world_size // cfg.parallel.model_parallel_size
-    rollouts = cfg.train.prompts_per_step * cfg.rollout.group_size
-    if rollouts < cfg.train.micro_batch_size * dp:
+    _check_sampling(cfg, vocab_size=hf.vocab_size, context=hf.max_position_embeddings)
+
+
+def _check_sampling(cfg: RunConfig, *, vocab_size: int, context: int) -> None:
+    """The sampling settings fit the model: every request of the run would be refused otherwise."""
+    sampling = cfg.rollout.sampling
+    beyond = [t for t in sampling.stop_token_ids if t >= vocab_size]
+    if beyond:
         raise PreflightError(
-            f"train.prompts_per_step * rollout.group_size = {rollouts} sequences per step cannot fill one "
-            f"micro-batch (train.micro_batch_size={cfg.train.micro_batch_size}) on each of {dp} "
-            "data-parallel ranks; sample more per step or use fewer data-parallel ranks"
+            f"rollout.sampling.stop_token_ids: {beyond} are not token ids of the model "
+            f"(vocab_size={vocab_size})"
+        )
+    if sampling.max_new_tokens >= context:
+        raise PreflightError(
+            f"rollout.sampling.max_new_tokens={sampling.max_new_tokens}: the model's context holds "
+            f"{context} positions (max_position_embeddings), the prompt included; lower it"
         )
 
 
@@ -174,14 +219,9 @@ def _check_outputs(cfg: RunConfig) -> None:
         "checkpoint.save_hf": cfg.checkpoint.save_hf,
     }
     for key, value in outputs.items():
-        if value is None:
-            continue
-        path = Path(value)
-        if path.exists() and not path.is_dir():
-            raise PreflightError(f"{key}={value} exists and is not a directory")
-        anchor = next(p for p in (path, *path.absolute().parents) if p.exists())
-        if not os.access(anchor, os.W_OK):
-            raise PreflightError(f"{key}={value}: {anchor} is not writable")
+        problem = output_problem(value) if value is not None else None
+        if problem:
+            raise PreflightError(f"{key}={value}: {problem}; choose a directory this run can write")
     token_env = cfg.rollout.token_env
     if cfg.rollout.engine == "remote" and token_env and not os.environ.get(token_env):
         raise PreflightError(f"rollout.token_env={token_env}: the environment variable is not set")
@@ -208,11 +248,18 @@ def _resume_plan(cfg: RunConfig, world_size: int, n_train: int) -> RunPlan:
             ),
             complete=True,
         )
+    problem = damage(saved)
+    if problem:
+        raise PreflightError(
+            f"checkpoint.dir: cannot resume {saved.path.name}: {problem}; set checkpoint.resume=false "
+            f"to start over, or delete {saved.path} and write the name of an earlier step_* "
+            f"directory into {saved.path.parent / LATEST}"
+        )
     _check_same_data(cfg, saved, n_train)
     problem = check_resumable(saved, requested_layout(cfg, world_size))
     if problem:
         raise PreflightError(problem)
-    return RunPlan(_resume_notes(cfg, saved, world_size))
+    return RunPlan(_resume_notes(cfg, saved, world_size), resumes=True)
 
 
 def _check_same_data(cfg: RunConfig, saved: SavedRun, n_train: int) -> None:

@@ -2,10 +2,11 @@
 
 Beside megatron's files every checkpoint directory holds `run.json` (written by rank 0 before the
 directory is renamed into place): the step, the full run config, the world size, the layout it was
-saved at (`run_layout.RunLayout`) and the prompt sampler's position. The launching process reads it
-before any rank starts, to say what a resumed run continues from and what changed since, to refuse a
-resume that cannot continue (another dataset, a layout that cannot load), and to stop a run that is
-already complete before it writes anything.
+saved at (`run_layout.RunLayout`), the prompt sampler's position and the size of every file of the
+checkpoint (`damage` compares them, so a truncated shard is refused before any rank loads it). The
+launching process reads it before any rank starts, to say what a resumed run continues from and
+what changed since, to refuse a resume that cannot continue (another dataset, a layout that cannot
+load, a damaged checkpoint), and to stop a run that is already complete before it writes anything.
 
     path = latest_checkpoint("runs/x/checkpoints")          # None: nothing to resume
     saved = read_saved_run(path)                              # SavedRun(step=20, config={...}, ...)
@@ -37,6 +38,7 @@ class SavedRun:
     world_size: int | None = None
     data: dict[str, Any] | None = None
     layout: RunLayout | None = None
+    files: dict[str, int] | None = None  # every file of the checkpoint and its size in bytes
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -69,9 +71,19 @@ def write_record(
         "world_size": world_size,
         "layout": layout.to_dict(),
         "data": data,
+        "files": _sizes(directory),
         "config": config,
     }
     (directory / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _sizes(directory: Path) -> dict[str, int]:
+    """Relative path -> size of every file under `directory` (written once all ranks are done)."""
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != RECORD
+    }
 
 
 def read_saved_run(path: Path) -> SavedRun:
@@ -88,9 +100,34 @@ def read_saved_run(path: Path) -> SavedRun:
             world_size=record.get("world_size"),
             data=record.get("data"),
             layout=RunLayout.from_dict(record["layout"]) if record.get("layout") else None,
+            files={str(k): int(v) for k, v in record["files"].items()} if record.get("files") else None,
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{record_file} is not a valid run record ({exc})") from None
+
+
+# What every megatron dist checkpoint holds, for checkpoints whose record lists no files
+DIST_CKPT_FILES = ("metadata.json", ".metadata")
+
+
+def damage(saved: SavedRun) -> str | None:
+    """What is missing, cut short or unreadable in checkpoint `saved`, or None: every file its
+    record lists, at the recorded size (a shard cut by a full disk or a copy fails the load inside
+    every rank otherwise); for an older record without the list, megatron's metadata files."""
+    expected: dict[str, int | None] = dict(saved.files or dict.fromkeys(DIST_CKPT_FILES))
+    for name, size in expected.items():
+        path = saved.path / name
+        try:
+            actual = path.stat().st_size
+            with path.open("rb"):
+                pass
+        except FileNotFoundError:
+            return f"{path} is missing"
+        except OSError as exc:
+            return f"{path} cannot be read: {exc.strerror or exc}"
+        if size is not None and actual != size:
+            return f"{path} has {actual} bytes where the checkpoint wrote {size} (cut short or replaced)"
+    return None
 
 
 def check_resumable(saved: SavedRun, requested: RunLayout) -> str | None:

@@ -170,7 +170,13 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
     """Every part of a run on this rank; `resume_from`: the checkpoint it continues (its padded
     vocabulary is kept)."""
     host = runtime.rank == HOST_RANK
-    log = MetricsLogger(cfg.telemetry, enabled=host, run_config=to_dict(cfg), device_index=runtime.local_rank)
+    log = MetricsLogger(
+        cfg.telemetry,
+        enabled=host,
+        run_config=to_dict(cfg),
+        device_index=runtime.local_rank,
+        resume_step=read_saved_run(resume_from).step if resume_from else None,
+    )
     pool_cfg = PoolConfig(
         chunk_size=cfg.rollout.group_size,
         chunk_timeout_s=cfg.rollout.request_timeout_s,
