@@ -170,9 +170,7 @@ def _check_model(cfg: RunConfig, layout: SlurmLayout, hf_config: Path) -> None:
     except (OSError, ValueError, KeyError) as exc:
         raise LayoutError(f"cannot read {hf_config}: {exc}") from None
     try:
-        cfg.parallel.validate_model(
-            num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads
-        )
+        cfg.parallel.validate_model(**hf.layout_shape())
     except ValueError as exc:
         raise LayoutError(f"{cfg.model.hf_path}: {exc}") from None
     rtp = cfg.rollout.tensor_parallel_size
