@@ -46,8 +46,9 @@ class TorchGatingRouter(TopKRouter):
     """megatron's `TopKRouter` with its gating as a torch linear (see the module docstring), which
     also counts what it routes in training passes (forward with gradients; not the log-prob
     recompute): `tokens_per_expert` [E] (token-to-expert assignments of this rank's tokens) and the
-    load-balancing loss it computed (`aux_loss_sum` over `aux_loss_count` micro-batches, without its
-    coefficient, megatron's logging convention). `take_stats` reads and resets them."""
+    load-balancing loss it computed (`aux_loss_sum` = [sum, micro-batches], without its coefficient,
+    megatron's logging convention; under TP each rank's value is its tokens' part of the
+    micro-batch's loss). `take_stats` reads and resets them."""
 
     def __init__(self, config: Any, pg_collection: Any = None) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
@@ -69,7 +70,7 @@ class TorchGatingRouter(TopKRouter):
         return probs, routing_map
 
     def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, *args, **kwargs):
-        with torch.no_grad():  # [sum, count]: one value per micro-batch, already reduced over TP x CP
+        with torch.no_grad():  # [sum, count]: this rank's tokens' part of each micro-batch's loss
             self.aux_loss_sum += torch.stack(
                 [aux_loss.detach().double() / aux_loss_coeff, aux_loss.new_ones(()).double()]
             )
