@@ -43,7 +43,7 @@ from sparserl_mcore.sync.codec import (
 )
 from sparserl_mcore.sync.hashing import bits_view, dtype_name, model_digest, tensor_digest, touched_digest
 
-Shard = tuple[int, int]  # (tp_rank, pp_rank)
+Shard = tuple[int, ...]  # (tp_rank, pp_rank), or (tp_rank, pp_rank, ep_rank): `layout.shard_keys()`
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class _Write:
 
 
 class ShardedReceiver:
-    """Holds `shards[(tp_rank, pp_rank)] = {mcore_name: tensor}` of `layout` (any subset of shards)."""
+    """Holds `shards[key] = {mcore_name: tensor}` of `layout` (any subset of `layout.shard_keys()`)."""
 
     def __init__(
         self,
@@ -64,20 +64,18 @@ class ShardedReceiver:
         version: int | None = None,
     ) -> None:
         self.layout, self.shards, self.ledger = layout, shards, FragmentLedger(version)
-        for (tp, pp), params in shards.items():
-            expected = layout.shard(tp, pp)
+        for key, params in shards.items():
+            expected = layout.shard(*key)
             if set(params) != set(expected):
                 raise ValueError(
-                    f"shard ({tp}, {pp}) params differ from the layout: "
-                    f"{sorted(set(params) ^ set(expected))[:4]}"
+                    f"shard {key} params differ from the layout: {sorted(set(params) ^ set(expected))[:4]}"
                 )
         self.dtype = next(t.dtype for params in shards.values() for t in params.values())
         holders: dict[str, set[Shard]] = {}
-        for tp in range(layout.tp_size):
-            for pp in range(layout.pp_size):
-                for param in layout.shard(tp, pp).values():
-                    for name in param.hf_names if param.emit else ():
-                        holders.setdefault(name, set()).add((tp, pp))
+        for key in layout.shard_keys():
+            for param in layout.shard(*key).values():
+                for name in param.hf_names if param.emit else ():
+                    holders.setdefault(name, set()).add(key)
         self.covered = {n for n, need in holders.items() if need <= set(shards)}
         self._digests: dict[str, bytes] | None = None  # of covered tensors, for whole-tensor patches
 
@@ -95,8 +93,8 @@ class ShardedReceiver:
     def hf_tensor(self, name: str) -> torch.Tensor:
         """Rebuild HF tensor `name` from the held shards (it must be covered)."""
         out = torch.empty(self.layout.hf_shapes[name], dtype=self.dtype)
-        for (tp, pp), params in self.shards.items():
-            for param in self.layout.shard(tp, pp).values():
+        for key, params in self.shards.items():
+            for param in self.layout.shard(*key).values():
                 if name in param.hf_names:
                     for hf_name, rows, cols, view in self.layout.hf_pieces(param, params[param.name]):
                         if hf_name == name:
@@ -115,8 +113,8 @@ class ShardedReceiver:
     def _plan(self, t: DecodedTensor) -> list[_Write]:
         idx = torch.from_numpy(t.indices) if t.indices is not None else torch.arange(int(np.prod(t.shape)))
         writes = []
-        for (tp, pp), params in self.shards.items():
-            for name, pos, local in self.layout.to_local_index(t.name, idx, tp, pp):
+        for key, params in self.shards.items():
+            for name, pos, local in self.layout.to_local_index(t.name, idx, *key):
                 flat = params[name].detach().view(-1).view(torch.int16)
                 writes.append(_Write(flat, local.numpy(), pos.numpy()))
         return writes
