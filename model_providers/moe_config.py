@@ -13,7 +13,10 @@ it, in megatron-core's terms (`model_providers.moe.moe_transformer_fields` turns
 - `aux_loss_coeff`: the loss's weight; null takes the checkpoint's `router_aux_loss_coef`;
 - `z_loss_coeff`: ST-MoE's router z-loss (null: off);
 - `router_dtype`: the precision of the router's logits, softmax and top-k (megatron's
-  `moe_router_dtype`; fp32 keeps the top-k stable in a bf16 model, what RL recipes use).
+  `moe_router_dtype`; fp32 keeps the top-k stable in a bf16 model, what RL recipes use);
+- `routing_replay`: build the routers with megatron's `RouterReplay` hook
+  (`moe_enable_routing_replay`), through which given expert choices replace the router's own top-k
+  (rollout routing replay) or its choices are recorded.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class MoEConfig:
     expert_bias_update_rate: float = 1e-3
     z_loss_coeff: float | None = None
     router_dtype: str = "fp32"
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.load_balancing not in LOAD_BALANCING:

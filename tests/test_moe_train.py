@@ -34,7 +34,7 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("moe_train")
-    hf = str(make_tiny(TinyModelConfig(arch="qwen3_moe", vocab=200, seed=5), tmp / "qwen3_moe"))
+    hf = str(make_tiny(TinyModelConfig(arch="qwen3_moe", vocab=100, seed=5), tmp / "qwen3_moe"))
     ckpt = tmp / "ckpt"
     launch_local(
         [WORKER, str(tmp / "ep2"), hf, "--ep", "2", "--save", str(ckpt)], 2, env=CPU_ONLY, timeout=600
