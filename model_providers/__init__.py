@@ -1,4 +1,5 @@
-"""HF config -> megatron model for the registered decoder families (Qwen2/2.5, Qwen3, Llama 3.x).
+"""HF config -> megatron model for the registered decoder families (Qwen2/2.5, Qwen3, Llama 3.x; the
+mixtures of experts Qwen3-MoE and Qwen2-MoE).
 
 - `ARCHITECTURES` (hf_config.py): the explicit registry, keyed by HF `model_type`.
 - `parse_hf_config(dict | path) -> HFModelConfig` (pure Python).
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from model_providers.hf_config import ARCHITECTURES, HFModelConfig, parse_hf_config, resolve_arch
+from model_providers.hf_config import ARCHITECTURES, HFModelConfig, MoEArch, parse_hf_config, resolve_arch
 
 if TYPE_CHECKING:
     from model_providers.gpt import ModelSpec, build_model, build_spec, padded_vocab_size
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ARCHITECTURES",
     "HFModelConfig",
+    "MoEArch",
     "ModelSpec",
     "build_model",
     "build_spec",

@@ -17,10 +17,14 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from model_providers.hf_config import HFModelConfig, Llama3RopeScaling, parse_hf_config
 from model_providers.layer_specs import TRANSFORMER_IMPLS, layer_spec, te_available
+from model_providers.moe import mark_expert_parameters, moe_transformer_fields
+from model_providers.moe_config import MoEConfig
+from model_providers.norms import RMSNorm
 from model_providers.placement import place
 from sparserl_mcore.parallel.config import ParallelConfig
 
@@ -43,6 +47,13 @@ class ModelSpec:
     tie_embeddings: bool
     max_sequence_length: int
     stage_layers: tuple[int, ...]  # decoder layers per pipeline stage (`ParallelConfig.stage_layers`)
+    moe: MoEConfig = MoEConfig()  # router training choices (MoE families only)
+
+    @property
+    def grouped_experts(self) -> bool:
+        """Experts as one grouped-GEMM module (`experts.linear_fc1.weight<j>`, TE spec) rather than
+        megatron's `SequentialMLP` (`experts.local_experts.<j>.linear_fc1.weight`)."""
+        return bool(self.config.moe_grouped_gemm)
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
@@ -54,7 +65,7 @@ def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int
 
 
 def _transformer_config(
-    hf: HFModelConfig, parallel: ParallelConfig, dtype: torch.dtype, cpu: bool
+    hf: HFModelConfig, parallel: ParallelConfig, dtype: torch.dtype, cpu: bool, moe: MoEConfig, impl: str
 ) -> TransformerConfig:
     stages = parallel.stage_layers(hf.num_layers)
     uneven = len(set(stages)) > 1  # megatron's own default is equal stages
@@ -91,6 +102,7 @@ def _transformer_config(
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **moe_transformer_fields(hf, parallel, moe, grouped_gemm=impl == "transformer_engine"),
     )
 
 
@@ -102,14 +114,18 @@ def build_spec(
     vocab_multiple: int = 128,
     transformer_impl: str | None = None,
     cpu: bool | None = None,
+    moe: MoEConfig | None = None,
 ) -> ModelSpec:
     """Translate an HF config (dict, config.json or checkpoint dir) into a `ModelSpec` for `parallel`.
 
     `transformer_impl` defaults to "transformer_engine" when TE is importable on a GPU, else "local".
     `cpu` (default: no CUDA available) selects CPU initialisation and turns fused kernels off.
+    `moe`: how MoE routers train (the run config's `model.moe`; default `MoEConfig()`; unused for
+    dense models).
     """
     hf = parse_hf_config(hf_config)
-    parallel.validate_model(num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads)
+    moe = moe or MoEConfig()
+    parallel.validate_model(**hf.layout_shape())
     dtype = _DTYPES.get(params_dtype) if isinstance(params_dtype, str) else params_dtype
     if dtype not in _DTYPES.values():
         raise ValueError(f"params_dtype={params_dtype!r}; choose one of {sorted(_DTYPES)}")
@@ -127,8 +143,8 @@ def build_spec(
         arch=hf.arch,
         hf=hf,
         parallel=parallel,
-        config=_transformer_config(hf, parallel, dtype, cpu),
-        layer_spec=layer_spec(impl, qk_norm=hf.qk_norm),
+        config=_transformer_config(hf, parallel, dtype, cpu, moe, impl),
+        layer_spec=layer_spec(impl, qk_norm=hf.qk_norm, num_experts=hf.moe.num_experts if hf.moe else None),
         transformer_impl=impl,
         params_dtype=dtype,
         vocab_size=hf.vocab_size,
@@ -138,6 +154,7 @@ def build_spec(
         tie_embeddings=hf.tie_embeddings,
         max_sequence_length=hf.max_position_embeddings,
         stage_layers=parallel.stage_layers(hf.num_layers),
+        moe=moe,
     )
 
 
@@ -160,7 +177,7 @@ def build_model(
     hf = spec.hf
     model = GPTModel(
         config=spec.config,
-        transformer_layer_spec=spec.layer_spec,
+        transformer_layer_spec=_block_spec(spec, pg_collection),
         vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.max_sequence_length,
         pre_process=pre_process,
@@ -173,7 +190,24 @@ def build_model(
     )
     if hf.rope_scaling is not None:
         _apply_llama3_rope_scaling(model, hf.rope_scaling)
+    if hf.moe is not None:
+        mark_expert_parameters(model)
     return place(model, device, spec.params_dtype)
+
+
+def _block_spec(spec: ModelSpec, pg_collection: Any | None) -> ModuleSpec | TransformerBlockSubmodules:
+    """The layer spec, or for MoE models on the local spec the whole block's submodules: megatron
+    builds a block's final norm with its default norm, which refuses sequence parallelism."""
+    if spec.hf.moe is None or spec.transformer_impl != "local":
+        return spec.layer_spec
+    if pg_collection is not None:
+        pp_rank = pg_collection.pp.rank()
+    else:
+        from megatron.core import parallel_state
+
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    layers = spec.stage_layers[pp_rank]
+    return TransformerBlockSubmodules(layer_specs=[spec.layer_spec] * layers, layer_norm=RMSNorm)
 
 
 def _apply_llama3_rope_scaling(model: GPTModel, scaling: Llama3RopeScaling) -> None:

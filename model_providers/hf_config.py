@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +26,10 @@ class ArchTraits:
     qkv_bias_always: bool = False  # Qwen2: q/k/v projections always carry a bias; others: attention_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     rope_scaling_types: tuple[str, ...] = ()  # accepted rope_type values besides "default"
+    qkv_bias_key: str = "attention_bias"  # the config field that turns q/k/v biases on (when not always)
+    qkv_bias_default: bool = False  # its value when the config does not set it
+    moe: bool = False  # every decoder layer's MLP is a mixture of experts (`MoEArch`)
+    shared_expert: bool = False  # Qwen2-MoE: plus one always-on expert scaled by a sigmoid gate
     # config fields a tiny test checkpoint of the family sets, so tests exercise what is distinctive
     tiny_fields: Mapping[str, Any] = field(default_factory=dict)
 
@@ -59,6 +63,22 @@ ARCHITECTURES: dict[str, ArchTraits] = {
             "max_position_embeddings": 4096,
         },
     ),
+    "qwen3_moe": ArchTraits(
+        hf_class="Qwen3MoeForCausalLM",
+        config_class="Qwen3MoeConfig",
+        qk_norm=True,
+        moe=True,
+        tiny_fields={"rope_theta": 1000000.0, "attention_bias": False, "norm_topk_prob": True},
+    ),
+    "qwen2_moe": ArchTraits(
+        hf_class="Qwen2MoeForCausalLM",
+        config_class="Qwen2MoeConfig",
+        qkv_bias_key="qkv_bias",
+        qkv_bias_default=True,  # Qwen1.5-MoE / Qwen2-MoE configs predate the field and have biases
+        moe=True,
+        shared_expert=True,
+        tiny_fields={"rope_theta": 1000000.0, "norm_topk_prob": False},
+    ),
 }
 HF_CLASS_TO_ARCH: dict[str, str] = {traits.hf_class: name for name, traits in ARCHITECTURES.items()}
 
@@ -71,6 +91,34 @@ class Llama3RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+class LayoutShape(TypedDict):
+    """The numbers a parallel layout must divide (`ParallelConfig.validate_model`'s arguments)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    num_experts: int | None
+    moe_ffn_hidden_size: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEArch:
+    """The mixture-of-experts MLP of every decoder layer, as the HF config describes it.
+
+    HF routing (Qwen2-MoE, Qwen3-MoE): probs = softmax(router logits) over all experts, the top-k
+    kept, renormalised to sum 1 when `norm_topk_prob`; each token's output is the probs-weighted
+    sum of its k experts' SwiGLU MLPs (plus, with a shared expert, sigmoid(gate . x) times the
+    shared MLP).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_ffn_hidden_size: int  # moe_intermediate_size
+    norm_topk_prob: bool
+    shared_expert_ffn_hidden_size: int | None = None  # Qwen2-MoE's shared_expert_intermediate_size
+    router_aux_loss_coef: float = 0.0  # the HF config's router_aux_loss_coef (training default)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,12 +141,23 @@ class HFModelConfig:
     qkv_bias: bool
     qk_norm: bool
     initializer_range: float
+    moe: MoEArch | None = None  # None: a dense SwiGLU MLP (`ffn_hidden_size`) in every layer
     # generation_config.json's eos_token_id when reading a directory that has one, else config.json's
     eos_token_ids: tuple[int, ...] = ()
 
+    def layout_shape(self) -> LayoutShape:
+        """What `ParallelConfig.validate_model` checks a layout against."""
+        return {
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "num_experts": self.moe.num_experts if self.moe else None,
+            "moe_ffn_hidden_size": self.moe.expert_ffn_hidden_size if self.moe else None,
+        }
+
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor of the HF checkpoint, by name (a tied lm_head is not one)."""
-        h, d, f = self.hidden_size, self.head_dim, self.ffn_hidden_size
+        h, d = self.hidden_size, self.head_dim
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for i in range(self.num_layers):
             a = f"model.layers.{i}."
@@ -116,13 +175,34 @@ class HFModelConfig:
                 shapes[a + "self_attn.k_norm.weight"] = (d,)
             shapes[a + "self_attn.o_proj.weight"] = (h, self.num_heads * d)
             shapes[a + "post_attention_layernorm.weight"] = (h,)
-            shapes[a + "mlp.gate_proj.weight"] = (f, h)
-            shapes[a + "mlp.up_proj.weight"] = (f, h)
-            shapes[a + "mlp.down_proj.weight"] = (h, f)
+            shapes.update(self._mlp_shapes(a + "mlp."))
         shapes["model.norm.weight"] = (h,)
         if not self.tie_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
+
+    def _mlp_shapes(self, m: str) -> dict[str, tuple[int, ...]]:
+        """One layer's MLP tensors under prefix `m` ("model.layers.L.mlp.")."""
+        h = self.hidden_size
+        if self.moe is None:
+            return swiglu_shapes(m, self.ffn_hidden_size, h)
+        moe = self.moe
+        shapes: dict[str, tuple[int, ...]] = {m + "gate.weight": (moe.num_experts, h)}
+        for e in range(moe.num_experts):
+            shapes.update(swiglu_shapes(f"{m}experts.{e}.", moe.expert_ffn_hidden_size, h))
+        if moe.shared_expert_ffn_hidden_size is not None:
+            shapes.update(swiglu_shapes(m + "shared_expert.", moe.shared_expert_ffn_hidden_size, h))
+            shapes[m + "shared_expert_gate.weight"] = (1, h)
+        return shapes
+
+
+def swiglu_shapes(prefix: str, ffn: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """gate_proj / up_proj [ffn, hidden] and down_proj [hidden, ffn] under `prefix`."""
+    return {
+        prefix + "gate_proj.weight": (ffn, hidden),
+        prefix + "up_proj.weight": (ffn, hidden),
+        prefix + "down_proj.weight": (hidden, ffn),
+    }
 
 
 def resolve_arch(hf: Mapping[str, Any]) -> str:
@@ -247,10 +327,55 @@ def _parse(hf: dict[str, Any], source: Mapping[str, Any] | str | Path) -> HFMode
         rope_theta=theta,
         rope_scaling=scaling,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=traits.qkv_bias_always or bool(hf.get("attention_bias", False)),
+        qkv_bias=traits.qkv_bias_always or bool(hf.get(traits.qkv_bias_key, traits.qkv_bias_default)),
         qk_norm=traits.qk_norm,
         initializer_range=float(hf.get("initializer_range", 0.02)),
+        moe=_moe(hf, traits) if traits.moe else None,
         eos_token_ids=_eos_token_ids(hf, source),
+    )
+
+
+def _moe(hf: Mapping[str, Any], traits: ArchTraits) -> MoEArch:
+    """The MoE fields of a Qwen2-MoE / Qwen3-MoE config (transformers 5 names Qwen3's expert count
+    `num_local_experts`, the Hub's config.json files `num_experts`)."""
+    found = hf.get("num_experts") or hf.get("num_local_experts")
+    missing = [
+        name
+        for name, value in (
+            ("num_experts", found),
+            ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+            ("moe_intermediate_size", hf.get("moe_intermediate_size")),
+        )
+        if not value
+    ]
+    if missing:
+        raise KeyError(missing[0])
+    num_experts = int(found or 0)
+    dense_layers = list(hf.get("mlp_only_layers") or [])
+    if dense_layers or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(
+            f"mlp_only_layers={dense_layers}, decoder_sparse_step={hf.get('decoder_sparse_step', 1)}: "
+            "dense MLP layers between MoE layers are not supported; every layer must be MoE "
+            "(mlp_only_layers=[], decoder_sparse_step=1)"
+        )
+    top_k = int(hf["num_experts_per_tok"])
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
+    shared = None
+    if traits.shared_expert:
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        if shared < 1:
+            raise ValueError(
+                f"shared_expert_intermediate_size={hf.get('shared_expert_intermediate_size')!r}: "
+                f"{traits.hf_class} needs its shared expert's width (> 0)"
+            )
+    return MoEArch(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_expert_ffn_hidden_size=shared,
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0),
     )
 
 

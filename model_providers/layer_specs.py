@@ -42,7 +42,13 @@ LAYER_SPECS = {"local": local_layer_spec, "transformer_engine": te_layer_spec}
 TRANSFORMER_IMPLS = tuple(LAYER_SPECS)
 
 
-def layer_spec(impl: str, *, qk_norm: bool) -> ModuleSpec:
+def layer_spec(impl: str, *, qk_norm: bool, num_experts: int | None = None) -> ModuleSpec:
+    """The decoder layer of `impl`; with `num_experts`, its MLP is a mixture of experts."""
     if impl not in LAYER_SPECS:
         raise ValueError(f"transformer_impl={impl!r}; choose one of {TRANSFORMER_IMPLS}")
+    if num_experts is not None:
+        from model_providers.moe import local_moe_layer_spec, te_moe_layer_spec
+
+        build = local_moe_layer_spec if impl == "local" else te_moe_layer_spec
+        return build(qk_norm=qk_norm, num_experts=num_experts)
     return LAYER_SPECS[impl](qk_norm=qk_norm)

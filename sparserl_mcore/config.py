@@ -2,7 +2,8 @@
 
 `RunConfig` nests one small frozen dataclass per concern. Sections owned by other components are
 their own config classes, reused here rather than redefined (one owner per concept):
-`parallel` is the runtime's `ParallelConfig`, `rollout.kv` the serve engineer's
+`parallel` is the runtime's `ParallelConfig` (expert parallelism and the MoE token dispatcher
+included), `model.moe` the model provider's `MoEConfig`, `rollout.kv` the serve engineer's
 `KVCompressionConfig`, `rollout.sampling` the engine's `SamplingParams`, `loss.correction`,
 `loss.policy` and `dgg` the loss engineer's `CorrectionConfig`, `PolicyLossConfig` and
 `DGGConfig`, `sync.codec` the sync engineer's `CodecConfig`.
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 import yaml
 
 # Component configs owned elsewhere, reused here as sections.
+from model_providers.moe_config import MoEConfig
 from sparserl_mcore.loss.correction import CorrectionConfig
 from sparserl_mcore.loss.dgg import DGGConfig
 from sparserl_mcore.loss.policy import PolicyLossConfig
@@ -277,11 +279,14 @@ class ModelConfig:
     """The policy: an HF checkpoint directory (weights + tokenizer), loaded into megatron-core.
 
     ref_path: frozen reference policy for the KL term (defaults to hf_path when KL is on).
+    moe: how a mixture-of-experts policy's routers train (`model_providers.moe_config.MoEConfig`;
+    ignored for dense models).
     """
 
     hf_path: str
     ref_path: str | None = None
     params_dtype: Literal["fp32", "bf16"] = "bf16"
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         if not self.hf_path:

@@ -226,3 +226,25 @@ def test_non_empty_output_needs_overwrite(tiny_hf, tmp_path, capsys):
     assert _cli("hf-to-mcore", "--hf-dir", str(tiny_hf), "--out", str(tmp_path / "out")) == 2
     assert "pass --overwrite" in capsys.readouterr().err
     assert (tmp_path / "out" / "keep.txt").read_text() == "x"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--ep", "3"), "expert_model_parallel_size=3 does not divide num_experts=4"),
+        (
+            ("--tp", "2", "--etp", "3"),
+            "expert_tensor_parallel_size=3 does not divide tensor_model_parallel_size=2",
+        ),
+        (("--ep", "2", "--tp", "4"), "tensor_model_parallel_size=4 does not divide num_key_value_heads=2"),
+    ],
+)
+def test_bad_expert_layouts_are_refused_before_any_rank(tmp_path, capsys, argv, message):
+    moe = make_tiny(TinyModelConfig(arch="qwen3_moe"), tmp_path / "moe")
+    assert _cli("hf-to-mcore", "--hf-dir", str(moe), "--out", str(tmp_path / "out"), *argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+    dense = make_tiny(TinyModelConfig(arch="qwen3"), tmp_path / "dense")
+    assert _cli("hf-to-mcore", "--hf-dir", str(dense), "--out", str(tmp_path / "out"), "--ep", "2") == 2
+    assert "the model has no experts" in capsys.readouterr().err

@@ -55,7 +55,7 @@ def test_same_seed_same_weights_and_cli(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"arch": "gpt2"}, "arch='gpt2' is not supported; choose from \\['llama', 'qwen2', 'qwen3'\\]"),
+        ({"arch": "gpt2"}, "arch='gpt2' is not supported; choose from \\['llama', 'qwen2', 'qwen2_moe'"),
         ({"vocab": 50}, "vocab=50 is smaller than the tokenizer"),
         ({"heads": 4, "kv_heads": 3}, "heads=4 must be a multiple of kv_heads=3"),
     ],

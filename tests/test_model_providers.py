@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from model_providers import ARCHITECTURES, build_spec, padded_vocab_size, parse_hf_config
+from model_providers import ARCHITECTURES, MoEArch, build_spec, padded_vocab_size, parse_hf_config
 from model_providers.attention import SDPACoreAttention
+from model_providers.moe_config import MoEConfig
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, hf_config
 from sparserl_mcore.parallel import ParallelConfig
 
@@ -52,10 +53,10 @@ def test_architectures_field_resolves_and_unknown_lists_supported():
     config["model_type"], config["architectures"] = None, ["Qwen2ForCausalLM"]
     assert parse_hf_config(config).arch == "qwen2"
     with pytest.raises(
-        ValueError, match=r"unsupported architecture: model_type='mistral'.*\['llama', 'qwen2', 'qwen3'\]"
+        ValueError, match=r"unsupported architecture: model_type='mistral'.*\['llama', 'qwen2', 'qwen2_moe'"
     ):
         parse_hf_config({**tiny("llama"), "model_type": "mistral", "architectures": ["MistralForCausalLM"]})
-    assert sorted(ARCHITECTURES) == ["llama", "qwen2", "qwen3"]
+    assert sorted(ARCHITECTURES) == ["llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
 
 
 @pytest.mark.parametrize(
@@ -206,3 +207,79 @@ def test_impossible_stage_splits_name_the_numbers(pp, first, last, message):
             num_layers_in_first_pipeline_stage=first,
             num_layers_in_last_pipeline_stage=last,
         ).stage_layers(5)
+
+
+# ---- mixtures of experts ---------------------------------------------------------------------
+
+
+def test_moe_families_parse_their_routing():
+    qwen3 = parse_hf_config(tiny("qwen3_moe", experts=8, top_k=2, expert_ffn=24))
+    assert (qwen3.arch, qwen3.qk_norm, qwen3.qkv_bias) == ("qwen3_moe", True, False)
+    assert qwen3.moe == MoEArch(
+        num_experts=8, top_k=2, expert_ffn_hidden_size=24, norm_topk_prob=True, router_aux_loss_coef=0.001
+    )
+    qwen2 = parse_hf_config(tiny("qwen2_moe", shared_expert_ffn=40))
+    assert qwen2.qkv_bias and not qwen2.moe.norm_topk_prob and qwen2.moe.shared_expert_ffn_hidden_size == 40
+    shapes = qwen2.tensor_shapes()
+    assert shapes["model.layers.1.mlp.gate.weight"] == (4, 64)
+    assert shapes["model.layers.1.mlp.experts.3.down_proj.weight"] == (64, 32)
+    assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == (1, 64)
+    assert "model.layers.0.mlp.gate_proj.weight" not in shapes  # no dense MLP
+    # the Hub's config.json names the expert count `num_experts`, transformers 5 `num_local_experts`
+    hub = {k: v for k, v in tiny("qwen3_moe").items() if k != "num_local_experts"} | {"num_experts": 4}
+    assert parse_hf_config(hub) == parse_hf_config(tiny("qwen3_moe"))
+
+
+@pytest.mark.parametrize(
+    ("arch", "change", "message"),
+    [
+        ("qwen3_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\].*every layer must be MoE"),
+        ("qwen3_moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step=2: dense MLP layers"),
+        ("qwen3_moe", {"moe_intermediate_size": None}, r"lacks the required field 'moe_intermediate_size'"),
+        (
+            "qwen3_moe",
+            {"num_experts_per_tok": 9},
+            r"num_experts_per_tok=9 must be between 1 and num_experts=4",
+        ),
+        ("qwen2_moe", {"shared_expert_intermediate_size": 0}, r"shared_expert_intermediate_size=0"),
+    ],
+)
+def test_unsupported_moe_configs_are_named(arch, change, message):
+    with pytest.raises(ValueError, match=message):
+        parse_hf_config({**tiny(arch), **change})
+
+
+def test_build_spec_maps_hf_routing_onto_megatrons_router():
+    from model_providers.moe import TorchGatingRouter
+
+    par = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    qwen3 = build_spec(tiny("qwen3_moe"), par, cpu=True).config
+    # norm_topk_prob: top-k of the logits, then softmax over the k (megatron's default order)
+    assert (qwen3.num_moe_experts, qwen3.moe_router_topk, qwen3.moe_ffn_hidden_size) == (4, 2, 32)
+    assert not qwen3.moe_router_pre_softmax and qwen3.moe_router_score_function == "softmax"
+    assert (qwen3.moe_router_load_balancing_type, qwen3.moe_aux_loss_coeff) == ("aux_loss", 0.001)
+    assert qwen3.sequence_parallel and qwen3.expert_model_parallel_size == 2  # MoE with TP > 1 needs SP
+    assert qwen3.moe_token_dispatcher_type == "alltoall" and qwen3.moe_router_dtype == "fp32"
+    assert qwen3.moe_shared_expert_intermediate_size is None and not qwen3.moe_grouped_gemm
+    qwen2 = build_spec(tiny("qwen2_moe"), ParallelConfig(), cpu=True, moe=MoEConfig(load_balancing="none"))
+    # no renormalisation: softmax over all experts, then top-k (megatron's pre-softmax)
+    assert qwen2.config.moe_router_pre_softmax and not qwen2.config.sequence_parallel
+    assert qwen2.config.moe_shared_expert_intermediate_size == 48 and qwen2.config.moe_shared_expert_gate
+    assert (qwen2.config.moe_router_load_balancing_type, qwen2.config.moe_aux_loss_coeff) == ("none", 0.0)
+    mlp = qwen2.layer_spec.submodules.mlp
+    assert mlp.submodules.router is TorchGatingRouter
+    overridden = build_spec(tiny("qwen3_moe"), ParallelConfig(), moe=MoEConfig(aux_loss_coeff=0.01)).config
+    assert overridden.moe_aux_loss_coeff == 0.01
+
+
+def test_moe_router_settings_the_model_cannot_take_are_refused():
+    with pytest.raises(ValueError, match=r"load_balancing='expert_bias'.*needs sigmoid router scores"):
+        build_spec(tiny("qwen3_moe"), ParallelConfig(), moe=MoEConfig(load_balancing="expert_bias"))
+    with pytest.raises(ValueError, match=r"aux_loss_coeff=0.1 with load_balancing='none'"):
+        MoEConfig(load_balancing="none", aux_loss_coeff=0.1)
+    with pytest.raises(ValueError, match=r"load_balancing='sinkhorn'; choose one of aux_loss"):
+        MoEConfig(load_balancing="sinkhorn")
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size=3 does not divide num_experts=4"):
+        build_spec(tiny("qwen3_moe"), ParallelConfig(expert_model_parallel_size=3))
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size=2, .*the model has no experts"):
+        build_spec(tiny("qwen3"), ParallelConfig(expert_model_parallel_size=2))

@@ -46,6 +46,44 @@ def test_valid_layout_passes():
     cfg.validate_model(num_layers=3, num_heads=4, num_kv_heads=2)  # uneven stages (2, 1)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "world", "message"),
+    [
+        ({"expert_model_parallel_size": 4}, 6, r"world size 6 is not divisible by ETP\*EP\*PP = 1\*4\*1 = 4"),
+        (
+            {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 4},
+            4,
+            r"world size 4 is not divisible by ETP\*EP\*PP = 2\*4\*1 = 8",
+        ),
+        ({"expert_model_parallel_size": 3}, 3, r"expert_model_parallel_size=3 does not divide num_experts=8"),
+        (
+            {"tensor_model_parallel_size": 4, "expert_tensor_parallel_size": 4},
+            4,
+            r"expert tensor parallel size 4 does not divide moe_intermediate_size=6",
+        ),
+    ],
+)
+def test_expert_layout_errors_name_the_numbers(kwargs, world, message):
+    cfg = ParallelConfig(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        cfg.validate_world(world)
+        cfg.validate_model(num_layers=2, num_heads=4, num_kv_heads=4, num_experts=8, moe_ffn_hidden_size=6)
+
+
+def test_expert_layout_fields_are_checked_when_built():
+    with pytest.raises(
+        ValueError, match=r"expert_tensor_parallel_size=3 does not divide tensor_model_parallel_size=2"
+    ):
+        ParallelConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=3)
+    with pytest.raises(
+        ValueError, match=r"moe_token_dispatcher_type='flex'; choose one of alltoall, allgather"
+    ):
+        ParallelConfig(moe_token_dispatcher_type="flex")
+    cfg = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    assert (cfg.expert_tensor_size, cfg.expert_model_parallel_ranks, cfg.min_world_size) == (2, 4, 4)
+    assert ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=3).min_world_size == 6
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_sizes_must_be_positive_integers(bad):
     with pytest.raises(ValueError, match=rf"pipeline_model_parallel_size={bad!r}: must be an integer >= 1"):

@@ -29,6 +29,8 @@ EXAMPLES = {
     "rollout.engine=embedded 'rollout.urls=[]'",
     "slurm/disaggregated.sbatch": "--config examples/qwen2.5-7b-math.yaml --learner-nodes 2 "
     "--rollout-nodes 2",
+    "slurm/qwen3-30b-a3b.sbatch": "--config examples/qwen3-30b-a3b-math.yaml --learner-nodes 2 "
+    "--rollout-nodes 2 --rollout-server sglang",
 }
 
 
@@ -148,6 +150,11 @@ REFUSED = {
         "does not divide num_key_value_heads=2",
     ),
     "config": ("--learner-nodes 1 train.stepz=3", "unknown key train.stepz"),
+    "experts-dense": ("--learner-nodes 1 parallel.expert_model_parallel_size=2", "the model has no experts"),
+    "experts-world": (
+        "--learner-nodes 1 --gpus-per-node 4 parallel.expert_model_parallel_size=8",
+        "world size 4 is not divisible by ETP*EP*PP = 2*8*1 = 16",
+    ),
 }
 
 

@@ -1,11 +1,12 @@
 """`sparserl convert`: HF safetensors <-> Megatron dist checkpoints, and logit parity checks.
 
-    sparserl convert hf-to-mcore --hf-dir H --out M [--tp T --pp P]
-    sparserl convert mcore-to-hf --mcore-dir M --out H2 [--hf-config-dir H] [--tp T --pp P]
+    sparserl convert hf-to-mcore --hf-dir H --out M [--tp T --pp P --ep E --etp ET]
+    sparserl convert mcore-to-hf --mcore-dir M --out H2 [--hf-config-dir H] [--tp T --pp P --ep E]
     sparserl convert verify ...            (ckpt/verify_cli.py: megatron vs HF transformers logits)
 
 Conversions check the input in this process first (config, TP/PP, tensor names and shapes: errors
-name the tensor or field), then run TP*PP ranks with torchrun (`sparserl_mcore.launch.convert`) writing into a
+name the tensor or field), then run the layout's fewest ranks (TP*PP, or the least common
+multiple of TP*PP and ETP*EP*PP for MoE models) with torchrun (`sparserl_mcore.launch.convert`) writing into a
 temp directory beside `--out`, renamed only when every rank succeeded.
 """
 
@@ -17,6 +18,7 @@ import pathlib
 import sys
 
 from sparserl_mcore.cli_args import positive_float, positive_int
+from sparserl_mcore.parallel.config import ParallelConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
         p.add_argument(
             "--pp", type=positive_int, default=None, help="pipeline parallel ranks (default: 1 / as saved)"
+        )
+        p.add_argument(
+            "--ep", type=positive_int, default=None, help="MoE: expert parallel ranks (default: 1 / as saved)"
+        )
+        p.add_argument(
+            "--etp", type=positive_int, default=None, help="MoE: expert tensor parallel ranks (default: TP)"
         )
         p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -85,19 +93,35 @@ def _prepare(args: argparse.Namespace) -> tuple[list[str], int]:
     if args.dtype not in (None, "float32", "bfloat16"):
         raise ValueError(f"--dtype {args.dtype!r}; choose float32 or bfloat16")
     if args.action == "hf-to-mcore":
-        tp, pp = args.tp or 1, args.pp or 1
-        preflight_hf(args.hf_dir, tp, pp, args.dtype)
+        par = ParallelConfig(
+            tensor_model_parallel_size=args.tp or 1,
+            pipeline_model_parallel_size=args.pp or 1,
+            expert_model_parallel_size=args.ep or 1,
+            expert_tensor_parallel_size=args.etp,
+        )
+        preflight_hf(args.hf_dir, par, args.dtype)
         argv = ["hf-to-mcore", "--hf-dir", str(args.hf_dir)]
     else:
-        tp, pp = check_mcore_checkpoint(args.mcore_dir, args.tp, args.pp, args.hf_config_dir)
+        par = check_mcore_checkpoint(
+            args.mcore_dir, args.tp, args.pp, args.hf_config_dir, ep=args.ep, etp=args.etp
+        )
         argv = ["mcore-to-hf", "--mcore-dir", str(args.mcore_dir)]
         argv += ["--max-shard-bytes", str(parse_size(args.max_shard_size))]
         if args.hf_config_dir:
             argv += ["--hf-config-dir", str(args.hf_config_dir)]
-    argv += ["--tp", str(tp), "--pp", str(pp)]
+    argv += layout_argv(par)
     if args.dtype:
         argv += ["--dtype", args.dtype]
-    return argv, tp * pp
+    return argv, par.min_world_size
+
+
+def layout_argv(par: ParallelConfig) -> list[str]:
+    """The rank entries' layout flags (`launch.convert`, `launch.verify`) for `par`."""
+    argv = ["--tp", str(par.tensor_model_parallel_size), "--pp", str(par.pipeline_model_parallel_size)]
+    argv += ["--ep", str(par.expert_model_parallel_size)]
+    if par.expert_tensor_parallel_size is not None:
+        argv += ["--etp", str(par.expert_tensor_parallel_size)]
+    return argv
 
 
 def _launch(argv: list[str], nproc: int, args: argparse.Namespace) -> None:
@@ -118,12 +142,12 @@ def _launch(argv: list[str], nproc: int, args: argparse.Namespace) -> None:
     shutil.rmtree(logs, ignore_errors=True)
 
 
-def preflight_hf(hf_dir: str | pathlib.Path, tp: int, pp: int, dtype: str | None = None) -> None:
-    """`check_hf_checkpoint` at (tp, pp), and a dtype megatron can train in."""
+def preflight_hf(hf_dir: str | pathlib.Path, par: ParallelConfig, dtype: str | None = None) -> None:
+    """`check_hf_checkpoint` at layout `par`, and a dtype megatron can train in."""
     from sparserl_mcore.ckpt.hf_io import HFCheckpoint
     from sparserl_mcore.ckpt.preflight import check_hf_checkpoint
 
-    check_hf_checkpoint(hf_dir, tp=tp, pp=pp)
+    check_hf_checkpoint(hf_dir, parallel=par)
     stored = HFCheckpoint(hf_dir).config_dtype()
     if (dtype or stored or "float32") not in ("float32", "bfloat16"):
         raise ValueError(f"{hf_dir} stores dtype {stored!r}; convert with --dtype float32 or bfloat16")

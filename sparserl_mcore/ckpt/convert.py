@@ -50,7 +50,9 @@ def hf_to_mcore(
     dtype = dtype or HFCheckpoint(hf_dir).config_dtype() or "float32"
     spec = build_spec(hf_dir, rt.parallel, params_dtype=dtype)
     model = build_for_load(spec, rt)
-    load_hf_weights(model, layout_for(spec), hf_dir, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank)
+    load_hf_weights(
+        model, layout_for(spec), hf_dir, tp_rank=rt.tp_rank, pp_rank=rt.pp_rank, ep_rank=rt.ep_rank
+    )
     save_dist(model, out_dir)
     if rt.rank == 0:
         McoreCheckpointMeta.from_spec(spec).write(out_dir)
@@ -97,18 +99,22 @@ def export_hf(
     from sparserl_mcore.ckpt.layout import layout_for
 
     dtype = dtype or str(spec.params_dtype).removeprefix("torch.")
-    weight_map = {}
-    if rt.dp_rank == 0:  # data-parallel replicas hold the same weights
-        weight_map = export_hf_weights(
-            model,
-            layout_for(spec),
-            out_dir,
-            tp_rank=rt.tp_rank,
-            pp_rank=rt.pp_rank,
-            tp_group=rt.groups.tp,
-            dtype=getattr(torch, dtype),
-            max_shard_bytes=max_shard_bytes,
-        )
+    # data-parallel replicas hold the same weights: one copy of the dense ones (dp_rank 0) and one
+    # of the experts (expert-dp rank 0; with expert parallelism the experts of other dp ranks)
+    weight_map = export_hf_weights(
+        model,
+        layout_for(spec),
+        out_dir,
+        tp_rank=rt.tp_rank,
+        pp_rank=rt.pp_rank,
+        tp_group=rt.groups.tp,
+        ep_rank=rt.ep_rank,
+        expert_group=rt.groups.tp_ep if spec.hf.moe is not None else None,
+        dense=rt.dp_rank == 0,
+        experts=spec.hf.moe is not None and rt.expert_dp_rank == 0,
+        dtype=getattr(torch, dtype),
+        max_shard_bytes=max_shard_bytes,
+    )
     maps: list = [None] * rt.world_size
     dist.all_gather_object(maps, weight_map)
     if rt.rank == 0:

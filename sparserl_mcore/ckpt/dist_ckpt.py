@@ -43,6 +43,7 @@ class McoreCheckpointMeta:
     padded_vocab_size: int
     params_dtype: str
     transformer_impl: str  # informational: the stored keys are the same for "local" and TE specs
+    expert_model_parallel_size: int = 1  # informational too: experts are stored by global index
 
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:
@@ -61,6 +62,7 @@ class McoreCheckpointMeta:
             padded_vocab_size=spec.padded_vocab_size,
             params_dtype=str(spec.params_dtype).removeprefix("torch."),
             transformer_impl=spec.transformer_impl,
+            expert_model_parallel_size=spec.parallel.expert_model_parallel_size,
         )
 
     def write(self, ckpt_dir: str | pathlib.Path) -> None:
@@ -83,7 +85,7 @@ class McoreCheckpointMeta:
         if unknown:
             raise ValueError(f"{path}: unknown fields {unknown}; known: {sorted(known)}")
         missing = sorted(
-            f.name for f in dataclasses.fields(cls) if f.name not in data and f.name != "format_version"
+            f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING
         )
         if missing:
             raise ValueError(f"{path}: missing fields {missing}")

@@ -18,7 +18,7 @@ import json
 import pathlib
 import shutil
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Union
 
 from sparserl_mcore.ckpt.layout import ModelLayout
 
@@ -144,14 +144,20 @@ class HFCheckpoint:
 
 
 def load_hf_weights(
-    model: torch.nn.Module, layout: ModelLayout, hf_dir: str | pathlib.Path, *, tp_rank: int, pp_rank: int
+    model: torch.nn.Module,
+    layout: ModelLayout,
+    hf_dir: str | pathlib.Path,
+    *,
+    tp_rank: int,
+    pp_rank: int,
+    ep_rank: int = 0,
 ) -> None:
-    """Fill this rank's `model` (one TP/PP shard of a GPTModel) from an HF checkpoint directory."""
+    """Fill this rank's `model` (one TP/PP/EP shard of a GPTModel) from an HF checkpoint directory."""
     import torch
 
     ckpt = HFCheckpoint(hf_dir)
     ckpt.check(layout)
-    expected = layout.shard(tp_rank, pp_rank)
+    expected = layout.shard(tp_rank, pp_rank, ep_rank)
     params = dict(model.named_parameters())
     _check_param_names(params, expected, tp_rank, pp_rank)
     with torch.no_grad():
@@ -176,14 +182,21 @@ def export_hf_weights(
     tp_rank: int,
     pp_rank: int,
     tp_group: dist.ProcessGroup | None = None,
+    ep_rank: int = 0,
+    expert_group: dist.ProcessGroup | None = None,
+    dense: bool = True,
+    experts: bool = True,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 2 * 1024**3,
 ) -> dict[str, str]:
     """Write this stage's HF tensors as safetensors files into existing `out_dir`.
 
-    Collective over `tp_group` (the TP ranks of this stage); tp_rank 0 writes. Returns this stage's
-    {hf_name: file name} (empty on tp_rank > 0); combine them with `write_index`.
-    Files are named `model-pp{stage}-{n}.safetensors` (stages never collide) until `write_index`.
+    Collective over `tp_group` (the TP ranks of this stage) for the dense tensors and over
+    `expert_group` (the stage's expert-TP x EP ranks, megatron's `tp_ep` group) for the routed
+    experts; rank 0 of each group writes. `dense` / `experts` say whether this rank takes part in
+    each (one data-parallel copy of each does). Returns this rank's {hf_name: file name}; combine
+    them with `write_index`. Files are named `model-pp{stage}-{n}.safetensors` (stages never
+    collide) until `write_index`.
     """
     from safetensors.torch import save_file
 
@@ -200,7 +213,8 @@ def export_hf_weights(
             weight_map.update(dict.fromkeys(buffer, name))
         buffer, size = {}, 0
 
-    for hf_name, tensor in _stage_hf_tensors(model, layout, tp_rank, pp_rank, tp_group):
+    groups = (tp_group if dense else _SKIP, expert_group if experts else _SKIP)
+    for hf_name, tensor in _stage_hf_tensors(model, layout, (tp_rank, pp_rank, ep_rank), *groups):
         if tensor is None:
             continue
         tensor = tensor.to(dtype) if dtype is not None else tensor
@@ -212,28 +226,54 @@ def export_hf_weights(
     return weight_map
 
 
+Pieces = dict[str, list]  # hf_name -> [(rows, cols, tensor)] of this rank
+_SKIP = "skip"  # in place of a group: this rank does not take part in that gather
+Group = Union["dist.ProcessGroup", None, str]  # None: this rank alone
+
+
 def _stage_hf_tensors(
     model: torch.nn.Module,
     layout: ModelLayout,
-    tp_rank: int,
-    pp_rank: int,
-    tp_group: dist.ProcessGroup | None,
+    shard_key: tuple[int, int, int],
+    tp_group: Group,
+    expert_group: Group,
 ) -> Iterable[tuple[str, torch.Tensor | None]]:
-    """Yield (hf_name, full tensor) on tp_rank 0 and (hf_name, None) elsewhere, one HF tensor at a
-    time, in the same order on every TP rank (the order of the tp_rank-0 shard's parameters)."""
-    import torch
-    import torch.distributed as dist
-
+    """Yield (hf_name, full tensor) on each group's rank 0 and (hf_name, None) elsewhere, one HF
+    tensor at a time, in the same order on every rank of the group: the dense tensors over
+    `tp_group` (the order of the tp_rank-0 shard's parameters), then the routed experts over
+    `expert_group`, one layer's worth per gather. A group given as `_SKIP` is skipped."""
+    tp_rank, pp_rank, ep_rank = shard_key
     params = dict(model.named_parameters())
-    shard = layout.shard(tp_rank, pp_rank)
+    shard = layout.shard(tp_rank, pp_rank, ep_rank)
     _check_param_names(params, shard, tp_rank, pp_rank)
-    tp_size = 1 if tp_group is None else tp_group.size()
     # An HF tensor arrives in pieces (QKV segments of each query group, TP ranks): group by HF name.
-    order = list(dict.fromkeys(n for p in layout.shard(0, pp_rank).values() if p.emit for n in p.hf_names))
-    by_name: dict[str, list] = {n: [] for n in order}
+    pieces: Pieces = {}
     for name, pmap in shard.items():
         for hf_name, rows, cols, piece in layout.hf_pieces(pmap, params[name].detach()):
-            by_name[hf_name].append((rows, cols, piece.cpu()))
+            pieces.setdefault(hf_name, []).append((rows, cols, piece.cpu()))
+    if tp_group != _SKIP:
+        yield from _dense_tensors(layout, shard, pp_rank, pieces, _size_rank(tp_group))
+    if expert_group != _SKIP:
+        yield from _expert_tensors(layout, pp_rank, pieces, _size_rank(expert_group))
+
+
+def _size_rank(group: Group) -> tuple[int, int, dist.ProcessGroup | None]:
+    if group is None or isinstance(group, str):
+        return 1, 0, None
+    return group.size(), group.rank(), group
+
+
+def _dense_tensors(
+    layout: ModelLayout, shard: dict, pp_rank: int, pieces: Pieces, where: tuple
+) -> Iterable[tuple[str, torch.Tensor | None]]:
+    import torch.distributed as dist
+
+    size, rank, group = where
+    order = list(
+        dict.fromkeys(
+            n for p in layout.shard(0, pp_rank).values() if p.emit and not p.expert for n in p.hf_names
+        )
+    )
     # HF tensors that are one whole local param on their own (safetensors refuses two buffered
     # tensors sharing storage, so views of fc1 or QKV are always copied).
     whole = {
@@ -242,21 +282,51 @@ def _stage_hf_tensors(
         if len(p.segments) == 1 and p.hf_names and p.shape == layout.hf_shapes[p.hf_names[0]]
     }
     for hf_name in order:
-        pieces = by_name[hf_name]
-        if tp_size > 1:
-            gathered: list | None = [None] * tp_size if tp_rank == 0 else None
-            dist.gather_object(pieces, gathered, group=tp_group, group_dst=0)
-            pieces = [p for rank_pieces in gathered or [] for p in rank_pieces]
-        if tp_rank != 0:
+        mine = pieces.get(hf_name, [])
+        if size > 1:
+            gathered: list | None = [None] * size if rank == 0 else None
+            dist.gather_object(mine, gathered, group=group, group_dst=0)
+            mine = [p for rank_pieces in gathered or [] for p in rank_pieces]
+        if rank != 0:
             yield hf_name, None
-            continue
-        if hf_name in whole and len(pieces) == 1:
-            yield hf_name, pieces[0][2]  # the parameter itself (TP=1 o_proj, norms, ...): no copy
-            continue
-        full = torch.empty(layout.hf_shapes[hf_name], dtype=pieces[0][2].dtype)
-        for rows, cols, piece in pieces:
-            full[rows if cols is None else (rows, cols)] = piece
-        yield hf_name, full
+        elif hf_name in whole and len(mine) == 1:
+            yield hf_name, mine[0][2]  # the parameter itself (TP=1 o_proj, norms, ...): no copy
+        else:
+            yield hf_name, _assemble(layout, hf_name, mine)
+
+
+def _expert_tensors(
+    layout: ModelLayout, pp_rank: int, pieces: Pieces, where: tuple
+) -> Iterable[tuple[str, torch.Tensor | None]]:
+    """The stage's routed experts, gathered one layer at a time over the expert grid's group."""
+    import torch.distributed as dist
+
+    size, rank, group = where
+    by_layer: dict[str, dict[str, None]] = {}
+    for ep in range(layout.ep_size):
+        for p in layout.shard(0, pp_rank, ep).values():
+            if p.expert:
+                by_layer.setdefault(p.name.split(".mlp.")[0], {}).update(dict.fromkeys(p.hf_names))
+    for names in by_layer.values():
+        mine = {n: pieces[n] for n in names if n in pieces}
+        if size > 1:
+            gathered: list | None = [None] * size if rank == 0 else None
+            dist.gather_object(mine, gathered, group=group, group_dst=0)
+            mine = {}
+            for part in gathered or []:
+                for n, ps in part.items():
+                    mine.setdefault(n, []).extend(ps)
+        for hf_name in names:
+            yield hf_name, None if rank != 0 else _assemble(layout, hf_name, mine[hf_name])
+
+
+def _assemble(layout: ModelLayout, hf_name: str, pieces: list) -> torch.Tensor:
+    import torch
+
+    full = torch.empty(layout.hf_shapes[hf_name], dtype=pieces[0][2].dtype)
+    for rows, cols, piece in pieces:
+        full[rows if cols is None else (rows, cols)] = piece
+    return full
 
 
 def write_index(out_dir: str | pathlib.Path, weight_maps: Iterable[dict[str, str]]) -> None:

@@ -75,10 +75,12 @@ class ParamMap:
     shape: tuple[int, ...]
     segments: tuple[Segment, ...]  # ascending local_row, covering every local row once
     emit: bool  # False: a replica (tp_rank > 0 norm, tied output copy) that export skips
+    expert: bool = False  # a routed expert's weight: laid out on megatron's expert grid (EP x ETP)
 
     @property
     def cols(self) -> int:
-        return self.shape[1] if len(self.shape) == 2 else 1
+        """Columns of the row view (a 3-D param, e.g. SGLang's fused experts, is its rows stacked)."""
+        return self.shape[-1] if len(self.shape) >= 2 else 1
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -98,24 +100,29 @@ class SegmentLayout:
     pp_size: int
     _tables: dict[tuple[ParamMap, str | None, str], dict]
 
-    def shard(self, tp_rank: int, pp_rank: int) -> dict[str, ParamMap]:
+    def shard(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict[str, ParamMap]:
         raise NotImplementedError
 
+    def shard_keys(self) -> list[tuple[int, ...]]:
+        """Every shard's coordinates, as `shard(*key)` takes them: (tp, pp), or (tp, pp, ep) when
+        experts are split over expert-parallel ranks."""
+        return [(tp, pp) for tp in range(self.tp_size) for pp in range(self.pp_size)]
+
     @functools.cache  # noqa: B019
-    def _hf_index(self, tp_rank: int, pp_rank: int) -> dict[str, list[ParamMap]]:
+    def _hf_index(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict[str, list[ParamMap]]:
         """hf_name -> the shard's params holding (a part of) it, replicas included."""
         index: dict[str, list[ParamMap]] = {}
-        for param in self.shard(tp_rank, pp_rank).values():
+        for param in self.shard(tp_rank, pp_rank, ep_rank).values():
             for name in param.hf_names:
                 index.setdefault(name, []).append(param)
         return index
 
-    def param(self, mcore_name: str, tp_rank: int, pp_rank: int) -> ParamMap:
-        shard = self.shard(tp_rank, pp_rank)
+    def param(self, mcore_name: str, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> ParamMap:
+        shard = self.shard(tp_rank, pp_rank, ep_rank)
         if mcore_name not in shard:
             raise KeyError(
-                f"{mcore_name!r} is not a parameter of shard (tp_rank={tp_rank}, pp_rank={pp_rank}) of "
-                f"{self!r}; it has {len(shard)}, e.g. {sorted(shard)[:4]}"
+                f"{mcore_name!r} is not a parameter of shard (tp_rank={tp_rank}, pp_rank={pp_rank}, "
+                f"ep_rank={ep_rank}) of {self!r}; it has {len(shard)}, e.g. {sorted(shard)[:4]}"
             )
         return shard[mcore_name]
 
@@ -127,6 +134,7 @@ class SegmentLayout:
             raise ValueError(
                 f"{param.name}: local tensor has shape {tuple(out.shape)}, layout expects {param.shape}"
             )
+        out = _row_view(out)
         for seg in param.segments:
             dst = out[seg.local_row : seg.local_row + seg.rows]
             if seg.hf_name is None:
@@ -141,6 +149,7 @@ class SegmentLayout:
         """(hf_name, hf rows, hf cols or None, view of `local`) for each emitted part of `param`."""
         if not param.emit:
             return
+        local = _row_view(local)
         for seg in param.segments:
             if seg.hf_name is None:
                 continue
@@ -155,7 +164,7 @@ class SegmentLayout:
     # ---- per-element path --------------------------------------------------------------------------
 
     def to_hf_index(
-        self, mcore_name: str, local_flat_idx: torch.Tensor, tp_rank: int, pp_rank: int
+        self, mcore_name: str, local_flat_idx: torch.Tensor, tp_rank: int, pp_rank: int, ep_rank: int = 0
     ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """Map flat indices into a local param to [(hf_name, positions, hf_flat_idx)].
 
@@ -164,7 +173,7 @@ class SegmentLayout:
         """
         import torch
 
-        param = self.param(mcore_name, tp_rank, pp_rank)
+        param = self.param(mcore_name, tp_rank, pp_rank, ep_rank)
         if not param.emit:
             return []
         idx = local_flat_idx.to(torch.int64)
@@ -182,7 +191,7 @@ class SegmentLayout:
         return out
 
     def to_local_index(
-        self, hf_name: str, hf_flat_idx: torch.Tensor, tp_rank: int, pp_rank: int
+        self, hf_name: str, hf_flat_idx: torch.Tensor, tp_rank: int, pp_rank: int, ep_rank: int = 0
     ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """Map flat indices into HF tensor `hf_name` to [(mcore_name, positions, local_flat_idx)]
         for every local param of this shard holding those elements (replicas and tied copies too)."""
@@ -195,7 +204,7 @@ class SegmentLayout:
         idx = hf_flat_idx.to(torch.int64)
         hf_row, hf_col = idx // hf_cols, idx % hf_cols
         out = []
-        for param in self._hf_index(tp_rank, pp_rank).get(hf_name, []):
+        for param in self._hf_index(tp_rank, pp_rank, ep_rank).get(hf_name, []):
             table = self._table(param, hf_name, idx.device)
             seg = (torch.searchsorted(table["hf_row"], hf_row, right=True) - 1).clamp_(min=0)
             row_in = hf_row - table["hf_row"][seg]
@@ -239,6 +248,9 @@ class ModelLayout(SegmentLayout):
         padded_vocab_size: int,
         fused_norms: bool = False,
         stage_layers: tuple[int, ...] | None = None,
+        ep_size: int = 1,
+        etp_size: int | None = None,
+        grouped_experts: bool = False,
     ) -> None:
         _check_layout(hf, tp_size, pp_size, padded_vocab_size)
         self.hf = hf
@@ -246,16 +258,30 @@ class ModelLayout(SegmentLayout):
         self.pp_size = pp_size
         self.padded_vocab_size = padded_vocab_size
         self.fused_norms = fused_norms
+        self.ep_size, self.etp_size = ep_size, etp_size or tp_size
+        self.grouped_experts = grouped_experts
+        _check_experts(hf, tp_size, self.ep_size, self.etp_size)
         self.stage_layers = _check_stages(hf, pp_size, stage_layers)
         self.hf_shapes: dict[str, tuple[int, ...]] = hf.tensor_shapes()
         self._tables: dict[tuple[ParamMap, str | None, str], dict] = {}
 
     def __repr__(self) -> str:
         stages = "" if len(set(self.stage_layers)) == 1 else f", stage_layers={self.stage_layers}"
+        experts = "" if self.hf.moe is None else f", ep={self.ep_size}, etp={self.etp_size}"
         return (
-            f"ModelLayout(arch={self.hf.arch}, tp={self.tp_size}, pp={self.pp_size}{stages}, "
+            f"ModelLayout(arch={self.hf.arch}, tp={self.tp_size}, pp={self.pp_size}{experts}{stages}, "
             f"vocab={self.hf.vocab_size}->{self.padded_vocab_size})"
         )
+
+    def shard_keys(self) -> list[tuple[int, ...]]:
+        if self.ep_size == 1:
+            return super().shard_keys()
+        return [
+            (tp, pp, ep)
+            for tp in range(self.tp_size)
+            for pp in range(self.pp_size)
+            for ep in range(self.ep_size)
+        ]
 
     def layer_offset(self, pp_rank: int) -> int:
         """Global index of stage `pp_rank`'s first decoder layer."""
@@ -265,12 +291,17 @@ class ModelLayout(SegmentLayout):
         return self.layer_offset(pp_rank) + local_layer
 
     @functools.cache  # noqa: B019 -- a layout lives as long as its model; shards are few
-    def shard(self, tp_rank: int, pp_rank: int) -> dict[str, ParamMap]:
-        """Every local parameter of shard (tp_rank, pp_rank), keyed by its Megatron name."""
-        if not (0 <= tp_rank < self.tp_size and 0 <= pp_rank < self.pp_size):
+    def shard(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict[str, ParamMap]:
+        """Every local parameter of shard (tp_rank, pp_rank, ep_rank), keyed by its Megatron name.
+
+        Experts follow megatron's expert grid: this shard holds global experts
+        [ep_rank * E / EP, (ep_rank + 1) * E / EP), each split over expert-TP rank
+        tp_rank % ETP (megatron's grid puts the ETP ranks innermost, so with ETP dividing TP that
+        is the rank's place in its expert-TP group)."""
+        if not (0 <= tp_rank < self.tp_size and 0 <= pp_rank < self.pp_size and 0 <= ep_rank < self.ep_size):
             raise ValueError(
-                f"shard (tp_rank={tp_rank}, pp_rank={pp_rank}) is outside tp_size={self.tp_size}, "
-                f"pp_size={self.pp_size}"
+                f"shard (tp_rank={tp_rank}, pp_rank={pp_rank}, ep_rank={ep_rank}) is outside "
+                f"tp_size={self.tp_size}, pp_size={self.pp_size}, ep_size={self.ep_size}"
             )
         params: list[ParamMap] = []
         if pp_rank == 0:
@@ -278,7 +309,11 @@ class ModelLayout(SegmentLayout):
                 self._vocab_param("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp_rank)
             )
         for local in range(self.stage_layers[pp_rank]):
-            params.extend(self._layer_params(tp_rank, local, self.global_layer(pp_rank, local)))
+            layer = self.global_layer(pp_rank, local)
+            params.extend(self._layer_params(tp_rank, local, layer))
+            params.extend(
+                self._mlp_params(tp_rank, ep_rank, f"decoder.layers.{local}.", f"model.layers.{layer}.")
+            )
         if pp_rank == self.pp_size - 1:
             h = self.hf.hidden_size
             params.append(replicated("decoder.final_layernorm.weight", "model.norm.weight", h, tp_rank))
@@ -300,11 +335,12 @@ class ModelLayout(SegmentLayout):
         h, d = hf.hidden_size, hf.head_dim
         m, a = f"decoder.layers.{local}.", f"model.layers.{layer}."
         qkv_rows = (hf.num_heads + 2 * hf.num_kv_heads) * d // tp
-        ffn = hf.ffn_hidden_size // tp
         in_norm = (
             "self_attention.linear_qkv.layer_norm_weight" if self.fused_norms else "input_layernorm.weight"
         )
-        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if self.fused_norms else "pre_mlp_layernorm.weight"
+        # an MoE layer's norm is its own module in both specs (no linear to fuse it into)
+        fused_mlp_norm = self.fused_norms and hf.moe is None
+        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_mlp_norm else "pre_mlp_layernorm.weight"
         params = [
             replicated(m + in_norm, a + "input_layernorm.weight", h, tp_rank),
             ParamMap(
@@ -339,22 +375,51 @@ class ModelLayout(SegmentLayout):
                 True,
             ),
             replicated(m + mlp_norm, a + "post_attention_layernorm.weight", h, tp_rank),
-            ParamMap(
-                m + "mlp.linear_fc1.weight",
-                (2 * ffn, h),
-                (
-                    Segment(a + "mlp.gate_proj.weight", 0, ffn, tp_rank * ffn),
-                    Segment(a + "mlp.up_proj.weight", ffn, ffn, tp_rank * ffn),
-                ),
-                True,
-            ),
-            ParamMap(
-                m + "mlp.linear_fc2.weight",
-                (h, ffn),
-                (Segment(a + "mlp.down_proj.weight", 0, h, 0, tp_rank * ffn),),
-                True,
-            ),
         ]
+        return params
+
+    def _mlp_params(self, tp_rank: int, ep_rank: int, m: str, a: str) -> list[ParamMap]:
+        """One layer's MLP: dense SwiGLU, or router + this shard's experts (+ the shared expert)."""
+        hf, h = self.hf, self.hf.hidden_size
+        if hf.moe is None:
+            return swiglu_params(m + "mlp.", a + "mlp.", hf.ffn_hidden_size, h, tp_rank, self.tp_size)
+        moe = hf.moe
+        router = ParamMap(
+            m + "mlp.router.weight",
+            (moe.num_experts, h),
+            (Segment(a + "mlp.gate.weight", 0, moe.num_experts),),
+            emit=tp_rank == 0,
+        )
+        params = [router]
+        local = moe.num_experts // self.ep_size
+        etp_rank = tp_rank % self.etp_size
+        for j in range(local):
+            names = (
+                (f"{m}mlp.experts.linear_fc1.weight{j}", f"{m}mlp.experts.linear_fc2.weight{j}")
+                if self.grouped_experts
+                else (
+                    f"{m}mlp.experts.local_experts.{j}.linear_fc1.weight",
+                    f"{m}mlp.experts.local_experts.{j}.linear_fc2.weight",
+                )
+            )
+            expert = f"{a}mlp.experts.{ep_rank * local + j}."
+            fc1, fc2 = swiglu_params("", expert, moe.expert_ffn_hidden_size, h, etp_rank, self.etp_size)
+            params += [
+                dataclasses.replace(p, name=n, expert=True) for p, n in zip((fc1, fc2), names, strict=True)
+            ]
+        if moe.shared_expert_ffn_hidden_size is not None:
+            shared = moe.shared_expert_ffn_hidden_size
+            params += swiglu_params(
+                m + "mlp.shared_experts.", a + "mlp.shared_expert.", shared, h, tp_rank, self.tp_size
+            )
+            params.append(
+                ParamMap(
+                    m + "mlp.shared_experts.gate_weight",
+                    (1, h),
+                    (Segment(a + "mlp.shared_expert_gate.weight", 0, 1),),
+                    emit=tp_rank == 0,
+                )
+            )
         return params
 
     def _qkv_segments(self, hf_prefix: str, kind: str, tp_rank: int) -> tuple[Segment, ...]:
@@ -383,7 +448,31 @@ def layout_for(spec: ModelSpec) -> ModelLayout:
         padded_vocab_size=spec.padded_vocab_size,
         fused_norms=spec.transformer_impl == "transformer_engine",
         stage_layers=spec.stage_layers,
+        ep_size=spec.parallel.expert_model_parallel_size,
+        etp_size=spec.parallel.expert_tensor_size,
+        grouped_experts=spec.grouped_experts,
     )
+
+
+def swiglu_params(m: str, a: str, ffn: int, hidden: int, rank: int, size: int) -> list[ParamMap]:
+    """megatron's SwiGLU MLP at `m` ("...mlp."), HF's at `a`, split over `size` ranks: linear_fc1 =
+    [gate rows of rank; up rows of rank] (column-parallel), linear_fc2 = down_proj's columns of
+    rank (row-parallel)."""
+    f = ffn // size
+    return [
+        ParamMap(
+            m + "linear_fc1.weight",
+            (2 * f, hidden),
+            (Segment(a + "gate_proj.weight", 0, f, rank * f), Segment(a + "up_proj.weight", f, f, rank * f)),
+            True,
+        ),
+        ParamMap(
+            m + "linear_fc2.weight",
+            (hidden, f),
+            (Segment(a + "down_proj.weight", 0, hidden, 0, rank * f),),
+            True,
+        ),
+    ]
 
 
 def vocab_param(name: str, hf_name: str, start: int, rows: int, vocab_size: int, hidden: int) -> ParamMap:
@@ -397,6 +486,11 @@ def vocab_param(name: str, hf_name: str, start: int, rows: int, vocab_size: int,
 
 def replicated(name: str, hf_name: str, size: int, tp_rank: int) -> ParamMap:
     return ParamMap(name, (size,), (Segment(hf_name, 0, size, 0),), emit=tp_rank == 0)
+
+
+def _row_view(t: torch.Tensor) -> torch.Tensor:
+    """A param as rows of its last dimension (a view): 3-D expert stacks become [E * rows, cols]."""
+    return t.reshape(-1, t.shape[-1]) if t.dim() > 2 else t
 
 
 def _segment_table(segs: tuple[Segment, ...], hf_shapes: dict[str, tuple[int, ...]], key: str) -> dict:
@@ -435,10 +529,39 @@ def _check_layout(hf: HFModelConfig, tp: int, pp: int, padded_vocab: int) -> Non
             hf.num_heads % hf.num_kv_heads,
             f"num_attention_heads={hf.num_heads} is not a multiple of num_key_value_heads={hf.num_kv_heads}",
         ),
-        (hf.ffn_hidden_size % tp, f"intermediate_size={hf.ffn_hidden_size} is not divisible by tp_size={tp}"),
+        (
+            hf.moe is None and hf.ffn_hidden_size % tp,
+            f"intermediate_size={hf.ffn_hidden_size} is not divisible by tp_size={tp}",
+        ),
+        (
+            hf.moe is not None and (hf.moe.shared_expert_ffn_hidden_size or 0) % tp,
+            f"shared_expert_intermediate_size={hf.moe and hf.moe.shared_expert_ffn_hidden_size} is not "
+            f"divisible by tp_size={tp}",
+        ),
         (pp > hf.num_layers, f"pp_size={pp} is larger than num_hidden_layers={hf.num_layers}"),
         (padded_vocab % tp, f"padded_vocab_size={padded_vocab} is not divisible by tp_size={tp}"),
         (padded_vocab < hf.vocab_size, f"padded_vocab_size={padded_vocab} < vocab_size={hf.vocab_size}"),
+    )
+    for failed, message in checks:
+        if failed:
+            raise ValueError(message)
+
+
+def _check_experts(hf: HFModelConfig, tp: int, ep: int, etp: int) -> None:
+    if hf.moe is None:
+        if ep != 1 or etp != tp:
+            raise ValueError(f"ep_size={ep}, etp_size={etp}: {hf.arch} has no experts")
+        return
+    checks = (
+        (
+            ep < 1 or hf.moe.num_experts % ep,
+            f"num_experts={hf.moe.num_experts} is not divisible by ep_size={ep}",
+        ),
+        (etp < 1 or tp % etp, f"etp_size={etp} does not divide tp_size={tp}"),
+        (
+            hf.moe.expert_ffn_hidden_size % etp,
+            f"moe_intermediate_size={hf.moe.expert_ffn_hidden_size} is not divisible by etp_size={etp}",
+        ),
     )
     for failed, message in checks:
         if failed:

@@ -15,7 +15,7 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight HF checkpoint")
-    tiny.add_argument("--arch", required=True, help="qwen2 | qwen3 | llama")
+    tiny.add_argument("--arch", required=True, help="qwen2 | qwen3 | llama | qwen3_moe | qwen2_moe")
     tiny.add_argument("--out", required=True, help="output directory (written atomically)")
     tiny.add_argument("--layers", type=positive_int, default=2)
     tiny.add_argument("--hidden", type=positive_int, default=64)
@@ -28,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tiny.add_argument("--seed", type=non_negative_int, default=0)
     tiny.add_argument(
         "--dtype", default="float32", help="float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)"
+    )
+    tiny.add_argument("--experts", type=positive_int, default=4, help="MoE archs: routed experts per layer")
+    tiny.add_argument("--top-k", type=positive_int, default=2, help="MoE archs: experts per token")
+    tiny.add_argument("--expert-ffn", type=positive_int, default=32, help="MoE archs: expert MLP width")
+    tiny.add_argument(
+        "--shared-expert-ffn", type=positive_int, default=48, help="qwen2_moe: the shared expert's width"
     )
     tiny.add_argument(
         "--max-shard-size", type=shard_size, default=None, help='e.g. "200KB": write sharded safetensors'
@@ -69,4 +75,8 @@ def _config(args: argparse.Namespace):
         seed=args.seed,
         dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
         max_shard_size=args.max_shard_size,
+        experts=args.experts,
+        top_k=args.top_k,
+        expert_ffn=args.expert_ffn,
+        shared_expert_ffn=args.shared_expert_ffn,
     )

@@ -18,12 +18,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def check_hf_checkpoint(
-    hf_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, label: str = "--hf-dir", tokenizer: bool = False
+    hf_dir: str | os.PathLike,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    parallel: ParallelConfig | None = None,
+    label: str = "--hf-dir",
+    tokenizer: bool = False,
 ) -> HFModelConfig:
-    """The checkpoint's config, once it is known to load at (tp, pp).
+    """The checkpoint's config, once it is known to load at (tp, pp), or at `parallel` when given
+    (expert parallelism included).
 
     Checked: the directory exists; config.json parses, names a registered architecture and has
-    every field the model needs; TP divides the heads and PP fits the layers; every safetensors
+    every field the model needs; TP divides the heads, PP fits the layers, EP divides the experts
+    (`ParallelConfig.validate_model`); every safetensors
     file is complete; every tensor is present with its shape (headers only); and, with
     `tokenizer`, that tokenizer files exist. Raises CheckpointError (a ValueError) prefixed by
     `label` and the path.
@@ -35,12 +43,20 @@ def check_hf_checkpoint(
         raise CheckpointError(f"{where}: {what}")
     try:
         hf = parse_hf_config(path)
-        ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate_model(
-            num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads
-        )
+        par = parallel or ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        par.validate_model(**hf.layout_shape())
+        tp = par.tensor_model_parallel_size
         step = 128 * tp  # any padded size passes the name/shape check; the ranks use build_spec's
         padded = -(-hf.vocab_size // step) * step
-        HFCheckpoint(path).check(ModelLayout(hf, tp_size=tp, pp_size=pp, padded_vocab_size=padded))
+        layout = ModelLayout(
+            hf,
+            tp_size=tp,
+            pp_size=par.pipeline_model_parallel_size,
+            padded_vocab_size=padded,
+            ep_size=par.expert_model_parallel_size if hf.moe else 1,
+            etp_size=par.expert_tensor_size if hf.moe else None,
+        )
+        HFCheckpoint(path).check(layout)
     except (ValueError, OSError) as exc:
         raise CheckpointError(f"{label if str(path) in str(exc) else where}: {exc}") from None
     if tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -54,17 +70,24 @@ def check_mcore_checkpoint(
     pp: int | None,
     hf_config_dir: str | None,
     label: str = "--hf-config-dir",
-) -> tuple[int, int]:
+    *,
+    ep: int | None = None,
+    etp: int | None = None,
+) -> ParallelConfig:
     """Readable metadata, a layout the model allows, and a matching HF config (`label` names its
-    flag in errors); returns (tp, pp)."""
+    flag in errors); returns the layout (each size not given: the one it was saved at)."""
     from sparserl_mcore.ckpt.dist_ckpt import HF_SUBDIR, McoreCheckpointMeta
 
     meta = McoreCheckpointMeta.read(Path(mcore_dir))
     tp, pp = tp or meta.tensor_model_parallel_size, pp or meta.pipeline_model_parallel_size
     hf = parse_hf_config(Path(mcore_dir) / HF_SUBDIR)
-    ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate_model(
-        num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep or meta.expert_model_parallel_size,
+        expert_tensor_parallel_size=etp,
     )
+    par.validate_model(**hf.layout_shape())
     if meta.padded_vocab_size % tp:
         raise ValueError(f"--tp {tp} does not divide the checkpoint's padded vocab {meta.padded_vocab_size}")
     if hf_config_dir is not None:
@@ -72,4 +95,4 @@ def check_mcore_checkpoint(
         diff = [f for f in type(hf).__dataclass_fields__ if getattr(hf, f) != getattr(given, f)]
         if diff:
             raise ValueError(f"{label} {hf_config_dir} does not match the checkpoint: fields {diff} differ")
-    return tp, pp
+    return par

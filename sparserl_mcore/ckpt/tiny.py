@@ -43,13 +43,18 @@ class TinyModelConfig:
     seed: int = 0
     dtype: str = "float32"
     max_shard_size: str | None = None  # e.g. "200KB": force a sharded safetensors + index json
+    # mixture-of-experts families only (qwen3_moe, qwen2_moe): experts, top-k, widths
+    experts: int = 4
+    top_k: int = 2
+    expert_ffn: int = 32
+    shared_expert_ffn: int = 48  # qwen2_moe's shared expert
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"arch={self.arch!r} is not supported; choose from {sorted(ARCHITECTURES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; choose from {DTYPES}")
-        for name in ("layers", "hidden", "heads", "kv_heads", "ffn"):
+        for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "experts", "top_k", "expert_ffn"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.head_dim is not None and self.head_dim < 1:
@@ -60,6 +65,8 @@ class TinyModelConfig:
             raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
         if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}; set head_dim")
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} must be <= experts={self.experts}")
         if self.vocab < TOKENIZER_SIZE:
             raise ValueError(f"vocab={self.vocab} is smaller than the tokenizer ({TOKENIZER_SIZE} tokens)")
 
@@ -85,6 +92,12 @@ def hf_config(cfg: TinyModelConfig):
         **copy.deepcopy(dict(traits.tiny_fields)),  # transformers may edit nested dicts
     )
     fields.setdefault("max_position_embeddings", 2048)
+    if traits.moe:
+        fields.update(
+            num_experts=cfg.experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.expert_ffn
+        )
+        if traits.shared_expert:
+            fields["shared_expert_intermediate_size"] = cfg.shared_expert_ffn
     config = getattr(transformers, traits.config_class)(**fields)
     config.dtype = cfg.dtype
     return config
@@ -127,7 +140,10 @@ def _byte_level_alphabet() -> dict[int, str]:
 
 
 def _randomize(model, seed: int) -> None:
-    """Overwrite every parameter: matrices ~N(0, 0.02), norms ~1+N(0, 0.1), biases ~N(0, 0.02)."""
+    """Overwrite every parameter: matrices ~N(0, 0.02), norms ~1+N(0, 0.1), biases ~N(0, 0.02),
+    MoE routers ~N(0, 0.2): at 0.02 the router logits of a tiny model are nearly tied, and a
+    selection decided by rounding noise would make every parity test flaky (trained routers are
+    decisive too)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -135,7 +151,7 @@ def _randomize(model, seed: int) -> None:
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             base = 1.0 if name.endswith("norm.weight") else 0.0
-            scale = 0.1 if base else 0.02
+            scale = 0.1 if base else (0.2 if name.endswith("mlp.gate.weight") else 0.02)
             param.copy_(base + scale * noise)
 
 

@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mcore-dir", required=True, help="Megatron dist checkpoint to verify")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor_model_parallel_size to load at")
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline_model_parallel_size to load at")
+    parser.add_argument("--ep", type=positive_int, default=1, help="MoE: expert parallel size to load at")
+    parser.add_argument(
+        "--etp", type=positive_int, default=None, help="MoE: expert_tensor_parallel_size (default: TP)"
+    )
     parser.add_argument(
         "--tolerance",
         type=positive_float,
@@ -43,22 +47,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def preflight(args: argparse.Namespace) -> None:
+def preflight(args: argparse.Namespace):
     """H a complete checkpoint with a tokenizer; M readable, converted from H's model, and loadable
-    at (--tp, --pp). Raises ValueError (or OSError) naming the problem."""
+    at (--tp, --pp, --ep, --etp); returns that layout. Raises ValueError (or OSError) naming the
+    problem."""
     from sparserl_mcore.ckpt.preflight import check_hf_checkpoint, check_mcore_checkpoint
 
     check_hf_checkpoint(args.hf_dir, label="--hf-dir", tokenizer=True)
     if not pathlib.Path(args.mcore_dir).is_dir():
         raise ValueError(f"--mcore-dir {args.mcore_dir}: no such directory")
-    check_mcore_checkpoint(args.mcore_dir, args.tp, args.pp, hf_config_dir=args.hf_dir, label="--hf-dir")
+    return check_mcore_checkpoint(
+        args.mcore_dir,
+        args.tp,
+        args.pp,
+        hf_config_dir=args.hf_dir,
+        label="--hf-dir",
+        ep=args.ep,
+        etp=args.etp,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    from sparserl_mcore.ckpt.cli import layout_argv
     from sparserl_mcore.parallel.launch import run_ranks
 
     try:
-        preflight(args)
+        par = preflight(args)
     except (ValueError, OSError) as exc:
         print(f"sparserl convert verify: {exc}", file=sys.stderr)
         return EXIT_REFUSED
@@ -72,9 +86,9 @@ def run(args: argparse.Namespace) -> int:
         "--mcore-dir",
         str(args.mcore_dir),
     ]
-    argv += ["--tp", str(args.tp), "--pp", str(args.pp), "--result", str(result_path)]
+    argv += [*layout_argv(par), "--result", str(result_path)]
     env = {"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None
-    ranks = run_ranks(argv, args.tp * args.pp, log_dir=logs, env=env, timeout=args.timeout)
+    ranks = run_ranks(argv, par.min_world_size, log_dir=logs, env=env, timeout=args.timeout)
     if ranks.returncode:
         print("sparserl convert verify: the ranks failed; nothing was compared", file=sys.stderr)
         for line in ranks.failure_lines():
@@ -89,7 +103,9 @@ def report(result: dict, tolerance: float) -> int:
     """Print the comparison; the last line holds the max abs/rel difference."""
     ok = result["max_rel_diff"] <= tolerance
     what = (
-        f"{result['arch']} at TP={result['tp']} PP={result['pp']} against HF transformers: "
+        f"{result['arch']} at TP={result['tp']} PP={result['pp']}"
+        + (f" EP={result['ep']}" if result.get("ep", 1) > 1 else "")
+        + " against HF transformers: "
         f"{result['prompts']} prompts, {result['tokens']} token positions, fp32, tolerance {tolerance:g}"
     )
     print(f"verified {what}" if ok else f"MISMATCH: {what}")

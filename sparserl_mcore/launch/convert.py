@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--out", required=True)
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--pp", type=int, default=1)
+        p.add_argument("--ep", type=int, default=1)
+        p.add_argument("--etp", type=int, default=None)
         p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
     return parser
 
@@ -39,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     from sparserl_mcore.ckpt import convert
     from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
 
-    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=args.etp,
+    )
     rt = initialize(parallel, seed=0)
     try:
         if args.direction == "hf-to-mcore":

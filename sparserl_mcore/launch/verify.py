@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--mcore-dir", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--result", required=True, help="JSON file written by the reporting rank")
     return parser
 
@@ -84,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
     from sparserl_mcore.parallel.forward import forward_logits
 
-    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=args.etp,
+    )
     rt = initialize(parallel, seed=0)
     try:
         spec = spec_for_checkpoint(args.mcore_dir, parallel, params_dtype="float32")
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         if rt.is_last_stage and rt.tp_rank == 0 and rt.dp_rank == 0:
             assert got is not None, "the last stage holds the logits"
             result: dict[str, object] = compare(got.cpu(), hf_reference_logits(args.hf_dir, tokens), lengths)
-            result.update(arch=spec.arch, tp=args.tp, pp=args.pp, prompts=len(PROMPTS))
+            result.update(arch=spec.arch, tp=args.tp, pp=args.pp, ep=args.ep, prompts=len(PROMPTS))
             pathlib.Path(args.result).write_text(json.dumps(result) + "\n")
     finally:
         shutdown()

@@ -37,7 +37,7 @@ from sparserl_mcore.loss.lm_head_grad import leaf_optimizers, lm_head_grad_energ
 from sparserl_mcore.loss.policy import PolicyLossConfig, policy_loss
 from sparserl_mcore.loss.totals import LossTotals, reduce_metrics
 from sparserl_mcore.loss.vocab_parallel import vocab_parallel_logprobs
-from sparserl_mcore.parallel.forward import forward_only, run_schedule
+from sparserl_mcore.parallel.forward import forward_only, model_forward, run_schedule
 from sparserl_mcore.parallel.runtime import Runtime
 
 
@@ -177,9 +177,8 @@ def _loss_func(
 
 def _forward_step(loss_fn, data_iterator, model):
     mb = next(data_iterator)
-    tokens = mb["tokens"]
-    position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    return model(tokens, position_ids, None), partial(loss_fn, mb)
+    output, cut = model_forward(model, mb["tokens"])
+    return output, lambda logits: loss_fn(mb, cut(logits))
 
 
 def _micro_batches(tensors: dict[str, Tensor | None], rows: slice, size: int) -> list[dict]:

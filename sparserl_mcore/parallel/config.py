@@ -1,4 +1,4 @@
-"""Parallel layout of the learner, in megatron-core's own names.
+"""Parallel layout of the learner, in megatron-core's own names (expert parallelism included).
 
 `ParallelConfig` is pure Python (no torch import) so configs can be validated before any process
 group exists; `validate_world` / `validate_model` check a layout against a world size and a model
@@ -16,13 +16,23 @@ srun), also without torch, so the launching process and every rank agree on them
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+
+TOKEN_DISPATCHERS = ("alltoall", "allgather")  # megatron's `flex` needs DeepEP / HybridEP (not shipped)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Tensor / pipeline / context parallel sizes; data parallel is what remains of the world."""
+    """Tensor / pipeline / context / expert parallel sizes; data parallel is what remains of the world.
+
+    Mixture-of-experts layers are laid out on megatron's second grid: `expert_model_parallel_size`
+    (EP) ranks split the experts, each expert's MLP is split over `expert_tensor_parallel_size`
+    (ETP; None: the same as TP) ranks, and the expert data-parallel size is what remains, so the
+    world must divide by both TP x PP x CP and ETP x EP x PP. `moe_token_dispatcher_type` is how
+    tokens reach their experts' ranks (megatron's all-to-all or all-gather dispatcher).
+    """
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -31,12 +41,33 @@ class ParallelConfig:
     # None for both: the balanced split of `balanced_stage_layers` (equal stages when they divide).
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    moe_token_dispatcher_type: str = "alltoall"
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and (not isinstance(etp, int) or isinstance(etp, bool) or etp < 1):
+            raise ValueError(f"expert_tensor_parallel_size={etp!r}: must be an integer >= 1 (null: TP)")
+        if etp is not None and self.tensor_model_parallel_size % etp:
+            raise ValueError(
+                f"expert_tensor_parallel_size={etp} does not divide tensor_model_parallel_size="
+                f"{self.tensor_model_parallel_size}; use a divisor of it (null: equal to TP)"
+            )
+        if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
+            raise ValueError(
+                f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}; choose one of "
+                f"{', '.join(TOKEN_DISPATCHERS)} (megatron's flex dispatcher needs DeepEP, not installed)"
+            )
         for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
             value = getattr(self, name)
             if value is None:
@@ -52,6 +83,25 @@ class ParallelConfig:
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         return tp * pp * self.context_parallel_size
 
+    @property
+    def expert_tensor_size(self) -> int:
+        """ETP, with megatron's default (None: equal to TP) resolved."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def expert_model_parallel_ranks(self) -> int:
+        """Ranks holding one copy of every expert (ETP * EP * PP)."""
+        return self.expert_tensor_size * self.expert_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def min_world_size(self) -> int:
+        """The fewest ranks this layout runs on: a multiple of both TP*PP*CP and ETP*EP*PP."""
+        return math.lcm(self.model_parallel_size, self.expert_model_parallel_ranks)
+
+    @property
+    def uses_expert_parallelism(self) -> bool:
+        return self.expert_model_parallel_size > 1 or self.expert_tensor_parallel_size is not None
+
     def validate_world(self, world_size: int) -> None:
         tp, pp, cp = (
             self.tensor_model_parallel_size,
@@ -64,9 +114,25 @@ class ParallelConfig:
                 f"{self.model_parallel_size}; launch a multiple of {self.model_parallel_size} ranks "
                 "or change tensor/pipeline/context_model_parallel_size"
             )
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_size
+        if world_size % self.expert_model_parallel_ranks:
+            raise ValueError(
+                f"world size {world_size} is not divisible by ETP*EP*PP = {etp}*{ep}*{pp} = "
+                f"{self.expert_model_parallel_ranks} (megatron's expert grid); launch a multiple of "
+                f"{self.expert_model_parallel_ranks} ranks or change expert_model_parallel_size"
+            )
 
-    def validate_model(self, *, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
-        """Raise ValueError if the model shape cannot be split this way."""
+    def validate_model(
+        self,
+        *,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        num_experts: int | None = None,
+        moe_ffn_hidden_size: int | None = None,
+    ) -> None:
+        """Raise ValueError if the model shape cannot be split this way (`num_experts` None: dense)."""
+        self._validate_experts(num_experts, moe_ffn_hidden_size)
         tp = self.tensor_model_parallel_size
         if num_heads % tp:
             raise ValueError(
@@ -79,6 +145,27 @@ class ParallelConfig:
                 f"choose a TP size that divides {num_kv_heads}"
             )
         self.stage_layers(num_layers)
+
+    def _validate_experts(self, num_experts: int | None, moe_ffn_hidden_size: int | None) -> None:
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_size
+        if num_experts is None:
+            if self.uses_expert_parallelism:
+                raise ValueError(
+                    f"expert_model_parallel_size={ep}, expert_tensor_parallel_size="
+                    f"{self.expert_tensor_parallel_size}: the model has no experts (dense MLP); "
+                    "leave both at their defaults (1, null)"
+                )
+            return
+        if num_experts % ep:
+            raise ValueError(
+                f"expert_model_parallel_size={ep} does not divide num_experts={num_experts}; "
+                f"choose an EP size that divides {num_experts}"
+            )
+        if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp:
+            raise ValueError(
+                f"expert tensor parallel size {etp} does not divide moe_intermediate_size="
+                f"{moe_ffn_hidden_size}; set expert_tensor_parallel_size to a divisor of it"
+            )
 
     def stage_layers(self, num_layers: int) -> tuple[int, ...]:
         """Decoder layers held by each pipeline stage (megatron's first/last/middle split).

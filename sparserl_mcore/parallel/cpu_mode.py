@@ -26,6 +26,25 @@ What it changes while active, and why (megatron-core 0.16.x hard-codes CUDA in t
    CPU. `Tensor.type(dtype)` (a conversion) is untouched; everything else these paths need on CPU
    (`device="cuda"` buffers, the local multi-tensor fallbacks) is covered by point 1.
 
+Mixture-of-experts layers (megatron's MoE with expert parallelism, measured in
+`../shared/research/moe-on-cpu.md`) reach four more CUDA-only spots, also changed while active:
+
+5. Torch function modes are not active inside autograd backward, so the backward of megatron's
+   communication functions (`tensor_parallel/mappings.py`: the sequence-parallel gathers and
+   reduce-scatters MoE training with TP > 1 needs) would allocate on `torch.cuda.current_device()`
+   and fail. `BackwardCFunction.apply`, through which the autograd engine runs every custom
+   Function's backward, re-enters the device rewrite of point 1.
+6. `torch.cuda.Stream` / `current_stream` / `stream` / `Event` become no-op stand-ins: the
+   all-to-all token dispatcher moves its split sizes to the host on a side stream
+   (`moe/token_dispatcher.py: _maybe_dtoh_and_synchronize`); on CPU there is one stream.
+7. The dispatcher's `maybe_move_tensor_to_cpu(..., as_numpy=True)` converts only CUDA tensors, so on
+   CPU the split sizes would reach `all_to_all_single` as tensors (a TypeError); the stand-in
+   returns them as numpy arrays as it does on GPU.
+8. gloo refuses `all_gather` into tensors of unequal sizes and has no list `reduce_scatter`, which
+   megatron's `mappings._gather_along_first_dim` / `_reduce_scatter_along_first_dim` use with split
+   sizes (the all-to-all dispatcher's token exchange over TP); the stand-ins pad to the largest
+   split, gather and cut (resp. all-reduce and keep their own split): the same numbers.
+
 Not changed: kernels and fusions. Models built for CPU must turn fusions off and use the SDPA core
 attention of `model_providers` (see `model_providers.layer_specs`).
 
@@ -42,6 +61,7 @@ from typing import Any
 
 import torch
 from megatron.core.tensor_parallel import random as mcore_random
+from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
 _CPU = torch.device("cpu")
@@ -116,12 +136,93 @@ class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
             self._current_state_name = caller_name
 
 
+class _CpuStream:
+    """One CPU stream: every stream operation is immediate (point 6). A class, not a function:
+    code imported while the mode is active may use `torch.cuda.Stream` in annotations."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        return None
+
+    def wait_event(self, event: object) -> None:
+        return None
+
+    def record_event(self, event: object = None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _CpuEvent:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record(self, stream: object = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: object = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = _CpuStream()
+
+
+def _host_splits(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """`moe_utils.maybe_move_tensor_to_cpu` for tensors already on the host (point 7)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _gather_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+    """`mappings._gather_along_first_dim` over gloo, unequal splits included (point 8)."""
+    import torch.distributed as dist
+
+    world = group.size()
+    if world == 1:
+        return input_
+    sizes = list(output_split_sizes) if output_split_sizes is not None else [input_.shape[0]] * world
+    longest = max(sizes)
+    padded = input_.new_zeros((longest, *input_.shape[1:]))
+    padded[: input_.shape[0]] = input_
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+
+def _reduce_scatter_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+    """`mappings._reduce_scatter_along_first_dim` over gloo (point 8): all-reduce, keep own split."""
+    import torch.distributed as dist
+
+    world = group.size()
+    if world == 1:
+        return input_
+    if input_split_sizes is None:
+        if input_.shape[0] % world:
+            raise ValueError(f"first dimension {input_.shape[0]} is not divisible by the group size {world}")
+        input_split_sizes = [input_.shape[0] // world] * world
+    total = input_.clone()
+    dist.all_reduce(total, group=group)
+    start = sum(input_split_sizes[: group.rank()])
+    return total[start : start + input_split_sizes[group.rank()]].contiguous()
+
+
 class CPUExecutionMode:
-    """Context manager applying the four changes of the module docstring; reverts them on exit."""
+    """Context manager applying the changes of the module docstring; reverts them on exit."""
 
     def __init__(self) -> None:
         self._mode: _CudaToCpu | None = None
         self._saved: dict[str, Any] = {}
+        self._originals: dict[tuple[Any, str], Any] = {}
 
     def __enter__(self) -> CPUExecutionMode:
         if torch.cuda.is_available():
@@ -138,19 +239,51 @@ class CPUExecutionMode:
         torch.cuda.synchronize = lambda device=None: None
         mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+        self._swap(_replacements())
         self._mode = _CudaToCpu()
         self._mode.__enter__()
         return self
+
+    def _swap(self, replacements: dict[tuple[Any, str], Any]) -> None:
+        """Set each (owner, attribute) to its stand-in, remembering the original (points 5-8)."""
+        self._originals = {key: getattr(*key) for key in replacements}
+        for (owner, name), value in replacements.items():
+            setattr(owner, name, value)
 
     def __exit__(self, *exc_info: object) -> None:
         if self._mode is None:
             return
         self._mode.__exit__(None, None, None)
         self._mode = None
+        for (owner, name), value in self._originals.items():
+            setattr(owner, name, value)
         torch.cuda.current_device = self._saved["current_device"]
         torch.cuda.synchronize = self._saved["synchronize"]
         mcore_random._CUDA_RNG_STATE_TRACKER = self._saved["tracker"]
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = self._saved["tracker_initialized"]
+
+
+def _replacements() -> dict[tuple[Any, str], Any]:
+    """The stand-ins of points 5-8, keyed by (module or class, attribute)."""
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import token_dispatcher
+
+    backward_apply = BackwardCFunction.apply
+
+    def apply_on_cpu(self: Any, *args: Any) -> Any:
+        with _CudaToCpu():
+            return backward_apply(self, *args)
+
+    return {
+        (BackwardCFunction, "apply"): apply_on_cpu,
+        (torch.cuda, "Stream"): _CpuStream,
+        (torch.cuda, "current_stream"): lambda device=None: _CURRENT_STREAM,
+        (torch.cuda, "stream"): lambda stream=None: contextlib.nullcontext(),
+        (torch.cuda, "Event"): _CpuEvent,
+        (token_dispatcher, "maybe_move_tensor_to_cpu"): _host_splits,
+        (mappings, "_gather_along_first_dim"): _gather_first_dim,
+        (mappings, "_reduce_scatter_along_first_dim"): _reduce_scatter_first_dim,
+    }
 
 
 _active: CPUExecutionMode | None = None

@@ -28,14 +28,34 @@ from megatron.core.utils import get_model_config
 PostFn = Callable[[torch.Tensor, torch.Tensor], Any]
 
 
+def sequence_parallel_tokens(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """`tokens` [b, s] right-padded (with token 0) to a multiple of TP when the model runs with
+    sequence parallelism (megatron's MoE layers need it at TP > 1), which splits the sequence
+    over the TP ranks. Causal attention keeps the first s positions' outputs exact; callers cut
+    the logits back to s (`model_forward`)."""
+    config = get_model_config(model)
+    tp = config.tensor_model_parallel_size
+    pad = -tokens.shape[1] % tp if config.sequence_parallel else 0
+    return torch.nn.functional.pad(tokens, (0, pad)) if pad else tokens
+
+
+def model_forward(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[Any, Callable[[Any], Any]]:
+    """The GPT forward of one micro-batch of token ids [b, s] (positions 0..s-1, causal mask):
+    (megatron's output, a function cutting its logits back to s positions). The one place a
+    micro-batch enters the model, for forward-only passes and for the training pass."""
+    seq = tokens.shape[1]
+    tokens = sequence_parallel_tokens(model, tokens)
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, position_ids, None)
+    return output, lambda logits: logits[:, :seq]
+
+
 def _step(post_fn: PostFn, data_iterator, model):
     tokens = next(data_iterator)
-    seq = tokens.shape[1]
-    position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
-    output = model(tokens, position_ids, None)
+    output, cut = model_forward(model, tokens)
 
     def collect(logits: torch.Tensor, non_loss_data: bool = True) -> Any:
-        return post_fn(logits, tokens)
+        return post_fn(cut(logits), tokens)
 
     return output, collect
 
@@ -85,8 +105,12 @@ def run_schedule(
     """One pass of megatron's pipeline schedule for `groups.pp` (forward-only or training).
 
     The one place that picks the schedule and, with more than one stage, builds the P2P
-    communicator from the (possibly DDP-wrapped) model's config.
+    communicator from the (possibly DDP-wrapped) model's config. `seq_length` is the micro-batches'
+    own; the stages exchange activations of the padded length `model_forward` runs.
     """
+    config = get_model_config(model)
+    if config.sequence_parallel:
+        seq_length += -seq_length % config.tensor_model_parallel_size
     pp_size = groups.pp.size()
     if pp_size > 1:
         schedule_kwargs["p2p_communicator"] = P2PCommunicator(

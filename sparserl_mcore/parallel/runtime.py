@@ -48,6 +48,14 @@ class Runtime:
     # gated, the host's samples and eval scores). megatron's grid spans the world today, so this is
     # the world group, named: collectives say which ranks they mean instead of defaulting to it.
     learner_group: dist.ProcessGroup
+    # megatron's expert grid (MoE models; EP = 1, ETP = TP, expert-DP = DP for a layout without EP):
+    # ep_rank picks this rank's experts, etp_rank its slice of each, expert-DP ranks hold copies.
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    expert_dp_rank: int = 0
+    expert_dp_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -122,6 +130,8 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
             context_parallel_size=cfg.context_parallel_size,
+            expert_model_parallel_size=cfg.expert_model_parallel_size,
+            expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
             create_gloo_process_groups=use_cuda,
         )
         seed_everything(seed, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
@@ -151,6 +161,12 @@ def _describe(launch: LaunchEnv, device: torch.device, cfg: ParallelConfig) -> R
         cp_size=cfg.context_parallel_size,
         groups=ProcessGroupCollection.use_mpu_process_groups(),
         learner_group=world,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=cfg.expert_model_parallel_size,
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        etp_size=cfg.expert_tensor_size,
+        expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
+        expert_dp_size=parallel_state.get_expert_data_parallel_world_size(),
     )
 
 

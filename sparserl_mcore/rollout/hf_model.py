@@ -1,4 +1,5 @@
-"""Inference forward of HF decoder-only models (Qwen2/2.5, Qwen3, Llama 3) in plain torch.
+"""Inference forward of HF decoder-only models (Qwen2/2.5, Qwen3, Llama 3; the mixtures of experts
+Qwen3-MoE and Qwen2-MoE) in plain torch.
 
 The model is described by `model_providers.hf_config.HFModelConfig`, the project's one reader of
 HF configs and registry of architectures (the learner's megatron model reads the same one).
@@ -9,7 +10,15 @@ engine's paged attention needs (`qkv`, `finish_layer`, `logits`); `forward_refer
 same pieces with plain causal attention over a whole sequence, optionally masked per layer and KV
 head, which the tests use as the dense and the "retained positions only" recompute.
 
-Shape legend: T tokens, D hidden, Hq query heads, Hk KV heads, d head dim, V vocab.
+An MoE layer (`MoEWeights`) routes as HF does: softmax over the router logits in fp32, the top-k
+experts, renormalised when `norm_topk_prob`, the weights cast to the model dtype; each expert is a
+SwiGLU MLP run on the rows routed to it; Qwen2-MoE adds sigmoid(x . g) times its shared expert.
+`record_routing(sink)` appends each forward's expert choices to the list `sink` (one entry per
+forward: per layer, [T, k] expert ids of the forward's rows), for a caller that wants the sampler's
+routing (rollout routing replay, mismatch measurements); `record_routing(None)` stops.
+
+Shape legend: T tokens, D hidden, Hq query heads, Hk KV heads, d head dim, V vocab, E experts,
+k experts per token, F expert width.
 """
 
 from __future__ import annotations
@@ -38,6 +47,20 @@ LINEARS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True, eq=False)
+class MoEWeights:
+    """One MoE layer's tensors as matmul operands ([in, out], views of `CausalLM.params`)."""
+
+    router: torch.Tensor  # [D, E]
+    gate_up: tuple[torch.Tensor, ...]  # per expert [D, 2F]: gate, up back to back
+    down: tuple[torch.Tensor, ...]  # per expert [F, D]
+    top_k: int
+    norm_topk_prob: bool
+    shared_gate_up: torch.Tensor | None = None  # Qwen2-MoE's shared expert [D, 2S]
+    shared_down: torch.Tensor | None = None  # [S, D]
+    shared_gate: torch.Tensor | None = None  # [D, 1]
+
+
+@dataclass(frozen=True, eq=False)
 class LayerWeights:
     """One layer's tensors, bound once so a step does no name look-ups. Each is the same object as,
     or a view of, a `CausalLM.params` entry, so in-place updates by HF name reach it. Matmul
@@ -50,8 +73,9 @@ class LayerWeights:
     qkv: torch.Tensor  # [D, (Hq + 2 Hk) d]: q, k, v projections back to back
     qkv_bias: torch.Tensor | None
     o: torch.Tensor  # [Hq d, D]
-    gate_up: torch.Tensor  # [D, 2 I]: gate, up back to back
-    down: torch.Tensor  # [I, D]
+    gate_up: torch.Tensor | None  # [D, 2 I]: gate, up back to back (None: an MoE layer)
+    down: torch.Tensor | None  # [I, D]
+    moe: MoEWeights | None = None
 
 
 def load_hf_dir(hf_dir: str | pathlib.Path) -> tuple[HFModelConfig, dict[str, torch.Tensor]]:
@@ -104,6 +128,7 @@ class CausalLM:
         self.input_major = self.device.type == "cpu" and dtype == torch.float32
         self.params = self._checked(params)
         self.layers = [self._bind_layer(layer) for layer in range(cfg.num_layers)]
+        self.routing_sink: list[list[torch.Tensor]] | None = None  # `record_routing`
         if cfg.tie_embeddings:  # the embedding's rows must stay contiguous for the lookup
             self.head = self.params["model.embed_tokens.weight"].t()
         else:
@@ -134,7 +159,12 @@ class CausalLM:
     def _bind_layer(self, layer: int) -> LayerWeights:
         """Pack each LINEARS group of one layer into one tensor (HF names rebound to views)."""
         p = f"model.layers.{layer}."
-        packed = {key: self._pack([f"{p}{part}.weight" for part in parts]) for key, parts in LINEARS.items()}
+        mlp = ("gate_up", "down") if self.cfg.moe is not None else ()
+        packed = {
+            key: self._pack([f"{p}{part}.weight" for part in parts])
+            for key, parts in LINEARS.items()
+            if key not in mlp or self.cfg.moe is None
+        }
         return LayerWeights(
             input_norm=self.params[p + "input_layernorm.weight"],
             post_norm=self.params[p + "post_attention_layernorm.weight"],
@@ -143,8 +173,32 @@ class CausalLM:
             qkv=packed["qkv"],
             qkv_bias=self._pack_qkv_bias(p),
             o=packed["o"],
-            gate_up=packed["gate_up"],
-            down=packed["down"],
+            gate_up=packed.get("gate_up"),
+            down=packed.get("down"),
+            moe=self._bind_moe(p + "mlp.") if self.cfg.moe is not None else None,
+        )
+
+    def _bind_moe(self, m: str) -> MoEWeights:
+        moe = self.cfg.moe
+        assert moe is not None
+        experts = range(moe.num_experts)
+        shared = moe.shared_expert_ffn_hidden_size is not None
+        return MoEWeights(
+            router=self._pack([m + "gate.weight"]),
+            gate_up=tuple(
+                self._pack([f"{m}experts.{e}.gate_proj.weight", f"{m}experts.{e}.up_proj.weight"])
+                for e in experts
+            ),
+            down=tuple(self._pack([f"{m}experts.{e}.down_proj.weight"]) for e in experts),
+            top_k=moe.top_k,
+            norm_topk_prob=moe.norm_topk_prob,
+            shared_gate_up=self._pack(
+                [m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight"]
+            )
+            if shared
+            else None,
+            shared_down=self._pack([m + "shared_expert.down_proj.weight"]) if shared else None,
+            shared_gate=self._pack([m + "shared_expert_gate.weight"]) if shared else None,
         )
 
     def _pack_qkv_bias(self, prefix: str) -> torch.Tensor | None:
@@ -233,11 +287,43 @@ class CausalLM:
         return q, k, v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection + residual + gated-SiLU MLP + residual; attn [T, Hq, d]."""
+        """Output projection + residual + gated-SiLU MLP (or mixture of experts) + residual;
+        attn [T, Hq, d]."""
         w = self.layers[layer]
         h = torch.addmm(h, attn.reshape(attn.shape[0], -1), w.o)  # residual add inside the GEMM
-        gate, up = torch.mm(self._norm(h, w.post_norm), w.gate_up).chunk(2, dim=-1)
+        x = self._norm(h, w.post_norm)
+        if w.moe is not None:
+            return h + self._moe(layer, x, w.moe)
+        assert w.gate_up is not None and w.down is not None
+        gate, up = torch.mm(x, w.gate_up).chunk(2, dim=-1)
         return torch.addmm(h, F.silu(gate).mul_(up), w.down)
+
+    def record_routing(self, sink: list[list[torch.Tensor]] | None) -> None:
+        """Append every forward's expert choices (per layer [T, k]) to `sink`; None: stop."""
+        self.routing_sink = sink
+
+    def _moe(self, layer: int, x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+        """The mixture of experts of one layer for normalised rows x [T, D] (HF's routing)."""
+        probs = torch.mm(x, w.router).float().softmax(dim=-1)  # [T, E]
+        top_p, top_i = probs.topk(w.top_k, dim=-1)  # [T, k]
+        if w.norm_topk_prob:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        if self.routing_sink is not None:
+            if layer == 0:
+                self.routing_sink.append([])
+            self.routing_sink[-1].append(top_i)
+        weights = top_p.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in top_i.unique().tolist():
+            rows, slot = (top_i == e).nonzero(as_tuple=True)
+            gate, up = torch.mm(x[rows], w.gate_up[e]).chunk(2, dim=-1)
+            y = torch.mm(F.silu(gate).mul_(up), w.down[e])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        if w.shared_gate_up is not None and w.shared_down is not None and w.shared_gate is not None:
+            gate, up = torch.mm(x, w.shared_gate_up).chunk(2, dim=-1)
+            shared = torch.mm(F.silu(gate).mul_(up), w.shared_down)
+            out += torch.sigmoid(torch.mm(x, w.shared_gate)) * shared
+        return out
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[T, D] -> fp32 logits [T, V]."""

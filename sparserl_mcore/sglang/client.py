@@ -74,6 +74,12 @@ class SGLangWorker(RemoteEngine):
     def tp_size(self) -> int:
         return int(self.server_info().get("tp_size", 1))
 
+    def layout_sizes(self) -> tuple[int, int]:
+        """(tp_size, ep_size): what its parameters are split by (`SGLangLayout`); SGLang's
+        /server_info names its launch settings, `ep_size` among them (1 when absent)."""
+        info = self.server_info()
+        return int(info.get("tp_size", 1)), int(info.get("ep_size") or 1)
+
     def pause(self, mode: str = "retract") -> None:
         self._call("POST", "/pause_generation", json={"mode": mode})
 

@@ -1,5 +1,9 @@
 """The weight loader SGLang calls with our patch fragments, on every TP worker (`--custom-weight-loader`).
 
+Dense models and mixtures of experts alike: an MoE worker's fused experts (`w13_weight`,
+`w2_weight`, split over SGLang's expert-parallel ranks) are written in place through
+`SGLangLayout`, like every other parameter.
+
 How sglang 0.5.23 reaches it (file: symbol):
 - `entrypoints/http_server.py: update_weights_from_tensor` (POST /update_weights_from_tensor,
   body `UpdateWeightsFromTensorReqInput` from `managers/io_struct.py`: `serialized_named_tensors`
@@ -120,6 +124,7 @@ def receiver_for(model: torch.nn.Module, tp_rank: int, tp_size: int) -> ShardedR
     if receiver is not None:  # SGLang may swap a parameter's storage between updates
         receiver.shards = {(tp_rank, 0): {n: p.data for n, p in model.named_parameters()}}
     else:
+        _refuse_repacked(model)
         layout = sglang_layout(model, tp_size)
         params = dict(model.named_parameters())
         expected = layout.shard(tp_rank, 0)
@@ -135,10 +140,47 @@ def receiver_for(model: torch.nn.Module, tp_rank: int, tp_size: int) -> ShardedR
     return receiver
 
 
+def _refuse_repacked(model: torch.nn.Module) -> None:
+    """SGLang's CPU backend with Intel AMX repacks linear and fused-expert weights after loading
+    (`layers/quantization/unquant.py: process_weights_after_loading`, `use_intel_amx_backend`):
+    the parameters no longer have the HF-derived layout, so in-place sparse writes would land on
+    the wrong elements."""
+    packed = [
+        name for name, module in model.named_modules() if getattr(module, "use_intel_amx_backend", False)
+    ]
+    if packed:
+        raise PatchError(
+            f"SGLang repacked {len(packed)} modules for its CPU AMX kernels (e.g. {packed[0]}); "
+            "sparse sync needs the unpacked layout: serve on GPUs, or on CPU without AMX"
+        )
+
+
 def sglang_layout(model: torch.nn.Module, tp_size: int) -> SGLangLayout:
-    """The layout of a loaded SGLang Qwen2 / Qwen3 / Llama model at `tp_size`."""
+    """The layout of a loaded SGLang Qwen2 / Qwen3 / Llama / Qwen3-MoE / Qwen2-MoE model at `tp_size`
+    (and, for MoE, the expert-parallel size its fused experts were built with)."""
     config: Any = model.config  # SGLang's model holds the HF PretrainedConfig
     hf = parse_hf_config(config.to_dict())
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     replicated = embed is not None and getattr(embed, "tp_size", tp_size) == 1 and tp_size > 1
-    return SGLangLayout(hf, tp_size=tp_size, replicate_embedding=replicated)
+    return SGLangLayout(
+        hf, tp_size=tp_size, replicate_embedding=replicated, ep_size=_expert_parallel_size(model)
+    )
+
+
+def _expert_parallel_size(model: torch.nn.Module) -> int:
+    """SGLang's moe_ep_size, read from the model's fused-expert modules (1: no experts). Experts
+    whose runner loads the up projection first (flashinfer TRT-LLM layouts) are refused: their
+    `w13_weight` halves are swapped against `SGLangLayout`."""
+    sizes = set()
+    for module in model.modules():
+        if hasattr(module, "w13_weight") and hasattr(module, "moe_ep_size"):
+            method = getattr(module, "weight_load_method", None) or getattr(module, "quant_method", None)
+            if getattr(method, "load_up_proj_weight_first", False):
+                raise PatchError(
+                    f"{type(module).__name__} loads up_proj first (its MoE runner's weight layout); "
+                    "sparse sync supports the default gate-first w13 layout"
+                )
+            sizes.add(int(getattr(module, "moe_ep_size")))  # noqa: B009 - an nn.Module attribute
+    if len(sizes) > 1:
+        raise PatchError(f"fused experts disagree on the expert-parallel size: {sorted(sizes)}")
+    return sizes.pop() if sizes else 1

@@ -97,8 +97,9 @@ class SGLangDelivery:
         self.workers = {u: SGLangWorker(u, token, timeout=timeout_s, retries=1) for u in urls}
         self._hf = hf
         self._host_rank = host_rank
-        self._tp: dict[str, int] = {}  # worker -> its TP size, learned by the host at the first sync
-        self._layouts: dict[int, SGLangLayout] = {}
+        # worker -> its (TP, EP) sizes, learned by the host at the first sync
+        self._tp: dict[str, tuple[int, int]] = {}
+        self._layouts: dict[tuple[int, int], SGLangLayout] = {}
 
     def close(self) -> None:
         for worker in self.workers.values():
@@ -137,7 +138,7 @@ class SGLangDelivery:
         rank, world = dist.get_rank(), dist.get_world_size()
         for piece, share in enumerate(split_even(changes, pieces)):
             fragment = (rank * pieces + piece, world * pieces)
-            by_tp: dict[int, list[bytes]] = {}  # this piece's fragments per SGLang TP size
+            by_tp: dict[tuple[int, int], list[bytes]] = {}  # this piece's fragments per SGLang layout
             for url in targets:
                 if url in failed or url in mine:
                     continue
@@ -165,7 +166,7 @@ class SGLangDelivery:
     def _open(self, url: str) -> None:
         worker = self.workers[url]
         if url not in self._tp:
-            self._tp[url] = worker.tp_size()
+            self._tp[url] = worker.layout_sizes()
         worker.open_update_session()
 
     def _close(self, url: str) -> str:
@@ -175,10 +176,10 @@ class SGLangDelivery:
             return str(exc)
         return ""
 
-    def _layout(self, tp_size: int) -> SGLangLayout:
-        if tp_size not in self._layouts:
-            self._layouts[tp_size] = SGLangLayout(self._hf, tp_size=tp_size)
-        return self._layouts[tp_size]
+    def _layout(self, sizes: tuple[int, int]) -> SGLangLayout:
+        if sizes not in self._layouts:
+            self._layouts[sizes] = SGLangLayout(self._hf, tp_size=sizes[0], ep_size=sizes[1])
+        return self._layouts[sizes]
 
 
 Owned = dict[str, list[tuple[torch.Tensor, torch.Tensor]]]  # HF name -> (flat indices, int16 bits)

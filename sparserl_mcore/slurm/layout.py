@@ -177,10 +177,11 @@ def _check_model(cfg: RunConfig, layout: SlurmLayout, hf_config: Path) -> None:
         hf = parse_hf_config(hf_config)
     except (OSError, ValueError, KeyError) as exc:
         raise LayoutError(f"cannot read {hf_config}: {exc}") from None
+    from model_providers.moe_config import check_moe_config
+
     try:
-        cfg.parallel.validate_model(
-            num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads
-        )
+        cfg.parallel.validate_model(**hf.layout_shape())
+        check_moe_config(hf, cfg.model.moe)
     except ValueError as exc:
         raise LayoutError(f"{cfg.model.hf_path}: {exc}") from None
     rtp = cfg.rollout.tensor_parallel_size

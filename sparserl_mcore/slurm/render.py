@@ -98,6 +98,13 @@ def _header(cfg: RunConfig, layout: SlurmLayout, command: str) -> str:
         f"{layout.learner_ranks} ranks: TP={par.tensor_model_parallel_size} x "
         f"PP={par.pipeline_model_parallel_size} x CP={par.context_parallel_size}, DP={dp}.",
     ]
+    if par.uses_expert_parallelism:
+        edp = layout.learner_ranks // par.expert_model_parallel_ranks
+        lines.append(
+            f"# Experts: EP={par.expert_model_parallel_size} x ETP={par.expert_tensor_size} x "
+            f"PP={par.pipeline_model_parallel_size}, expert DP={edp}, "
+            f"{par.moe_token_dispatcher_type} dispatcher."
+        )
     lines.append(f"# Rollouts: {_rollout_summary(cfg, layout)}.")
     lines += [
         f"# Stops: USR1 {layout.stop_before_s} s before the time limit, or TERM: the trainer "

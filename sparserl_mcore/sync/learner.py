@@ -17,6 +17,10 @@ by default (`ShardSyncConfig.snapshot`); each stage source keeps an HF-layout mi
 (2 bytes x stage params), filled by one dense gather at construction, which also serves full
 syncs (anchors, fallbacks) without touching the trainer's GPUs again.
 
+Mixture of experts: a rank's shard is (tp, pp, ep); without the distributed optimizer the routed
+experts are split over the expert data-parallel ranks (`runtime_ranges`), with it the expert
+optimizer's own ranges say who owns what.
+
 Use (every learner rank, after the weights are loaded and the optimizer is built):
     syncer = ShardSyncer.for_runtime(ddp_model, layout, runtime, optimizer=optimizer)
     parts = syncer.make_patch(version)   # [fragment] on stage sources, [] elsewhere
@@ -25,7 +29,7 @@ Use (every learner rank, after the weights are loaded and the optimizer is built
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -76,13 +80,38 @@ def distributed_optimizer_ranges(optimizer, model: torch.nn.Module) -> Ranges:
     return {mcore_name(n): by_param.get(p, (0, 0)) for n, p in model.named_parameters()}
 
 
-def even_ranges(model: NamedParameters, dp_rank: int, dp_size: int) -> Ranges:
-    """Each param's flat range split evenly over the DP ranks (replicated params, no dist-opt)."""
+def even_ranges(
+    model: NamedParameters,
+    dp_rank: int,
+    dp_size: int,
+    *,
+    experts: Collection[str] = (),
+    expert_dp: tuple[int, int] = (0, 1),
+) -> Ranges:
+    """Each param's flat range split evenly over the DP ranks (replicated params, no dist-opt).
+
+    MoE: the routed experts' params (`experts`, megatron names) are split over the expert
+    data-parallel ranks instead (`expert_dp` = (rank, size)): with expert parallelism the copies of
+    an expert live on fewer ranks than the dense weights (`runtime_ranges` fills both in)."""
     out = {}
     for name, p in model.named_parameters():
-        n = p.numel()
-        out[mcore_name(name)] = (n * dp_rank // dp_size, n * (dp_rank + 1) // dp_size)
+        n, key = p.numel(), mcore_name(name)
+        rank, size = expert_dp if key in experts else (dp_rank, dp_size)
+        out[key] = (n * rank // size, n * (rank + 1) // size)
     return out
+
+
+def runtime_ranges(model: NamedParameters, layout: ModelLayout, runtime: Runtime) -> Ranges:
+    """`even_ranges` for this rank of `runtime`: dense params over DP, routed experts (the layout's
+    `expert` params of this rank's shard) over expert DP."""
+    shard = layout.shard(runtime.tp_rank, runtime.pp_rank, runtime.ep_rank)
+    return even_ranges(
+        model,
+        runtime.dp_rank,
+        runtime.dp_size,
+        experts={n for n, p in shard.items() if p.expert},
+        expert_dp=(runtime.expert_dp_rank, runtime.expert_dp_size),
+    )
 
 
 @dataclass(frozen=True)
@@ -146,16 +175,19 @@ class ShardSyncer:
         owned: Ranges,
         version: int = 0,
         config: ShardSyncConfig = ShardSyncConfig(),
+        ep_rank: int = 0,
     ) -> None:
-        self.layout, self.tp_rank, self.pp_rank = layout, tp_rank, pp_rank
+        self.layout, self.tp_rank, self.pp_rank, self.ep_rank = layout, tp_rank, pp_rank, ep_rank
         self.groups, self.config, self.version = groups, config, version
         self.rank = dist.get_rank()
-        shard = layout.shard(tp_rank, pp_rank)
+        shard = layout.shard(tp_rank, pp_rank, ep_rank)
         self.params: dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters():
             name = mcore_name(name)
             if name not in shard:
-                raise KeyError(f"model parameter {name!r} is not in {layout!r} shard ({tp_rank}, {pp_rank})")
+                raise KeyError(
+                    f"model parameter {name!r} is not in {layout!r} shard ({tp_rank}, {pp_rank}, {ep_rank})"
+                )
             if shard[name].emit:
                 dtype_name(p.dtype)  # 16-bit weights only
                 self.params[name] = p
@@ -188,7 +220,7 @@ class ShardSyncer:
         if optimizer is not None and all(hasattr(o, "gbuf_ranges") for o in inner):
             owned = distributed_optimizer_ranges(optimizer, model)
         else:
-            owned = even_ranges(model, runtime.dp_rank, runtime.dp_size)
+            owned = runtime_ranges(model, layout, runtime)
         return cls(
             model,
             layout,
@@ -198,6 +230,7 @@ class ShardSyncer:
             owned=owned,
             version=version,
             config=config,
+            ep_rank=runtime.ep_rank,
         )
 
     @property
@@ -239,7 +272,7 @@ class ShardSyncer:
             start, end = self.owned[name]
             if start == 0 and end > 0:  # one DP rank ships each param's dense pieces (mirror build)
                 yield from self.layout.hf_pieces(
-                    self.layout.param(name, self.tp_rank, self.pp_rank), p.detach().cpu()
+                    self.layout.param(name, self.tp_rank, self.pp_rank, self.ep_rank), p.detach().cpu()
                 )
 
     def _gather_mirror(self) -> dict[str, torch.Tensor]:
@@ -276,7 +309,9 @@ class ShardSyncer:
             if not changed.size:
                 continue
             local = torch.from_numpy(changed + self.owned[name][0])
-            for hf_name, pos, hf_idx in self.layout.to_hf_index(name, local, self.tp_rank, self.pp_rank):
+            for hf_name, pos, hf_idx in self.layout.to_hf_index(
+                name, local, self.tp_rank, self.pp_rank, self.ep_rank
+            ):
                 p = pos.numpy()
                 out.append((hf_name, hf_idx.numpy(), old_bits[p], new_bits[p]))
         return out
@@ -291,7 +326,9 @@ class ShardSyncer:
             start, end = self.owned[name]
             bits = cur.cpu().numpy().view(np.uint16)
             local = torch.arange(start, end, dtype=torch.int64)
-            for hf_name, pos, hf_idx in self.layout.to_hf_index(name, local, self.tp_rank, self.pp_rank):
+            for hf_name, pos, hf_idx in self.layout.to_hf_index(
+                name, local, self.tp_rank, self.pp_rank, self.ep_rank
+            ):
                 out.append((hf_name, hf_idx.numpy(), bits[pos.numpy()]))
         return out
 

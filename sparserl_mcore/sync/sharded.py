@@ -50,7 +50,7 @@ from sparserl_mcore.sync.hashing import (
     touched_digest,
 )
 
-Shard = tuple[int, int]  # (tp_rank, pp_rank)
+Shard = tuple[int, ...]  # (tp_rank, pp_rank), or (tp_rank, pp_rank, ep_rank): `layout.shard_keys()`
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class _Write:
 
 
 class ShardedReceiver:
-    """Holds `shards[(tp_rank, pp_rank)] = {mcore_name: tensor}` of `layout` (any subset of shards)."""
+    """Holds `shards[key] = {mcore_name: tensor}` of `layout` (any subset of `layout.shard_keys()`)."""
 
     def __init__(
         self,
@@ -71,12 +71,11 @@ class ShardedReceiver:
         version: int | None = None,
     ) -> None:
         self.layout, self.shards, self.ledger = layout, shards, FragmentLedger(version)
-        for (tp, pp), params in shards.items():
-            expected = layout.shard(tp, pp)
+        for key, params in shards.items():
+            expected = layout.shard(*key)
             if set(params) != set(expected):
                 raise ValueError(
-                    f"shard ({tp}, {pp}) params differ from the layout: "
-                    f"{sorted(set(params) ^ set(expected))[:4]}"
+                    f"shard {key} params differ from the layout: {sorted(set(params) ^ set(expected))[:4]}"
                 )
         # HF tensor -> the held params (shard, name) that hold pieces of it: each is checked for the
         # patch's dtype (a server may hold some weights in another dtype than the rest)
@@ -86,11 +85,10 @@ class ShardedReceiver:
                 for name in param.hf_names:
                     self._params_of.setdefault(name, []).append((shard, param.name))
         holders: dict[str, set[Shard]] = {}
-        for tp in range(layout.tp_size):
-            for pp in range(layout.pp_size):
-                for param in layout.shard(tp, pp).values():
-                    for name in param.hf_names if param.emit else ():
-                        holders.setdefault(name, set()).add((tp, pp))
+        for key in layout.shard_keys():
+            for param in layout.shard(*key).values():
+                for name in param.hf_names if param.emit else ():
+                    holders.setdefault(name, set()).add(key)
         self.covered = {n for n, need in holders.items() if need <= set(shards)}
         self._digests: dict[str, bytes] | None = None  # of covered tensors, for whole-tensor patches
 
@@ -135,8 +133,8 @@ class ShardedReceiver:
     def hf_tensor(self, name: str) -> torch.Tensor:
         """Rebuild HF tensor `name` from the held shards (it must be covered)."""
         out = torch.empty(self.layout.hf_shapes[name], dtype=self.dtype_of(name))
-        for (tp, pp), params in self.shards.items():
-            for param in self.layout.shard(tp, pp).values():
+        for key, params in self.shards.items():
+            for param in self.layout.shard(*key).values():
                 if name in param.hf_names:
                     for hf_name, rows, cols, view in self.layout.hf_pieces(param, params[param.name]):
                         if hf_name == name:
@@ -155,8 +153,8 @@ class ShardedReceiver:
     def _plan(self, t: DecodedTensor) -> list[_Write]:
         idx = torch.from_numpy(t.indices) if t.indices is not None else torch.arange(int(np.prod(t.shape)))
         writes = []
-        for (tp, pp), params in self.shards.items():
-            for name, pos, local in self.layout.to_local_index(t.name, idx, tp, pp):
+        for key, params in self.shards.items():
+            for name, pos, local in self.layout.to_local_index(t.name, idx, *key):
                 flat = params[name].detach().view(-1).view(torch.int16)
                 writes.append(_Write(flat, local.numpy(), pos.numpy()))
         return writes

@@ -21,6 +21,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 import model_providers
+from model_providers.moe_config import MoEConfig
 from sparserl_mcore.config import OptimizerConfig
 from sparserl_mcore.loss.lm_head_grad import leaf_optimizers
 from sparserl_mcore.parallel.runtime import Runtime
@@ -29,11 +30,17 @@ PARAMS_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # run config name -> bu
 
 
 def build_model(
-    hf_path: str, params_dtype: str, runtime: Runtime, *, padded_vocab_size: int | None = None
+    hf_path: str,
+    params_dtype: str,
+    runtime: Runtime,
+    *,
+    padded_vocab_size: int | None = None,
+    moe: MoEConfig | None = None,
 ) -> tuple[model_providers.ModelSpec, torch.nn.Module]:
     """This rank's GPTModel stage on the runtime's device, parameters in `params_dtype` ("fp32" or
     "bf16", on CPU as on GPU), random weights: the caller loads the HF checkpoint into it.
-    `padded_vocab_size`: keep a checkpoint's padded vocabulary (a resume at another TP size)."""
+    `padded_vocab_size`: keep a checkpoint's padded vocabulary (a resume at another TP size).
+    `moe`: the router training settings of an MoE policy (`model.moe`)."""
     tp = runtime.parallel.tensor_model_parallel_size
     spec = model_providers.build_spec(
         hf_path,
@@ -41,6 +48,7 @@ def build_model(
         params_dtype=PARAMS_DTYPES[params_dtype],
         cpu=runtime.cpu,
         vocab_multiple=padded_vocab_size // tp if padded_vocab_size else 128,
+        moe=moe,
     )
     if padded_vocab_size and spec.padded_vocab_size != padded_vocab_size:
         raise ValueError(

@@ -25,7 +25,7 @@ from sparserl_mcore import parallel
 from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.telemetry import RunProgress
-from sparserl_mcore.trainer import checkpoint, run_layout
+from sparserl_mcore.trainer import checkpoint, moe_routing, run_layout
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
 from sparserl_mcore.trainer.preemption import StopRequest
@@ -284,12 +284,16 @@ class Trainer:
             runtime=rt,
             scheduler=learner.scheduler,
         )
+        routing = moe_routing.collect(learner.model, rt)  # None for a dense policy
+        if routing is not None and rt.rank == 0:
+            moe_routing.append_table(self.cfg.telemetry.dir, self.state.step + 1, routing)
         skipped = sum(u.get("train/found_inf", 0.0) > 0 for u in result.updates)
         if skipped:
             self.state.skipped_updates += skipped
             p.telemetry.event("nonfinite_update_skipped", {"step": self.state.step + 1, "updates": skipped})
         return {
             **result.metrics,
+            **(routing.metrics() if routing is not None else {}),
             "dgg/gates": float(sum(d.gate for d in result.decisions)),
             "train/skipped_nonfinite": float(skipped),
         }

@@ -2,8 +2,10 @@
 
 `sparserl train` runs `check_run` in the launching process (ranks started by an external
 torchrun or srun run it themselves). It needs neither megatron nor a process group:
-- layout: the world size divides by TP x PP x CP, TP divides the heads, PP fits the layers, and a
-  step's rollouts fill at least one micro-batch on every data-parallel rank;
+- layout: the world size divides by TP x PP x CP (and by ETP x EP x PP, megatron's expert grid), TP
+  divides the heads, PP fits the layers, EP divides the experts (`ParallelConfig.validate_model`),
+  `model.moe` suits the checkpoint's routing, and a step's rollouts fill at least one micro-batch
+  on every data-parallel rank;
 - model.hf_path (and model.ref_path when the KL term is on): a complete HF checkpoint with a
   tokenizer (`ckpt.preflight.check_hf_checkpoint`, safetensors headers only);
 - data: the files exist, parse, have the prompt and answer keys, and split as configured;
@@ -119,12 +121,13 @@ def _check_router(rc: RolloutConfig) -> None:
 
 
 def _check_hf(path: str, key: str, cfg: RunConfig) -> Any:
+    from model_providers.moe_config import check_moe_config
     from sparserl_mcore.ckpt.preflight import check_hf_checkpoint
 
-    par = cfg.parallel
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     try:
-        return check_hf_checkpoint(path, tp=tp, pp=pp, label=key, tokenizer=True)
+        hf = check_hf_checkpoint(path, parallel=cfg.parallel, label=key, tokenizer=True)
+        check_moe_config(hf, cfg.model.moe)
+        return hf
     except ValueError as exc:
         hint = " (relative paths are read from the current directory)" if not Path(path).is_absolute() else ""
         raise PreflightError(f"{exc}{hint if not Path(path).exists() else ''}") from None

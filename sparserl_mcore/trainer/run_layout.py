@@ -2,10 +2,10 @@
 
 Every checkpoint's run record (`run_record`, `run.json`) holds its `RunLayout`: world size,
 TP/PP/CP/DP, params dtype, distributed optimizer or not, and the padded vocabulary. Megatron's dist
-checkpoints are keyed by global tensor names, so model and optimizer reshard across TP, PP, DP and
-params dtype (the fp32 master weights and Adam moments are stored in model space,
-`fully_reshardable`); what cannot change is checked here, before any rank loads anything, and
-refused in one line naming the saved and the requested layout:
+checkpoints are keyed by global tensor names (experts by their global index), so model and
+optimizer reshard across TP, PP, DP, EP and params dtype (the fp32 master weights and Adam moments
+are stored in model space, `fully_reshardable`); what cannot change is checked here, before any
+rank loads anything, and refused in one line naming the saved and the requested layout:
 - the optimizer kind: the replicated and the distributed optimizer store their state differently;
 - the padded vocabulary: it is part of the embedding's global shape, so a resumed learner keeps
   the saved one (`vocab_multiple`), which the new TP size must divide.
@@ -32,6 +32,7 @@ class RunLayout:
     params_dtype: str  # "fp32" | "bf16" (the run config's names)
     distributed_optimizer: bool
     padded_vocab_size: int | None = None  # None: not built yet (a requested layout)
+    expert_model_parallel_size: int = 1  # MoE: experts are stored by global index, so EP reshards
 
     @property
     def data_parallel_size(self) -> int:
@@ -40,16 +41,23 @@ class RunLayout:
 
     def describe(self) -> str:
         opt = "distributed" if self.distributed_optimizer else "replicated"
+        ep = f"EP={self.expert_model_parallel_size} " if self.expert_model_parallel_size > 1 else ""
         return (
             f"TP={self.tensor_model_parallel_size} PP={self.pipeline_model_parallel_size} "
-            f"CP={self.context_parallel_size} DP={self.data_parallel_size} {self.params_dtype} "
+            f"CP={self.context_parallel_size} DP={self.data_parallel_size} {ep}{self.params_dtype} "
             f"{opt} optimizer"
         )
 
     def same_ranks(self, other: RunLayout) -> bool:
         """Whether every rank plays the same role (then per-rank RNG streams carry over exactly)."""
-        fields = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
-        return all(getattr(self, f) == getattr(other, f) for f in (*fields, "context_parallel_size"))
+        fields = (
+            "world_size",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        )
+        return all(getattr(self, f) == getattr(other, f) for f in fields)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -76,6 +84,7 @@ def requested_layout(cfg: Any, world_size: int, padded_vocab_size: int | None = 
         params_dtype=cfg.model.params_dtype,
         distributed_optimizer=cfg.optimizer.distributed,
         padded_vocab_size=padded_vocab_size,
+        expert_model_parallel_size=par.expert_model_parallel_size,
     )
 
 

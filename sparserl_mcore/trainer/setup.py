@@ -73,10 +73,21 @@ class Learner:
 def build_learner(cfg: RunConfig, runtime: Any, *, padded_vocab_size: int | None = None) -> Learner:
     """The policy loaded from the HF checkpoint; `padded_vocab_size`: a checkpoint's, when resuming."""
     spec, model = learner_lib.build_model(
-        cfg.model.hf_path, cfg.model.params_dtype, runtime, padded_vocab_size=padded_vocab_size
+        cfg.model.hf_path,
+        cfg.model.params_dtype,
+        runtime,
+        padded_vocab_size=padded_vocab_size,
+        moe=cfg.model.moe,
     )
     layout = layout_for(spec)
-    load_hf_weights(model, layout, cfg.model.hf_path, tp_rank=runtime.tp_rank, pp_rank=runtime.pp_rank)
+    load_hf_weights(
+        model,
+        layout,
+        cfg.model.hf_path,
+        tp_rank=runtime.tp_rank,
+        pp_rank=runtime.pp_rank,
+        ep_rank=runtime.ep_rank,
+    )
     ddp = learner_lib.wrap_ddp(model, spec, runtime, distributed_optimizer=cfg.optimizer.distributed)
     optimizer, scheduler = learner_lib.build_optimizer(ddp, cfg.optimizer, spec, runtime)
     return Learner(
@@ -95,8 +106,15 @@ def build_reference(cfg: RunConfig, runtime: Any) -> torch.nn.Module | None:
     if cfg.loss.policy.kl_coef == 0:
         return None
     path = cfg.model.ref_path or cfg.model.hf_path
-    spec, model = learner_lib.build_model(path, cfg.model.params_dtype, runtime)
-    load_hf_weights(model, layout_for(spec), path, tp_rank=runtime.tp_rank, pp_rank=runtime.pp_rank)
+    spec, model = learner_lib.build_model(path, cfg.model.params_dtype, runtime, moe=cfg.model.moe)
+    load_hf_weights(
+        model,
+        layout_for(spec),
+        path,
+        tp_rank=runtime.tp_rank,
+        pp_rank=runtime.pp_rank,
+        ep_rank=runtime.ep_rank,
+    )
     model.eval().requires_grad_(False)
     return model
 

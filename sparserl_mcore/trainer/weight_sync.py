@@ -33,7 +33,7 @@ from sparserl_mcore.sglang.dense_sync import DenseSyncConfig
 from sparserl_mcore.sglang.trainer_sync import Encode, SGLangBroadcast, SGLangDelivery, full_sync_pieces
 from sparserl_mcore.sync.codec import CodecConfig
 from sparserl_mcore.sync.hashing import dtype_name
-from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, build_sync_groups, even_ranges
+from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, build_sync_groups, runtime_ranges
 from sparserl_mcore.sync.per_rank import Change, ModelMeta, encode_fragment
 from sparserl_mcore.trainer.engine_pool import EnginePool, EventSink
 from sparserl_mcore.trainer.learner import unwrap_model
@@ -113,12 +113,14 @@ class WeightSyncer:
             self._shadow.refresh()
         rt = self.runtime
         # every DP rank holds the same weights after a step: each diffs an even share of every param
-        owned = even_ranges(self._diffed, rt.dp_rank, rt.dp_size)
+        # (of every routed expert: over the expert data-parallel ranks)
+        owned = runtime_ranges(self._diffed, self.layout, rt)
         return ShardSyncer(
             self._diffed,
             self.layout,
             tp_rank=rt.tp_rank,
             pp_rank=rt.pp_rank,
+            ep_rank=rt.ep_rank,
             groups=self._groups,
             owned=owned,
             version=version,
