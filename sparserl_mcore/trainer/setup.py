@@ -42,6 +42,7 @@ def update_config(cfg: RunConfig, vocab_size: int) -> megatron_step.UpdateConfig
         vocab_size=vocab_size,
         correction=cfg.loss.correction,
         policy=cfg.loss.policy,
+        max_staleness=cfg.train.async_.max_staleness if cfg.train.async_.mode != "off" else None,
     )
 
 
@@ -202,6 +203,7 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         token=os.environ.get(cfg.rollout.token_env) if remote and cfg.rollout.token_env else None,
         timeout_s=cfg.rollout.request_timeout_s,
         broadcast=broadcast_config(cfg, runtime) if remote else None,
+        in_flight=cfg.train.async_.mode == "in_flight",
     )
     evaluator = Evaluator(
         cfg.eval,
