@@ -93,7 +93,12 @@ def _learner(rt, hf, max_staleness):
             "model": {"hf_path": str(hf), "params_dtype": "fp32"},
             "data": {"train_path": "unused.jsonl"},
             "optimizer": {"lr": 1e-2, "weight_decay": 0.0},
-            "train": {"prompts_per_step": 2, "global_batch_size": 8, "micro_batch_size": 4, "reuse_epochs": 2},
+            "train": {
+                "prompts_per_step": 2,
+                "global_batch_size": 8,
+                "micro_batch_size": 4,
+                "reuse_epochs": 2,
+            },
             "rollout": {"group_size": 4},
             "loss": {"policy": {"kl_coef": 0.0}},
         },

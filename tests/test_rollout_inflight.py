@@ -67,7 +67,10 @@ def _prompts(n: int) -> list[tuple[int, ...]]:
 
 def _requests(prompts) -> list[GenerateRequest]:
     params = [SamplingParams(**{**SAMPLED.__dict__, "seed": 100 + i}) for i in range(len(prompts))]
-    return [GenerateRequest(input_ids=p, sampling=sp, rid=f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+    return [
+        GenerateRequest(input_ids=p, sampling=sp, rid=f"r{i}")
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
 
 
 def _generate_in_background(engine, requests) -> tuple[threading.Thread, dict]:

@@ -310,16 +310,18 @@ class EmbeddedEngine:
             self._stalled_since(started)
 
     def apply_patch(self, patch_bytes: bytes) -> int:
-        """Apply + verify a sync patch (all-or-nothing, raises sync's PatchError); returns its version."""
+        """Apply + verify a sync patch (all-or-nothing, raises sync's PatchError); returns its version.
+        Decoding runs before generation is held; only the write and its verification hold it."""
         from sparserl_mcore.sync import apply as sync_apply  # lazy: no sync deps unless patches arrive
 
+        decoded = sync_apply.decode_parts(patch_bytes)  # generation goes on meanwhile
         with self._step_lock:
             started = time.perf_counter()
             if self._receiver is None:
                 version = self.scheduler.weight_version
                 self._receiver = sync_apply.HFReceiver(self._wire_state(), version=version)
             try:
-                result = self._receiver.apply(patch_bytes)
+                result = self._receiver.apply_decoded(decoded)
             except sync_apply.PatchVersionError as exc:
                 raise WeightVersionConflict(str(exc)) from None
             changed = {n: self._receiver.state[n] for n in result.touched}
