@@ -94,3 +94,46 @@ def test_sglang_results_become_samples():
 def test_results_from_unsynced_or_inconsistent_workers_are_refused(obj, error):
     with pytest.raises(ValueError, match=error):
         wire.read_sample(obj, REQUESTS[0])
+
+
+def test_in_flight_weight_version_spans_become_per_token_versions():
+    """A request an in-place update landed in: SGLang's own span bookkeeping
+    (`utils/weight_versions.py`: the scheduler's event at the change, then the tokenizer manager's
+    meta_info) names the version of every output token."""
+    require_sglang()
+    from sglang.srt.utils.weight_versions import (
+        WeightVersionEvent,
+        add_weight_versions_to_meta_info,
+        compute_weight_version_spans,
+    )
+
+    obj = _response("a", [9, 10, 11, 12, 13], "4")
+    spans = compute_weight_version_spans(
+        [WeightVersionEvent("3", 2)], current_version="4", num_output_tokens=5
+    )
+    add_weight_versions_to_meta_info(obj["meta_info"], spans, 5)
+    sample = wire.read_sample(obj, REQUESTS[0])
+    assert sample.output_versions == (3, 3, 4, 4, 4) and sample.weight_version == 4
+    untouched = wire.read_sample(_response("a", [9, 10], "3"), REQUESTS[0])
+    assert untouched.output_versions == () and untouched.token_versions() == (3, 3)
+    gap = _response("a", [9, 10], "3")
+    gap["meta_info"]["weight_versions"] = [{"version": "3", "start": 0, "end": 1}]
+    with pytest.raises(ValueError, match="cover 1 of the 2 output tokens"):
+        wire.read_sample(gap, REQUESTS[0])
+
+
+def test_the_prefix_cache_key_reaches_sglangs_request_classes():
+    """In-flight updates key the radix cache by version (`extra_key`); SGLang's batch and single
+    request classes take it per request."""
+    require_sglang()
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    req = GenerateReqInput(**wire.generate_body(REQUESTS, "weight-version:7"))
+    req.normalize_batch_and_arguments()
+    assert req.extra_key == ["weight-version:7"] * 2
+    single = GenerateReqInput(**wire.single_body(REQUESTS[0], "weight-version:7"))
+    single.normalize_batch_and_arguments()
+    assert single.extra_key == "weight-version:7"
+    assert "extra_key" not in wire.generate_body(REQUESTS) and "extra_key" not in wire.single_body(
+        REQUESTS[0]
+    )

@@ -10,9 +10,16 @@ SGLang's where this module adapts (read in the 0.5.23 wheel, file: symbol):
 - response (`managers/tokenizer_manager.py: TokenizerManager._handle_batch_output`): `output_ids`,
   `meta_info` with `id`, `finish_reason` ({"type": "stop"|"length"|"abort", ...}),
   `cached_tokens`, `weight_version` (SGLang's label string: the version our sync sent, or
-  "default" on a worker that never got our weights) and `output_token_logprobs` as
+  "default" on a worker that never got our weights), `weight_versions` (the label of each span of
+  output tokens, [{"version", "start", "end"}, ...]: `utils/weight_versions.py:
+  add_weight_versions_to_meta_info`, recorded by the scheduler at every weight-version change, so a
+  request an in-place update landed in names both) and `output_token_logprobs` as
   [logprob, token_id, text|null] (`detokenize_logprob_tokens`). There is no `kv_stats`: SGLang
   reports none, so samples carry zero `KVStats` (the trainer's KV metrics read 0 for SGLang).
+- `extra_key` (`GenerateReqInput.extra_key`, part of the radix cache's key, forwarded by
+  sglang-router 0.3.2 too): in-flight updates set it to the weight version, so a request never
+  matches prefix KV that requests of an older version cached (SGLang cannot flush while requests
+  run in place).
 """
 
 from __future__ import annotations
@@ -42,19 +49,49 @@ def sampling_json(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
-    """One batch /generate body: ours, with SGLang's sampling names."""
-    return http_wire.generate_body(requests, params_json=sampling_json)
+def generate_body(requests: Sequence[GenerateRequest], extra_key: str | None = None) -> dict[str, Any]:
+    """One batch /generate body: ours, with SGLang's sampling names (and the prefix-cache key)."""
+    body = http_wire.generate_body(requests, params_json=sampling_json)
+    if extra_key is not None:
+        body["extra_key"] = [extra_key] * len(requests)
+    return body
 
 
-def single_body(request: GenerateRequest) -> dict[str, Any]:
+def single_body(request: GenerateRequest, extra_key: str | None = None) -> dict[str, Any]:
     """One prompt's /generate body: what sglang-router takes (it refuses batch bodies)."""
-    return {
+    body = {
         "input_ids": list(request.input_ids),
         "sampling_params": sampling_json(request.sampling),
         "rid": request.rid or uuid.uuid4().hex,
         "return_logprob": True,
     }
+    if extra_key is not None:
+        body["extra_key"] = extra_key
+    return body
+
+
+def _version(label: Any) -> int:
+    label = str(label)
+    if not label.isdigit():
+        raise ValueError(f"weight_version={label!r}: this worker holds no weights synced by the trainer")
+    return int(label)
+
+
+def token_versions(meta: dict[str, Any], n: int) -> tuple[int, ...]:
+    """Per output token, the version that sampled it, from `weight_versions` spans (empty when the
+    worker sends none: then every token counts at `weight_version`). ValueError unless the spans
+    cover the n tokens in order."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return ()
+    out: list[int] = []
+    for span in spans:
+        if int(span["start"]) != len(out) or int(span["end"]) < len(out):
+            raise ValueError(f"weight_versions {spans!r} do not cover the {n} output tokens in order")
+        out += [_version(span["version"])] * (int(span["end"]) - len(out))
+    if len(out) != n:
+        raise ValueError(f"weight_versions {spans!r} cover {len(out)} of the {n} output tokens")
+    return tuple(out)
 
 
 def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
@@ -62,9 +99,6 @@ def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
     or when the worker does not hold weights this trainer sent (its label is not a version)."""
     meta = obj["meta_info"]
     output_ids, logprobs = http_wire.read_outputs(obj, request)
-    label = str(meta["weight_version"])
-    if not label.isdigit():
-        raise ValueError(f"weight_version={label!r}: this worker holds no weights synced by the trainer")
     return Sample(
         rid=str(meta["id"]),
         prompt_ids=request.input_ids,
@@ -72,6 +106,7 @@ def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
         output_logprobs=logprobs,
         finish_reason=meta["finish_reason"]["type"],
         kv_stats=KVStats(),
-        weight_version=int(label),
+        weight_version=_version(meta["weight_version"]),
         cached_prompt_tokens=int(meta.get("cached_tokens", 0)),
+        output_versions=token_versions(meta, len(output_ids)),
     )

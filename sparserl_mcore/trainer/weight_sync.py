@@ -105,7 +105,12 @@ class WeightSyncer:
         self._dropped: set[str] = set()  # engines a full sync failed on: out of the pool for good
         if remote_urls and remote_server == "sglang":
             self._sglang = SGLangDelivery(
-                remote_urls, layout.hf, host_rank=HOST_RANK, token=token, timeout_s=timeout_s
+                remote_urls,
+                layout.hf,
+                host_rank=HOST_RANK,
+                token=token,
+                timeout_s=timeout_s,
+                in_flight=in_flight,
             )
             if broadcast is not None:
                 self._broadcast = SGLangBroadcast(
@@ -155,6 +160,17 @@ class WeightSyncer:
         self._shards = self._new_shard_syncer(version)
         failed, _ = self._deliver(self._full_changes(), version, None, pools, None, "full weight sync")
         self._drop(pools, failed)
+        self._key_prefixes(pools, version)
+
+    def _key_prefixes(self, pools: list[EnginePool | None], version: int) -> None:
+        """In-flight updates into SGLang (no flush while requests run in place): the host's SGLang
+        clients key later requests' prefix cache by this version (`SGLangWorker.prefix_key`)."""
+        if not self.in_flight or self._sglang is None:
+            return
+        for pool in pools:
+            for engine in pool.live.values() if pool is not None else ():
+                if hasattr(engine, "prefix_key"):
+                    engine.prefix_key = f"weight-version:{version}"
 
     def sync(self, pools: list[EnginePool | None], *, version: int) -> dict[str, float]:
         """Collective: this version's fragments, one per learner rank, applied by every engine."""
@@ -173,6 +189,7 @@ class WeightSyncer:
                 self._full_changes(), version, None, pools, failed, "full fallback sync"
             )
             self._drop(pools, failed)
+        self._key_prefixes(pools, version)
         sent = torch.tensor([size], dtype=torch.int64)
         dist.all_reduce(sent)
         metrics = {
@@ -290,6 +307,7 @@ class WeightSyncer:
 
         pieces = full_sync_pieces(self._meta.numel, self.runtime.world_size) if full else 1
         failed = self._sglang.deliver(changes, counted, version=version, pieces=pieces, only=remote)
+        self._pauses.update(self._sglang.pause_ms)
         return failed, sum(sizes)
 
     def _local_engines(self, pools: list[EnginePool | None], only: set[str] | None) -> dict[str, Any]:
