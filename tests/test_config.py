@@ -56,6 +56,13 @@ def test_dotted_overrides_are_typed_by_the_schema() -> None:
     assert cfg.parallel.tensor_model_parallel_size == 2
 
 
+def test_async_is_off_by_default_and_round_trips_under_its_keyword_key() -> None:
+    assert build().train.async_.mode == "off" and build().train.async_.ahead == 0
+    cfg = build("train.async.mode=in_flight", "train.async.max_staleness=3")
+    assert cfg.train.async_.ahead == 3
+    assert "async:" in to_yaml(cfg) and load_config_text(to_yaml(cfg)) == cfg
+
+
 def test_remote_engine_urls_from_an_override() -> None:
     cfg = build("rollout.engine=remote", "rollout.urls=[http://a:1, http://b:2]")
     assert cfg.rollout.urls == ("http://a:1", "http://b:2")
@@ -120,6 +127,15 @@ def test_remote_engine_urls_from_an_override() -> None:
         (["sync.broadcast={master_address: n0, master_port: 0}"], ["master_port=0", "TCP port"]),
         (["rollout.sampling.seed=3"], ["rollout.sampling.seed=3", "from train.seed"]),
         (["train.prompts_per_step=3"], ["3 * 8 = 24", "global_batch_size=256"]),
+        (["train.async.mode=later"], ["train.async.mode", "'later'", "off, one_step, in_flight"]),
+        (["train.async.max_staleness=0"], ["max_staleness=0", "staleness 0 is mode=off"]),
+        (["train.async.mode=one_step", "train.async.max_staleness=2"], ["exactly one batch ahead"]),
+        (["train.async.mode=in_flight", "sync.every=2"], ["sync.every=2", "set sync.every=1"]),
+        (
+            ["train.async.mode=in_flight", "loss.correction.mode=off"],
+            ["loss.correction.mode=off", "behavior correction"],
+        ),
+        (["train.async_.mode=off"], ["unknown key train.async_", "async"]),
     ],
 )
 def test_errors_name_the_key_and_the_allowed_values(overrides: list[str], expected: list[str]) -> None:
