@@ -89,7 +89,9 @@ def _is_optional(tp: Any) -> tuple[bool, Any]:
 def _unwrap_raw(value: Any, tp: Any) -> Any:
     if not isinstance(value, _Raw):
         return value
-    if tp is str:
+    if tp is str or (
+        typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp))
+    ):
         return value.text
     if _is_optional(tp)[0] and value.text.strip().lower() in ("", "null", "none", "~"):
         return None
@@ -117,6 +119,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return from_dict(tp, value, prefix=key)
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if value is False and "off" in allowed:  # YAML 1.1 reads an unquoted `off` as false
+            value = "off"
         if value not in allowed:
             raise ConfigError(
                 f"{key}: {value!r} is not allowed; allowed values: {', '.join(map(str, allowed))}"

@@ -61,6 +61,11 @@ def test_async_is_off_by_default_and_round_trips_under_its_keyword_key() -> None
     cfg = build("train.async.mode=in_flight", "train.async.max_staleness=3")
     assert cfg.train.async_.ahead == 3
     assert "async:" in to_yaml(cfg) and load_config_text(to_yaml(cfg)) == cfg
+    # YAML 1.1 reads an unquoted `off` as false, in a file and in an override alike
+    text = "model: {hf_path: m}\ndata: {train_path: t.jsonl}\ntrain: {async: {mode: off}}\n"
+    assert (
+        load_config_text(text).train.async_.mode == "off" == build("train.async.mode=off").train.async_.mode
+    )
 
 
 def test_remote_engine_urls_from_an_override() -> None:
