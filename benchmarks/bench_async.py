@@ -64,7 +64,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--steps", type=int, default=30, help="RL steps per run")
-    p.add_argument("--target", type=float, default=0.45, help="5-step mean reward for 'seconds to target'")
+    p.add_argument("--target", type=float, default=0.3, help="5-step mean reward for 'seconds to target'")
     p.add_argument("--out", default="runs/async", help="work directory (warm starts, runs, results)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="run-config overrides for every run")
     return p.parse_args(argv)

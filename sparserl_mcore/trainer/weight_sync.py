@@ -235,6 +235,9 @@ class WeightSyncer:
                     client.apply_patch(whole)
                 except Exception as exc:  # noqa: BLE001 - reported below, the learner carries on
                     failed[name] = f"{type(exc).__name__}: {exc}"
+                    continue
+                if client.last_pause_ms is not None:  # the server paused for this fragment itself
+                    self._pauses[name] = client.last_pause_ms
         if any_local:
             failed.update(self._deliver_to_host(whole, local))
         everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
