@@ -129,7 +129,7 @@ def summarize(rows: list[dict], target: float) -> dict:
     means = [statistics.fmean(rewards[max(0, i - 4) : i + 1]) for i in range(len(rewards))]
     reached = next((t for t, m in zip(elapsed, means, strict=True) if m >= target), None)
     tokens = sum(r["rollout/response_len_mean"] * (r["train/rollouts"] - p) for r, p in _rollouts(rows))
-    pauses = [r["sync/pause_ms"] for r in rows if r.get("sync/pause_ms") is not None]
+    pauses = [r["time/sync_pause_ms"] for r in rows if r.get("time/sync_pause_ms") is not None]
     lag_keys = sorted({k for r in rows for k in r if k.startswith("staleness/tokens_lag")})
     lags = {k.removeprefix("staleness/tokens_lag"): sum(r.get(k, 0.0) for r in rows) for k in lag_keys}
     return {

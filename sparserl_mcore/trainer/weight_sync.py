@@ -17,7 +17,7 @@ In-flight updates (`in_flight`, asynchronous RL): requests keep running while a 
 in-process engine applies the whole version in one call between two decode steps; remote
 `sparserl serve` engines, which get one fragment per learner rank, are paused `in_place` by the
 host first (running requests keep their KV and wait) and continued after every rank has sent, so no
-decode step sees half a version. How long each engine stood still comes back as `sync/pause_ms`.
+decode step sees half a version. How long each engine stood still comes back as `time/sync_pause_ms`.
 Any failure (digest mismatch, wrong base, unreachable) is shared by one `all_gather_object` of
 names, and the failed engines get a full sync made the same way (each rank its owned elements,
 `overwrite`); an engine failing that too leaves the pool. An fp32 learner (CPU) is diffed through a
@@ -198,7 +198,7 @@ class WeightSyncer:
             "sync/ratio_vs_dense": self._dense_bytes / max(int(sent), 1),
         }
         if self._pauses:  # host: the engines that measured their stall
-            metrics["sync/pause_ms"] = max(self._pauses.values())
+            metrics["time/sync_pause_ms"] = max(self._pauses.values())
         return metrics
 
     def _deliver(
