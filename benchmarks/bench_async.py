@@ -222,62 +222,87 @@ def print_loop(results: dict, a: argparse.Namespace) -> None:
 
 
 # ---- pause section -----------------------------------------------------------------------------
+def _fragment(state: dict, changed: float, version: int, rng, meta) -> bytes:
+    """The trainer's fragment of the next version (`sync.per_rank`, one learner rank): `changed` of
+    every tensor's elements moved by 1-4 BF16 ulps either way (an update's size); `state` (the
+    learner's BF16 weights) moves with it."""
+    import numpy as np
+
+    from sparserl_mcore.sync.hashing import bits_view
+    from sparserl_mcore.sync.per_rank import encode_fragment
+
+    changes = []
+    for name, tensor in state.items():
+        flat = bits_view(tensor)
+        idx = np.flatnonzero(rng.random(flat.size) < changed).astype(np.int64)
+        old = flat[idx].copy()
+        step = rng.integers(1, 5, size=idx.size) * rng.choice(np.array([-1, 1]), size=idx.size)
+        flat[idx] = (old.astype(np.int32) + step).astype(np.uint16)
+        changes.append((name, idx, old, flat[idx].copy()))
+    return encode_fragment(changes, meta, version=version, base_version=version - 1, fragment=(0, 1))
+
+
+def _pauses(hf_dir: Path, dtype: str, repeats: int) -> dict[float, dict]:
+    """Per share of weights changed: patch bytes, pause ms p50/p99 of one engine decoding 16 requests."""
+    import numpy as np
+    import torch
+
+    from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
+    from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
+    from sparserl_mcore.sync.hashing import dtype_name
+    from sparserl_mcore.sync.per_rank import ModelMeta
+
+    engine = EmbeddedEngine(hf_dir, EngineConfig(device="cpu", dtype=dtype))
+    state = {n: t.to(torch.bfloat16, copy=True).contiguous() for n, t in engine.model.params.items()}
+    meta = ModelMeta(dtype_name(torch.bfloat16), {n: tuple(t.shape) for n, t in state.items()})
+    params = SamplingParams(temperature=1.0, max_new_tokens=2000, ignore_eos=True)
+    requests = [GenerateRequest(input_ids=(5 + i, 6, 7), sampling=params) for i in range(16)]
+    decoding = threading.Thread(target=engine.generate, args=(requests,), daemon=True)
+    decoding.start()
+    rng, version, out = np.random.default_rng(0), 0, {}
+    for changed in (0.001, 0.01, 0.1, 1.0):
+        pauses, sizes = [], []
+        for _ in range(repeats):
+            version += 1
+            patch = _fragment(state, changed, version, rng, meta)
+            engine.apply_patch(patch)
+            pauses.append(engine.last_pause_ms or 0.0)
+            sizes.append(len(patch))
+        running = len(engine.scheduler.running)
+        p50, p99 = _percentile(pauses, 0.5), _percentile(pauses, 0.99)
+        out[changed] = {"bytes": statistics.fmean(sizes), "p50": p50, "p99": p99, "running": running}
+    engine.pause("abort")
+    engine.resume()
+    decoding.join(60)
+    return out
+
+
 def pause_section(repeats: int = 11) -> dict:
-    """ms the embedded engine stands still per in-flight patch, by the share of weights changed."""
+    """ms an embedded engine stands still per in-flight patch (the trainer's per-rank fragment
+    format), by the share of the weights changed; 16-bit parameters are patched in place (what a
+    GPU engine does), fp32 ones (CPU) get the touched tensors copied from a BF16 wire state."""
     import tempfile
 
     import torch
 
     from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
-    from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
-    from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
-    from sparserl_mcore.sync.codec import encode_patch
-    from sparserl_mcore.sync.diff import make_patch
 
     torch.set_num_threads(1)
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tiny = TinyModelConfig(
             layers=4, hidden=256, heads=8, kv_heads=2, ffn=1024, vocab=2048, dtype="bfloat16"
         )
-        engine = EmbeddedEngine(make_tiny(tiny, Path(tmp) / "model"), EngineConfig(device="cpu"))
-        state = {n: t.to(torch.bfloat16) for n, t in engine.model.params.items()}
-        g = torch.Generator().manual_seed(0)
-        params = SamplingParams(temperature=1.0, max_new_tokens=2000, ignore_eos=True)
-        requests = [GenerateRequest(input_ids=(5 + i, 6, 7), sampling=params) for i in range(16)]
-        worker = threading.Thread(target=engine.generate, args=(requests,), daemon=True)
-        worker.start()
-        version = 0
-        for changed in (0.001, 0.01, 0.1, 1.0):
-            pauses, sizes = [], []
-            for _ in range(repeats):
-                new = {
-                    n: torch.where(torch.rand(t.shape, generator=g) < changed, t + 0.01, t)
-                    for n, t in state.items()
-                }
-                patch = encode_patch(
-                    make_patch(state, new, version=version + 1, base_version=version, anchor_version=0)
-                )
-                engine.apply_patch(patch)
-                state, version = new, version + 1
-                pauses.append(engine.last_pause_ms or 0.0)
-                sizes.append(len(patch))
-            results[changed] = {
-                "bytes": statistics.fmean(sizes),
-                "p50": _percentile(pauses, 0.5),
-                "p99": _percentile(pauses, 0.99),
-            }
-        running = len(engine.scheduler.running)
-        engine.pause("abort")
-        engine.resume()
-    numel = sum(t.numel() for t in state.values())
-    print(f"\npause: embedded engine (fp32 on CPU, 1 thread, {numel / 1e6:.1f} M params) decoding "
-          f"{running} requests while each patch lands; {repeats} patches per row")  # fmt: skip
-    print("| weights changed | patch KB | pause ms p50 | p99 |")
-    print("|---|---|---|---|")
-    for changed, r in results.items():
-        print(f"| {changed:.1%} | {r['bytes'] / 1024:.1f} | {r['p50']:.2f} | {r['p99']:.2f} |")
-    return {str(k): v for k, v in results.items()}
+        hf_dir = make_tiny(tiny, Path(tmp) / "model")
+        results = {dtype: _pauses(hf_dir, dtype, repeats) for dtype in ("bfloat16", "float32")}
+    print(f"\npause: embedded engine on CPU, 1 thread, 4-layer hidden-256 model; {repeats} patches per row,")
+    print("each landing while it decodes (running: requests decoding at the last patch of the row)")
+    print("| engine dtype | weights changed | patch KB | pause ms p50 | p99 | running |")
+    print("|---|---|---|---|---|---|")
+    for dtype, rows in results.items():
+        for changed, r in rows.items():
+            print(f"| {dtype} | {changed:.1%} | {r['bytes'] / 1024:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | "
+                  f"{r['running']} |")  # fmt: skip
+    return {d: {str(k): v for k, v in rows.items()} for d, rows in results.items()}
 
 
 def main(argv: list[str]) -> int:
