@@ -281,6 +281,9 @@ class RolloutConfig:
     continue; `sparserl slurm` sets it for the servers it starts). token_env names an environment
     variable holding the servers' bearer token (the token itself never sits in a config file).
     request_timeout_s / max_retries bound how long a dead or hung engine can stall a step.
+    prefix_cache_across_versions: the embedded engine keeps its prefix cache over weight updates,
+    so requests may reuse prompt KV an older version computed (servers: `sparserl serve
+    --prefix-cache-across-versions`); off, no request reuses KV of an older version.
     tensor_parallel_size: GPUs per rollout server (SGLang's --tp-size) where servers are started
     for the run (`sparserl slurm`); the embedded engine runs on one device.
     router_url: an sglang-router in front of the SGLang servers at `urls` (server=sglang only):
@@ -299,6 +302,7 @@ class RolloutConfig:
     kv: KVCompressionConfig = dataclasses.field(default_factory=KVCompressionConfig)
     request_timeout_s: float = 600.0
     max_retries: int = 2
+    prefix_cache_across_versions: bool = False
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -324,6 +328,11 @@ class RolloutConfig:
                     f"router_url={self.router_url!r}: must be an http(s):// URL other than the worker urls"
                 )
         _positive(self, "request_timeout_s", "tensor_parallel_size")
+        if self.prefix_cache_across_versions and self.engine != "embedded":
+            raise ValueError(
+                "prefix_cache_across_versions configures the embedded engine; remote servers take "
+                "`sparserl serve --prefix-cache-across-versions`: drop it here"
+            )
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries}: must be >= 0")
 

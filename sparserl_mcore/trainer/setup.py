@@ -126,7 +126,12 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
 
     kv = rc.kv if compressed else KVCompressionConfig(method="none")
     name = "embedded" if compressed else "embedded-dense"
-    engine_cfg = EngineConfig(device=str(device), kv_compression=kv, seed=cfg.train.seed)
+    engine_cfg = EngineConfig(
+        device=str(device),
+        kv_compression=kv,
+        seed=cfg.train.seed,
+        prefix_cache_across_versions=rc.prefix_cache_across_versions,
+    )
     return {name: EmbeddedEngine(cfg.model.hf_path, engine_cfg)}
 
 
