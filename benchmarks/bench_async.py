@@ -142,6 +142,7 @@ def summarize(rows: list[dict], target: float) -> dict:
         "patch_bytes": statistics.fmean(r["sync/patch_bytes"] for r in rows if "sync/patch_bytes" in r),
         "lag_tokens": lags,
         "masked_tokens": sum(r.get("staleness/masked_tokens", 0.0) for r in rows),
+        "mixed_sequences": sum(r.get("staleness/mixed_sequences", 0.0) for r in rows),
         "phase_s": {
             p: statistics.fmean(r.get(f"time/{p}_s", 0.0) for r in rows)
             for p in ("rollout", "update", "sync", "wait_generation")
@@ -203,7 +204,9 @@ def print_loop(results: dict, a: argparse.Namespace) -> None:
         lags = {k: sum(r["lag_tokens"].get(k, 0.0) for r in rows) for k in rows[0]["lag_tokens"]}
         lag = ", ".join(f"{k}: {v:.0f}" for k, v in lags.items()) or "-"
         patch = statistics.fmean(r["patch_bytes"] for r in rows) / 1024
-        lag += f" (masked {sum(r['masked_tokens'] for r in rows):.0f})" if mode != "off" else ""
+        if mode != "off":
+            masked, mixed = (sum(r.get(k, 0.0) for r in rows) for k in ("masked_tokens", "mixed_sequences"))
+            lag += f" (masked {masked:.0f}; sequences spanning versions {mixed:.0f})"
         print(f"| {mode} | {_mean_min_max(tps, '{:.0f}')} | {ratio:.2f}x | {target} | {pause} | "
               f"{patch:.1f} | {lag} |")  # fmt: skip
     print("\nmean reward per step over seeds (blocks of 5 steps):")

@@ -46,6 +46,7 @@ def test_lag_metrics_by_hand():
     assert out["staleness/tokens_lag0"] == 2 and out["staleness/tokens_lag1"] == 2
     assert out["staleness/masked_tokens"] == 1 and out["staleness/lag_max"] == 2
     assert out["staleness/lag_mean"] == pytest.approx((0 + 1 + 2 + 0 + 1) / 5)
+    assert out["staleness/mixed_sequences"] == 2  # both rows span versions (outside the mask: ignored)
     lag0 = (k3(0.1) + k3(0.0)) / 2
     lag1 = (k3(0.5) + k3(-0.1)) / 2
     assert out["mismatch/kl_lag0"] == pytest.approx(lag0, rel=1e-5) == out["mismatch/compression_kl"]
@@ -57,7 +58,7 @@ def test_lag_metrics_by_hand():
         reduce_metrics([staleness.lag_pieces(logp_prox, logp_behavior, mask, torch.ones_like(lag), 1)]), 1
     )
     assert "mismatch/compression_kl" not in ones and "mismatch/version_lag_kl" not in ones
-    assert ones["staleness/tokens_lag1"] == 5
+    assert ones["staleness/tokens_lag1"] == 5 and ones["staleness/mixed_sequences"] == 0
 
 
 # --- through megatron-core's update -------------------------------------------------------------

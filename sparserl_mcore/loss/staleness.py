@@ -48,9 +48,13 @@ def lag_pieces(
     diff = (logp_prox.float() - logp_behavior.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_xi = torch.where(valid, diff, torch.zeros_like(diff))
     k3 = log_xi.exp() - 1 - log_xi  # >= 0 per token, 0 outside valid
+    big = torch.iinfo(lag.dtype).max
+    lowest = torch.where(valid, lag, torch.full_like(lag, big)).min(dim=1).values
     lag = torch.where(valid, lag, torch.zeros_like(lag))
+    spans = valid.any(dim=1) & (lag.max(dim=1).values > lowest)  # an update landed inside it
     pieces = {
         "staleness/tokens": valid.sum(dtype=_F64),
+        "staleness/mixed_sequences": spans.sum(dtype=_F64),
         "staleness/lag_sum": lag.sum(dtype=_F64),
         "staleness/lag_max": lag.max().to(_F64) if lag.numel() else torch.zeros((), dtype=_F64),
         "staleness/masked_tokens": (valid & (lag > max_staleness)).sum(dtype=_F64),
@@ -64,7 +68,8 @@ def lag_pieces(
 
 def lag_metrics(reduced: dict[str, float], max_staleness: int) -> dict[str, float]:
     """Reduced `lag_pieces` (plus any other metrics, passed through) -> the reported numbers: the
-    histogram `staleness/tokens_lag<k>`, `staleness/masked_tokens`, `staleness/lag_mean|max`, and the
+    histogram `staleness/tokens_lag<k>`, `staleness/masked_tokens`, `staleness/lag_mean|max`,
+    `staleness/mixed_sequences` (sequences whose tokens came from more than one version), and the
     mismatch per lag `mismatch/kl_lag<k>`, `mismatch/compression_kl`, `mismatch/version_lag_kl` (only
     where the lag has tokens)."""
     out = {k: v for k, v in reduced.items() if not k.startswith("mismatch/k3_sum_lag")}
