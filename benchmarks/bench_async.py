@@ -42,7 +42,9 @@ MODES = {
     "off": ["train.async.mode=off"],
     "one_step": ["train.async.mode=one_step"],
     "in_flight": ["train.async.mode=in_flight", "train.async.max_staleness=1"],
+    "in_flight_2": ["train.async.mode=in_flight", "train.async.max_staleness=2"],  # not by default
 }
+DEFAULT_MODES = ["off", "one_step", "in_flight"]
 RUN = [
     "parallel.tensor_model_parallel_size=1",
     "rollout.engine=remote",
@@ -62,10 +64,13 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_async", description=__doc__.splitlines()[0])
     p.add_argument("--section", choices=["all", "loop", "pause"], default="all")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     p.add_argument("--steps", type=int, default=30, help="RL steps per run")
     p.add_argument("--target", type=float, default=0.3, help="5-step mean reward for 'seconds to target'")
     p.add_argument("--out", default="runs/async", help="work directory (warm starts, runs, results)")
+    p.add_argument(
+        "--report", action="store_true", help="loop: summarize the runs already in OUT, train nothing"
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="run-config overrides for every run")
     return p.parse_args(argv)
 
@@ -100,7 +105,6 @@ def _server(model_dir: Path, kv: dict) -> Iterator[str]:
 def run_mode(out: Path, seed: int, mode: str, url: str, steps: int, extra: list[str]) -> list[dict]:
     """One `sparserl train` run of `mode` on LEARNER_CORE against the server; its metrics records."""
     from sparserl_mcore.demo import demo_config
-    from sparserl_mcore.telemetry import read_metrics
 
     run_dir = out / f"seed{seed}" / mode
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -113,7 +117,7 @@ def run_mode(out: Path, seed: int, mode: str, url: str, steps: int, extra: list[
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{mode} seed {seed} failed ({done.returncode}): {done.stdout[-2000:]}")
-    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("rollout/reward_mean") is not None]
+    return _records(run_dir)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -167,6 +171,10 @@ def loop_section(a: argparse.Namespace, out: Path) -> dict:
     kv = {k: v for k, v in demo.rollout.kv.__dict__.items()}
     results: dict = {mode: {} for mode in a.modes}
     for seed in a.seeds:
+        if a.report:
+            for mode in a.modes:
+                results[mode][str(seed)] = summarize(_records(out / f"seed{seed}" / mode), a.target)
+            continue
         policy = prepare_policy(out / f"seed{seed}", n_eval=64, seed=seed)
         with _server(policy.model_dir, kv) as url:
             for mode in a.modes:
@@ -176,6 +184,13 @@ def loop_section(a: argparse.Namespace, out: Path) -> dict:
                 (out / "results.json").write_text(json.dumps({"loop": results}, indent=1))
     print_loop(results, a)
     return results
+
+
+def _records(run_dir: Path) -> list[dict]:
+    """A run's step records (those with a reward) from its metrics.jsonl."""
+    from sparserl_mcore.telemetry import read_metrics
+
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("rollout/reward_mean") is not None]
 
 
 def _mean_min_max(values: list[float], fmt: str) -> str:
@@ -316,10 +331,10 @@ def main(argv: list[str]) -> int:
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     found: dict = {}
-    if a.section in ("all", "pause"):
+    if a.section in ("all", "pause") and not a.report:
         found["pause"] = pause_section()
     if a.section in ("all", "loop"):
-        if shutil.which("taskset") is None:
+        if shutil.which("taskset") is None and not a.report:
             raise SystemExit("bench_async: the loop section pins processes with `taskset` (util-linux)")
         found["loop"] = loop_section(a, out)
     (out / "results.json").write_text(json.dumps(found, indent=1))
