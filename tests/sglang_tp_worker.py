@@ -9,7 +9,8 @@ the trainer does: per-rank touched-digest fragments from two simulated learner r
 `MultiprocessingSerializer.deserialize` (the route's SafeUnpickler), applied by the custom loader.
 Reference: a second SGLang model loaded with B through SGLang's `load_weights`. Then a corrupt
 base on rank 0 must make EVERY rank reject the next patch (SyncRejected), and a version marker
-must clear that. Writes its findings to OUT_JSON.
+must clear that; then the loader's failure and dtype checks, and a KV compression with one KV head
+replicated over the TP ranks (`sglang_kv_world.replica_scenario`). Writes its findings to OUT_JSON.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def parsed_launch_argv() -> dict:
     args = prepare_server_args(argv[3:])  # after `python -m sglang.launch_server`
     fields = (
         "model_path", "host", "port", "tp_size", "custom_weight_loader", "admin_api_key", "page_size",
-        "disable_overlap_schedule",
+        "disable_overlap_schedule", "max_running_requests",
     )  # fmt: skip
     return {
         "module": argv[2],
@@ -181,6 +182,12 @@ def main() -> None:
     after_reject = model._sparserl_receiver.ledger.broken is not None
     assert send(version_payloads(5, world)) == (True, "Success")
     cleared = model._sparserl_receiver.version
+    failure = _failure_that_is_not_a_rejection(model, send, changes, meta, layout, rank, world)
+    assert send(version_payloads(7, world)) == (True, "Success")
+    dtypes = _dtype_checks(hf_dir, a, b, meta, layout, rank, world)
+    from sglang_kv_world import replica_scenario  # KV compression in the same TP world
+
+    kv_replicas = {m: replica_scenario(m, rank, world) for m in ("snapkv", "rkv")}
     out.write_text(
         json.dumps(
             {
@@ -195,9 +202,84 @@ def main() -> None:
                 ),
                 "broken_after_reject": after_reject,
                 "version_after_marker": cleared,
+                "failure": failure,
+                "dtypes": dtypes,
+                "kv_replicas": kv_replicas,
             }
         )
     )
+
+
+def _failure_that_is_not_a_rejection(model, send, changes, meta, layout, rank: int, world: int) -> dict:
+    """A KeyError on the last TP rank (a parameter missing from its model) while applying a valid
+    patch: every rank must still reach the loader's exchange and answer (False, message)."""
+    from sparserl_mcore.sglang.client import patch_payloads
+    from sparserl_mcore.sync.per_rank import encode_fragment, split_by_receiver
+
+    norm = model.model.norm
+    saved = norm._parameters.pop("weight") if rank == world - 1 else None
+    overwrite = [(n, i, None, w + 2) for n, i, _, w in changes]  # a full fragment: rank 0 applies it
+    frags = [
+        encode_fragment(c, meta, version=6, base_version=None, fragment=(0, 1))
+        for c in split_by_receiver(overwrite, layout)
+    ]
+    answer = send(patch_payloads(frags))
+    if saved is not None:
+        norm._parameters["weight"] = saved
+    return {"answer": list(answer), "broken": model._sparserl_receiver.ledger.broken is not None}
+
+
+def _dtype_checks(hf_dir: Path, a: dict, b: dict, meta, layout, rank: int, world: int) -> dict:
+    """The loader on SGLang models holding other dtypes than the patch: one fp32 parameter in a
+    bf16 model (a bf16 patch must not write through a 16-bit view of it), a whole fp16 model (what
+    SGLang serves for a float32 config without --dtype), then a full sync in fp16 into it."""
+    import numpy as np
+    import torch
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    from sparserl_mcore.sglang.client import patch_payloads
+    from sparserl_mcore.sglang.loader import SyncRejected, apply_named_tensors
+    from sparserl_mcore.sync.hashing import bits_view, dtype_name
+    from sparserl_mcore.sync.per_rank import ModelMeta, encode_fragment, split_by_receiver
+
+    group = get_parallel().tp_group.cpu_group
+
+    def full_sync(model, state: dict, dtype: torch.dtype) -> str:
+        full = [
+            (n, np.arange(t.numel()), None, bits_view(t.to(dtype)).copy()) for n, t in sorted(state.items())
+        ]
+        meta_d = ModelMeta(dtype_name(dtype), meta.shapes)
+        frags = [
+            encode_fragment(c, meta_d, version=1, base_version=None, fragment=(0, 1))
+            for c in split_by_receiver(full, layout)
+        ]
+        named = MultiprocessingSerializer.deserialize(patch_payloads(frags)[rank])
+        try:
+            apply_named_tensors(model, named, tp_rank=rank, tp_size=world, group=group)
+        except SyncRejected as exc:
+            return str(exc)
+        return ""
+
+    def same(m1, m2) -> bool:
+        p2 = dict(m2.named_parameters())
+        return all(torch.equal(p.data, p2[n].data) for n, p in m1.named_parameters())
+
+    mixed, ref = sglang_model(hf_dir, a), sglang_model(hf_dir, a)
+    mixed.model.norm.weight.data = mixed.model.norm.weight.data.float()  # a norm kept in fp32
+    ref.model.norm.weight.data = ref.model.norm.weight.data.float()
+    mixed_error = full_sync(mixed, b, torch.bfloat16)
+    mixed_untouched = same(mixed, ref)
+    half, half_ref = sglang_model(hf_dir, b).half(), sglang_model(hf_dir, a).half()
+    half_error = full_sync(half, b, torch.bfloat16)
+    half_synced = full_sync(half, a, torch.float16)
+    return {
+        "mixed_error": mixed_error,
+        "mixed_untouched": mixed_untouched,
+        "half_error": half_error,
+        "half_synced_error": half_synced,
+        "half_equal": same(half, half_ref),
+    }
 
 
 if __name__ == "__main__":

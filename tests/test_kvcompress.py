@@ -91,6 +91,32 @@ def test_redundancy_is_a_distribution_and_ignores_dissimilar_keys():
     assert red[0, 3] == red[0, 5] and red[0, 3] > red[0, 0]
 
 
+@pytest.mark.parametrize("tile", [1, 3 * 37 + 5, 10**9])  # one row at a time, uneven tiles, one tile
+def test_redundancy_in_tiles_equals_the_whole_similarity_matrix(tile):
+    keys, _ = _random(kv_heads=3, n=37)
+    keys[1, 10:15] = keys[1, 3]  # near-duplicates, so the threshold keeps something
+    unit = torch.nn.functional.normalize(keys, dim=-1)
+    sim = unit @ unit.transpose(1, 2)
+    sim.diagonal(dim1=1, dim2=2).zero_()
+    reference = torch.nn.functional.threshold(sim, 0.5, 0.0).mean(dim=1).softmax(dim=-1)
+    torch.testing.assert_close(redundancy(keys, 0.5, tile_elements=tile), reference, rtol=1e-6, atol=1e-7)
+
+
+def test_redundancy_of_a_long_prompt_never_holds_the_whole_similarity_matrix():
+    """R-KV on a long prompt: the [Hk, n, n] fp32 similarity (30 GB for 28 layers x 4 heads at 8k
+    positions) is built in tiles; measured: the largest single allocation while scoring."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sparserl_mcore.rollout.kvcompress.scoring import SIMILARITY_TILE_ELEMENTS
+
+    n = 4096  # one head's whole matrix: 64 MiB, twice the tile budget
+    keys = torch.randn(2, n, 8, generator=torch.Generator().manual_seed(0))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        redundancy(keys, 0.5)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest <= SIMILARITY_TILE_ELEMENTS * 4 < 2 * n * n * 4
+
+
 def test_window_attention_is_causal_and_normalised():
     keys, queries = _random(n=12)
     probs = window_attention(keys, queries)

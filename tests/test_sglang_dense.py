@@ -198,3 +198,83 @@ def test_the_master_address_is_found_from_the_route_to_a_worker():
     assert address_towards("http://localhost:30000/") in ("127.0.0.1", "::1")
     with pytest.raises(ValueError, match="no host"):
         address_towards("http:///generate")
+
+
+class _InProcessWorker:
+    """The collective side of one SGLang TP=1 worker, in this process: SGLang's own
+    `init_custom_process_group` (what `WeightUpdater.init_weights_update_group` calls) and a
+    broadcast receive per bucket; `refuse` makes its init call fail at once, as an HTTP 400 /
+    401 or an unreachable worker would, before it ever joins the group."""
+
+    def __init__(self, url: str, *, refuse: bool = False) -> None:
+        self.url, self.refuse, self.group, self.received = url, refuse, None, []
+
+    def tp_size(self) -> int:
+        return 1
+
+    def open_update_session(self) -> None: ...
+    def close_update_session(self) -> None: ...
+    def declare_version(self, version: int, tp_size: int) -> None: ...
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        import torch.distributed as dist
+
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+    def init_weights_update_group(
+        self, *, master_address, master_port, rank_offset, world_size, group_name, backend
+    ):
+        import datetime
+
+        from sglang.srt.utils.common import init_custom_process_group  # imported by the test first
+
+        if self.refuse:
+            raise RuntimeError("HTTP 400: Failed to initialize custom process group (refused)")
+        self.group = init_custom_process_group(
+            backend=backend, init_method=f"tcp://{master_address}:{master_port}", world_size=world_size,
+            rank=rank_offset, group_name=group_name, timeout=datetime.timedelta(seconds=10),
+        )  # fmt: skip
+
+    def update_weights_from_distributed(self, tensors, *, group_name, version) -> None:
+        import torch.distributed as dist
+
+        from sparserl_mcore.sglang.dense_sync import byte_offsets
+
+        flat = torch.empty(byte_offsets(tensors)[-1], dtype=torch.uint8)
+        dist.broadcast(flat, src=0, group=self.group)
+        self.received.append(flat)
+
+
+def test_a_worker_that_fails_before_joining_fails_the_sync_at_once_and_frees_the_port():
+    """The sender watches the workers' calls while its side of the group set-up runs: a worker
+    that cannot join fails the sync within moments, not after the set-up timeout, and closing the
+    store the sender hosted frees the port: the next dense sync on it lands whole."""
+    require_sglang()
+    import sglang.srt.utils.common  # noqa: F401 - the workers' join; imported now, not while timed
+
+    from sparserl_mcore.sglang.dense_sync import DenseSyncConfig, DenseSyncError, dense_sync, plan_buckets
+
+    cfg = DenseSyncConfig(
+        master_address="127.0.0.1", master_port=free_port(), backend="gloo", device="cpu", bucket_bytes=64,
+        timeout_s=60, connect_timeout_s=60,
+    )  # fmt: skip
+    plan = plan_buckets([("a", torch.bfloat16, (40,)), ("b", torch.bfloat16, (10,))], cfg.bucket_bytes)
+    gen = torch.Generator().manual_seed(0)
+    buckets = [
+        torch.randint(0, 256, (sum(2 * s[0] for _, _, s in b),), dtype=torch.uint8, generator=gen)
+        for b in plan
+    ]
+    fill = iter(buckets)
+    good, refusing = _InProcessWorker("http://good"), _InProcessWorker("http://refusing", refuse=True)
+    start = time.monotonic()
+    with pytest.raises(DenseSyncError, match="refused") as failure:
+        dense_sync([good, refusing], plan, lambda _: next(fill), version=1, cfg=cfg)
+    assert time.monotonic() - start < 15  # answered by the refusal, not by the 60 s set-up timeout
+    assert failure.value.workers == [good.url, refusing.url] and good.received == []
+    again, fill = _InProcessWorker("http://again"), iter(buckets)
+    stats = dense_sync([again], plan, lambda _: next(fill), version=2, cfg=cfg)
+    assert stats.buckets == len(plan) and all(
+        torch.equal(a, b) for a, b in zip(again.received, buckets, strict=True)
+    )

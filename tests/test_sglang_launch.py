@@ -80,6 +80,25 @@ def test_kv_compression_launches_with_the_settings_the_plugin_needs(method, grap
 
 
 @pytest.mark.parametrize(
+    "method, given, passed",
+    [
+        ("snapkv", None, 256),
+        ("rkv", 64, 64),
+        ("streamingllm", None, None),
+        ("streamingllm", 32, 32),
+        ("none", None, None),
+    ],
+)
+def test_max_running_requests_reaches_sglang_and_the_plugin(method, given, passed):
+    """The query ring (snapkv, rkv) has one row per request SGLang may run: the launcher passes
+    SGLang an explicit --max-running-requests and the plugin the same number."""
+    cfg = LaunchConfig(model_path="/m", kv=KVCompressionConfig(method=method), max_running_requests=given)
+    argv = sglang_argv(cfg)
+    got = int(argv[argv.index("--max-running-requests") + 1]) if "--max-running-requests" in argv else None
+    assert got == passed == json.loads(child_env(cfg, {})[PLUGIN_ENV])["max_running_requests"]
+
+
+@pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"host": "0.0.0.0"}, "no token"),
@@ -87,6 +106,11 @@ def test_kv_compression_launches_with_the_settings_the_plugin_needs(method, grap
         ({"kv": KVCompressionConfig(method="h2o")}, "does not work inside SGLang"),
         ({"kv": KVCompressionConfig(method="snapkv"), "extra_args": ("--page-size", "16")}, "--page-size"),
         ({"kv": KVCompressionConfig(method="rkv"), "extra_args": ("--speculative-algorithm=X",)}, "specul"),
+        (
+            {"kv": KVCompressionConfig(method="snapkv"), "extra_args": ("--max-running-requests", "9")},
+            "sparserl sglang-serve --max-running-requests",
+        ),
+        ({"max_running_requests": 0}, "max_running_requests=0"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(kwargs, message):

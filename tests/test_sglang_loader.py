@@ -9,7 +9,9 @@ through SGLang's real `WeightUpdater.update_weights_from_tensor` (custom-loader 
 plugin loaded by SGLang's `load_plugins`. A corrupt base on one rank must make every rank answer
 (False, message). Not exercised: the HTTP server and scheduler processes (`sglang.srt.managers.
 scheduler` does not import with the CPU stubs, tests/sglang_cpu.py). The TP=1 process also
-parses `sparserl sglang-serve`'s command line with SGLang's own `prepare_server_args`.
+parses `sparserl sglang-serve`'s command line with SGLang's own `prepare_server_args`. The same
+worlds also run the loader's failure and dtype checks and one KV compression with a KV head
+replicated over the TP ranks (their processes are the costly part).
 """
 
 from __future__ import annotations
@@ -70,6 +72,45 @@ def test_a_rejection_on_one_rank_is_reported_by_every_rank(results, tp):
         assert rank["version_after_marker"] == 5  # the dense sync's version marker clears it
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_failure_that_is_not_a_rejected_patch_still_reaches_every_rank(results, tp):
+    """A KeyError on the last rank (a parameter gone from its model) while the others apply the
+    patch: no rank is left waiting in the loader's exchange; every rank answers HTTP 400's
+    (False, message) naming the failing rank and the error, and needs a full sync."""
+    for rank in results[tp]:
+        ok, message = rank["failure"]["answer"]
+        assert not ok and message.startswith(f"sparserl patch rejected: tp rank {tp - 1}: KeyError:")
+        assert "model.norm.weight" in message and "\n" not in message
+        assert rank["failure"]["broken"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_patch_of_another_dtype_than_a_parameter_is_refused_by_name(results, tp):
+    for rank in results[tp]:
+        found = rank["dtypes"]
+        # one fp32 norm in a bf16 model: refused before anything is written, naming it
+        assert "parameter 'model.norm.weight'" in found["mixed_error"]
+        assert "torch.float32, the patch carries torch.bfloat16" in found["mixed_error"]
+        assert found["mixed_untouched"]
+        # an fp16 model (SGLang's choice for a float32 config without --dtype): refused, named
+        assert "is torch.float16, the patch carries torch.bfloat16" in found["half_error"]
+        # a full sync in the dtype the server holds lands, bit for bit as SGLang loading it
+        assert found["half_synced_error"] == "" and found["half_equal"]
+
+
+@pytest.mark.parametrize("method", ["snapkv", "rkv"])
+def test_kv_head_replicas_keep_the_positions_of_tp1(results, method):
+    """KV compression (docs/sglang.md, KV compression) in the same worlds: TP=2 > 1 KV head, each
+    rank holds a replica of the KV head and half of its query heads. Scored with its own query
+    heads only, each replica would keep other entries (checked: the data shows the defect); scored
+    with the whole group, gathered over SGLang's TP group, both keep exactly what TP=1 keeps."""
+    tp1 = results[1][0]["kv_replicas"][method]
+    r0, r1 = (r["kv_replicas"][method] for r in results[2])
+    assert r0["own_heads_only"] != r1["own_heads_only"]  # local queries alone diverge
+    assert r0["kept_k"] == r1["kept_k"] == tp1["kept_k"]  # bit for bit (JSON floats round-trip)
+    assert r0["evicted"] == r1["evicted"] == tp1["evicted"] > 0
+
+
 def test_tp2_fragments_are_split_per_rank(results):
     one = results[1][0]["fragment_bytes"]
     two = [r["fragment_bytes"] for r in results[2]]
@@ -93,4 +134,5 @@ def test_launch_argv_is_accepted_by_sglangs_parser(results):
         "page_size": 1,  # with KV compression the launcher adds these three
         "disable_overlap_schedule": True,
         "decode_graph": "disabled",
+        "max_running_requests": 256,  # snapkv's query ring is sized from it
     }

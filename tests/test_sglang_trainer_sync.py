@@ -146,3 +146,15 @@ def test_a_full_sync_is_cut_into_equal_pieces_even_when_short():
         names = [(name, int(i)) for part in parts for name, idx, _, _ in part for i in idx]
         assert names == [("a", i) for i in range(5)] + [("b", i) for i in range(3)]  # each once, in order
     assert split_even([], 2) == [[], []]
+
+
+def test_every_rank_assembles_buckets_in_one_reused_buffer(tmp_path):
+    """`BucketReducer` on 2 learner ranks over gloo: every bucket reaches the host bit for bit,
+    and no rank ever holds more than one bucket (one buffer of the largest, reused), where a fresh
+    bucket per reduce lets a rank that is not the host hold every bucket until the host reaches it."""
+    launch_local([str(HERE / "bucket_reduce_worker.py"), str(tmp_path)], 2, env=subprocess_env(), timeout=300)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["buckets"] >= 4 and ranks[0]["equal"] == [True] * ranks[0]["buckets"]
+    for found in ranks:
+        assert found["storages"] == 1  # every bucket a view of the same buffer
+        assert found["buffer_bytes"] == found["largest_bucket"] < found["state_bytes"] / 2

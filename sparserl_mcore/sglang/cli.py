@@ -3,7 +3,8 @@
 Stable command line (the Slurm scripts call it on rollout nodes):
 
     sparserl sglang-serve --model-path DIR [--host H] [--port P] [--tp-size N] [--token T]
-        [--kv-method M --kv-budget B ...] [--startup-timeout S] [-- <extra sglang.launch_server args>]
+        [--kv-method M --kv-budget B ...] [--max-running-requests R] [--startup-timeout S]
+        [-- <extra sglang.launch_server args>]
 
 The token comes from --token or SPARSERL_SERVE_TOKEN and becomes SGLang's --admin-api-key. The
 KV flags are those of `sparserl serve` (same KVCompressionConfig). Prints
@@ -28,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for weight routes (or ${TOKEN_ENV})"
     )
+    parser.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=None,
+        help="requests decoded at once (SGLang's flag; default: SGLang's, or 256 with --kv-method "
+        "snapkv / rkv, whose query ring is sized from it)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     kv = parser.add_argument_group("KV compression (omitted: KVCompressionConfig defaults)")
     for flag, (_, kind, text) in KV_FLAGS.items():
@@ -49,6 +57,7 @@ def config_from_args(args: argparse.Namespace):  # -> LaunchConfig
         tp_size=args.tp_size,
         token=args.token or None,
         kv=KVCompressionConfig(**_given(args, KV_FLAGS, "kv_")),
+        max_running_requests=args.max_running_requests,
         extra_args=tuple(extra),
         startup_timeout_s=args.startup_timeout,
     )

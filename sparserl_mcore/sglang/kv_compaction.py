@@ -1,24 +1,35 @@
 """KV compression of one running request inside SGLang's own pools (sglang 0.5.23, page size 1).
 
 SGLang's names this module works on (all in `srt/mem_cache/`): `memory_pool.py: ReqToTokenPool`
-(`req_to_token[row, pos]` = the KV slot of position `pos` of the request on `row`),
+(`req_to_token[row, pos]` = the KV slot of entry `pos` of the request on `row`),
 `memory_pool.py: MHATokenToKVPool` (`k_buffer[layer][slot]` / `v_buffer[layer][slot]` =
 [kv_heads, head_dim] of one token; one slot holds every layer and head of that token),
-`allocator/token.py: TokenToKVPoolAllocator` (frees single slots), and the request's
-`managers/schedule_batch.py: ReqKvInfo` (`cache_protected_len`: the radix tree owns row positions
-[0, here) and other requests may share their slots; `kv_committed_len` / `kv_allocated_len`: the
-row positions in use).
+`allocator/token.py: TokenToKVPoolAllocator` (single slots; `allocator/base.py:
+evict_to_free_tokens` makes room by evicting unlocked radix entries), `base_prefix_cache.py:
+BasePrefixCache.free_kv_row` (gives row ranges back), and the request's `managers/schedule_batch.py:
+ReqKvInfo` (`cache_protected_len`: the radix tree owns row entries [0, here) and other requests may
+share their slots; `kv_committed_len` / `kv_allocated_len`: the row entries in use). Works with
+the legacy `radix_cache.py: RadixCache` and with 0.5.23's default `unified_radix_cache.py:
+UnifiedRadixCache` alike (only the base-class methods above are used).
 
-In place, no copy-on-write: the policy chooses, per layer and KV head, which of the request's OWN
-positions [cache_protected_len, n) to keep; the kept K/V of each head is gathered and written into
-the first `keep` own slots, in position order; the other own slots go back to the allocator
-through SGLang's `BasePrefixCache.free_kv_row`; the row's kv length shrinks to
-cache_protected_len + keep. Slots below cache_protected_len are never read for writing, moved or
-freed. Keys are cached after RoPE, so a kept key keeps its true position by construction; the
-model's NEXT position is its kv length plus the positions this row evicted (`evicted[row]`), which
-the hook wiring adds to SGLang's decode positions. The request is marked
-`skip_radix_cache_insert`: its row no longer holds the KV of its tokens in order, so SGLang's own
-release path (`mem_cache/common.py: release_kv_cache`) must not insert it into the radix tree.
+The budget is the embedded engine's, on the request's WHOLE cache (prompt included, shared or not):
+a request holding `budget` entries is compressed to `keep_tokens = budget - interval` entries per
+layer and KV head, chosen by the shared policy over all of them (`KVCompressor.select`), so the same
+request keeps the same positions here and in `rollout/compaction.py`. Radix-shared slots are never
+written, moved or freed (copy-on-write, as in the embedded engine): the kept entries are written
+into the request's OWN slots [cache_protected_len, n), in entry order, plus freshly allocated ones
+when a long shared prompt leaves the request fewer own slots than it keeps. Only the leading entries
+that every layer and head keeps in place (StreamingLLM's sinks, typically) stay on their shared
+slots; the row is rewritten so entry j is the j-th kept entry, `cache_protected_len` drops to that
+shared head, and the rest of the own slots go back through `free_kv_row`. The request's radix lock
+is kept until SGLang releases it (its shared prefix stays pinned while it runs, as without
+compression).
+
+Keys are cached after RoPE, so a kept key keeps its true position by construction; the model's NEXT
+position is its kv length plus the positions this row evicted (`evicted[row]`), which the hook
+wiring adds to SGLang's decode positions. The request is marked `skip_radix_cache_insert`: its row
+no longer holds the KV of its tokens in order, so SGLang's release path (`mem_cache/common.py:
+release_kv_cache`) must not insert it into the radix tree.
 """
 
 from __future__ import annotations
@@ -27,90 +38,164 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
 
 
 @dataclasses.dataclass(frozen=True)
 class Compaction:
-    """What one compression did to one request."""
+    """What one compression did to one request (all zero when it was postponed)."""
 
     freed: int  # own slots returned to SGLang's allocator
-    kv_len: int  # row positions in use afterwards (protected prefix + kept)
+    allocated: int  # slots taken for kept entries that came from shared slots
+    kv_len: int  # row entries in use afterwards
+    shared: int = 0  # leading entries still on radix-shared slots
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadReplicas:
+    """This TP rank's share of the attention heads, as SGLang 0.5.23 cuts them
+    (`layers/linear.py: QKVParallelLinear`): rank r holds query heads [r * Hq_l, (r + 1) * Hq_l);
+    with more ranks than KV heads, each KV head is replicated on `replicas` consecutive ranks
+    (rank r holds KV head r // replicas), and its query heads are spread over those ranks.
+
+    A KV head is scored with ALL the query heads of its group on every replica (gathered over
+    `group`, SGLang's TP group), so every replica keeps the same positions and the result does not
+    depend on the TP size. Without replication a rank holds whole groups: nothing to gather."""
+
+    rank: int = 0
+    size: int = 1
+    replicas: int = 1
+    group: Any = None  # torch.distributed ProcessGroup of the TP ranks (None: TP 1)
+
+    @classmethod
+    def of(cls, *, rank: int, size: int, total_kv_heads: int, group: Any) -> HeadReplicas:
+        replicas = size // total_kv_heads if size >= total_kv_heads else 1
+        return cls(rank=rank, size=size, replicas=replicas, group=group)
+
+    def group_queries(self, queries: torch.Tensor, layers: int) -> torch.Tensor:
+        """Window queries [layers * Hq_l, w, d] of this rank -> those of its KV heads' whole groups
+        [layers * replicas * Hq_l, w, d] (layer-major, query heads in global order). Collective
+        over `group` when replicated: every TP rank must call it for the same request."""
+        if self.replicas == 1:
+            return queries
+        parts = [torch.empty_like(queries) for _ in range(self.size)]
+        dist.all_gather(parts, queries.contiguous(), group=self.group)
+        first = self.rank // self.replicas * self.replicas
+        mine = torch.stack(parts[first : first + self.replicas])  # [R, L * Hq_l, w, d]
+        mine = mine.view(self.replicas, layers, -1, *queries.shape[1:]).transpose(0, 1)  # [L, R, Hq_l, w, d]
+        return mine.reshape(-1, *queries.shape[1:])
 
 
 class SGLangCompactor:
-    """Compresses requests whose own KV tail reached the budget, on SGLang's real pools.
+    """Compresses requests whose cache reached the budget, on SGLang's real pools."""
 
-    Budget with a radix-shared prefix of P positions: the prefix is never compressed (other
-    requests read its slots), so the request's own tail keeps `own_keep(P) = max(keep_tokens - P,
-    window + sink_tokens)` positions per layer and head and is compressed when it holds
-    `own_keep(P) + interval`. With P = 0 this is the embedded engine's rule (`should_compress`):
-    compress at `budget`, down to `budget - interval`.
-    """
-
-    def __init__(self, kv_cfg: KVCompressionConfig, compressor: KVCompressor, tree_cache: Any) -> None:
+    def __init__(
+        self,
+        kv_cfg: KVCompressionConfig,
+        compressor: KVCompressor,
+        tree_cache: Any,
+        heads: HeadReplicas | None = None,
+    ) -> None:
         self.cfg, self.compressor, self.tree_cache = kv_cfg, compressor, tree_cache
+        self.heads = heads or HeadReplicas()
         self.req_to_token = tree_cache.req_to_token_pool.req_to_token
-        allocator = tree_cache.token_to_kv_pool_allocator
-        if allocator.page_size != 1:
-            raise ValueError(f"page size {allocator.page_size}: KV compression in SGLang needs --page-size 1")
-        self.kv = allocator.get_kvcache()
+        self.allocator = tree_cache.token_to_kv_pool_allocator
+        if self.allocator.page_size != 1:
+            raise ValueError(
+                f"page size {self.allocator.page_size}: KV compression in SGLang needs --page-size 1"
+            )
+        self.kv = self.allocator.get_kvcache()
         _check_pool(self.kv)
         # positions each req_to_token row evicted since its request took it (reset on allocation)
         self.evicted = torch.zeros(
             self.req_to_token.shape[0], dtype=torch.int64, device=self.req_to_token.device
         )
 
-    def own_keep(self, protected: int) -> int:
-        return max(self.cfg.keep_tokens - protected, self.cfg.window + self.cfg.sink_tokens)
-
     def due(self, req: Any) -> bool:
-        kv = req.kv
-        return (
-            kv.kv_committed_len - kv.cache_protected_len
-            >= self.own_keep(kv.cache_protected_len) + self.cfg.interval
-        )
+        """The embedded engine's trigger (`KVCompressionConfig.should_compress`) on the whole row."""
+        return self.cfg.should_compress(req.kv.kv_committed_len)
+
+    def compressed(self, req: Any) -> bool:
+        """The request's row has been compressed since it was (re)admitted."""
+        row = req.kv.req_pool_idx
+        return row is not None and int(self.evicted[row]) > 0
 
     def reset_rows(self, rows: list[int]) -> None:
         """A row handed to a new request has evicted nothing yet."""
         if rows:
             self.evicted[torch.tensor(rows, device=self.evicted.device)] = 0
 
-    def compress(self, req: Any, queries: torch.Tensor | None) -> Compaction:
-        """Compress one request now. queries: [layers * q_heads, w, d] window queries of this row
-        (layer-major, the layout of `QueryRing.window`), or None for a policy that needs none."""
+    def select(self, req: Any, queries: torch.Tensor | None) -> torch.Tensor:
+        """Entries [layers, kv_heads, keep] of the request's row the policy keeps (ascending)."""
         kv, L, Hk = req.kv, self.kv.layer_num, self.kv.head_num
+        slots = self.req_to_token[kv.req_pool_idx, : kv.kv_committed_len].to(torch.int64)
+        keys = torch.stack([self._keys(layer)[slots] for layer in range(L)])  # [L, n, Hk, d]
+        keys = keys.transpose(1, 2).reshape(L * Hk, slots.numel(), -1)
+        keep = min(self.cfg.keep_tokens, slots.numel())
+        if queries is not None:
+            queries = self.heads.group_queries(queries, L)
+        return self.compressor.select(keys, queries, keep).view(L, Hk, keep)
+
+    def compress(self, req: Any, queries: torch.Tensor | None, *, reserve: int = 0) -> Compaction:
+        """Compress one request now. queries: [layers * q_heads, w, d] window queries of its row
+        (layer-major, `QueryRing.window_queries`), or None for a policy that needs none. `reserve`:
+        free slots to leave for the rest of the step (the batch's decode tokens); when copying
+        shared entries would need more slots than are free, nothing changes (postponed)."""
+        kv = req.kv
         row, protected, n = kv.req_pool_idx, kv.cache_protected_len, kv.kv_committed_len
         if kv.kv_allocated_len != n:
             raise RuntimeError(
                 f"request {req.rid}: {kv.kv_allocated_len} KV slots allocated but {n} committed; "
                 "compression needs decode without over-allocation (no speculative decoding)"
             )
-        keep = self.own_keep(protected)
-        slots = self.req_to_token[row, protected:n].to(torch.int64)  # [own]
-        own = slots.numel()
-        if own <= keep:
-            return Compaction(freed=0, kv_len=n)
-        keys = torch.stack([self._keys(layer)[slots] for layer in range(L)])  # [L, own, Hk, d]
-        keys = keys.transpose(1, 2).reshape(L * Hk, own, -1)
-        idx = self.compressor.select(keys, queries, keep).view(L, Hk, keep)
-        dest, heads = slots[:keep], torch.arange(Hk, device=slots.device)
-        for layer in range(L):
-            src = slots[idx[layer].T]  # [keep, Hk]: slot of kept entry j of head h
+        keep = self.cfg.keep_tokens
+        if n <= keep:
+            return Compaction(freed=0, allocated=0, kv_len=n, shared=protected)
+        idx = self.select(req, queries)
+        shared = _kept_in_place(idx, protected)
+        slots = self.req_to_token[row, :n].to(torch.int64)
+        need, own = keep - shared, n - protected
+        extra = self._take(need - own, reserve) if need > own else slots[:0]
+        if extra is None:
+            return Compaction(freed=0, allocated=0, kv_len=n, shared=protected)
+        dest = torch.cat([slots[protected : protected + min(need, own)], extra.to(slots.device)])
+        heads = torch.arange(self.kv.head_num, device=slots.device)
+        for layer in range(self.kv.layer_num):
+            src = slots[idx[layer, :, shared:].T]  # [need, Hk]: slot of kept entry j of head h
             for buf in (self.kv.k_buffer[layer], self.kv.v_buffer[layer]):
                 buf[dest] = buf[src, heads]  # the gather copies before the write
-        # SGLang's own path for giving back row ranges (reads the slots from the row, so first)
-        self.tree_cache.free_kv_row(kv, [(protected + keep, n)])
-        self.req_to_token[row, protected + keep : n] = 0  # slot 0 is SGLang's padding slot
-        kv.kv_committed_len = kv.kv_allocated_len = protected + keep
+        if need < own:  # SGLang's own path for row ranges (reads the slots from the row, so first)
+            self.tree_cache.free_kv_row(kv, [(protected + need, n)])
+        self.req_to_token[row, shared:keep] = dest.to(self.req_to_token.dtype)
+        self.req_to_token[row, keep:n] = 0  # slot 0 is SGLang's padding slot
+        kv.kv_committed_len = kv.kv_allocated_len = keep
+        kv.cache_protected_len = shared
         req.skip_radix_cache_insert = True
-        self.evicted[row] += own - keep
-        return Compaction(freed=own - keep, kv_len=protected + keep)
+        self.evicted[row] += n - keep
+        return Compaction(freed=max(0, own - need), allocated=extra.numel(), kv_len=keep, shared=shared)
+
+    def _take(self, count: int, reserve: int) -> torch.Tensor | None:
+        """`count` fresh slots, leaving `reserve` free; evicts unlocked radix entries first (what
+        SGLang's `alloc_token_slots` does). None when the pool cannot spare them now."""
+        self.allocator.evict_to_free_tokens(self.tree_cache, count + reserve)
+        if self.allocator.available_size() < count + reserve:
+            return None
+        slots: torch.Tensor | None = self.allocator.alloc(count)
+        return slots
 
     def _keys(self, layer: int) -> torch.Tensor:
         buf = self.kv.k_buffer[layer]
         return buf if self.kv.store_dtype == self.kv.dtype else buf.view(self.kv.dtype)
+
+
+def _kept_in_place(idx: torch.Tensor, protected: int) -> int:
+    """Leading entries [0, m) that every layer and head keeps where they are, m <= protected: they
+    can stay on their (shared) slots. idx: [L, Hk, keep], ascending per head."""
+    keep = idx.shape[-1]
+    same = (idx == torch.arange(keep, device=idx.device)).flatten(0, 1).all(dim=0)  # [keep]
+    return min(int(same.sum()), protected)  # ascending + distinct: the matches are a prefix
 
 
 def _check_pool(kv: Any) -> None:

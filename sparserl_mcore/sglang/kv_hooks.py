@@ -2,10 +2,10 @@
 
 One compressed decode step (page size 1, no overlap scheduling, no speculative decoding):
 1. BEFORE `managers/schedule_batch.py: ScheduleBatch.prepare_for_decode`: every request of the
-   batch holds the KV of all its tokens (the last forward wrote it). Each request whose own tail
-   reached the budget is compressed in place (`kv_compaction.SGLangCompactor`); its entries of
-   `seq_lens`, `seq_lens_cpu` and `orig_seq_lens` shrink by what it freed, so SGLang's own
-   `alloc_for_decode` puts the next token's slot right after the kept entries.
+   batch holds the KV of all its tokens (the last forward wrote it). Each request whose cache
+   reached the budget is compressed (`kv_compaction.SGLangCompactor`, the embedded engine's rule);
+   its entries of `seq_lens`, `seq_lens_cpu` and `orig_seq_lens` shrink to its kept entries, so
+   SGLang's own `alloc_for_decode` puts the next token's slot right after them.
 2. AFTER `model_executor/forward_batch_info.py: ForwardBatch.init_new`: SGLang computed the decode
    positions from the (compacted) `seq_lens`; the positions each row evicted are added back, so
    RoPE sees the token's true position. Under CUDA graphs the replay copies these positions in.
@@ -15,22 +15,38 @@ One compressed decode step (page size 1, no overlap scheduling, no speculative d
    decode CUDA graphs for these policies.
 4. AFTER `mem_cache/memory_pool.py: ReqToTokenPool.alloc_rows`: a row taken by a new (or
    re-admitted) request starts with nothing evicted and an empty query ring.
+5. AFTER `model_executor/model_runner.py: ModelRunner.initialize` (only with a query ring): the
+   ring is allocated for `max_running_requests + 1` rows (SGLang's request pool never has more:
+   `mem_cache/kv_cache_configurator.py: resolve_max_num_reqs`, `ReqToTokenPool(size)`) right after
+   the model is loaded, inside `ModelRunner.__init__`. SGLang measures the free device memory for
+   its KV pool later (`TpModelWorker.alloc_memory_pool` -> `KVCacheConfigurator.configure` ->
+   `_profile_available_bytes`), so the pool is sized around the ring, not over it.
+6. AFTER `managers/schedule_batch.py: ScheduleBatch._get_decode_retraction_order` (a staticmethod,
+   which the registry keeps one): under memory pressure SGLang retracts from the end of that order
+   (fewest outputs first); compressed requests are moved to the front, so they are retracted only
+   when no uncompressed request is left to retract. Retracting one frees at most `budget` slots but
+   costs a dense re-prefill of its prompt and output (`reset_for_retract` keeps `output_ids`),
+   which is then compressed again at its first decode steps (the embedded engine restarts such a
+   request from its prompt instead).
 The sampled token and its log-prob come from the forward over the compressed cache.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, build_compressor
-from sparserl_mcore.sglang.kv_compaction import SGLangCompactor
+from sparserl_mcore.sglang.kv_compaction import HeadReplicas, SGLangCompactor
 
 PREPARE_FOR_DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
 INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention.forward"
 ALLOC_ROWS = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc_rows"
+MODEL_INIT = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
+RETRACTION_ORDER = "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order"
 
 # policies that work inside SGLang; h2o needs the attention mass of every decode step, which the
 # attention backends do not expose
@@ -38,19 +54,47 @@ SGLANG_METHODS = ("snapkv", "rkv", "streamingllm")
 
 
 class QueryRing:
-    """The last `window` decode queries of every req_to_token row, per layer: [L, rows, w, Hq, d].
+    """The last `window` decode queries of every req_to_token row, per layer: [L, rows, w, Hq, d],
+    allocated whole when built (`for_model`, at model load), never inside a forward."""
 
-    Allocated at the first recorded query (its head count and dim come from the layer). Memory:
-    L * rows * window * q_heads_per_rank * head_dim * dtype bytes; `rows` is SGLang's request-pool
-    size (--max-running-requests + 1).
-    """
-
-    def __init__(self, layers: int, rows: int, window: int, start_layer: int, device: torch.device) -> None:
+    def __init__(
+        self, *, layers: int, start_layer: int, rows: int, window: int, q_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:  # fmt: skip
         self.layers, self.rows, self.window, self.start_layer = layers, rows, window, start_layer
+        self.q_heads, self.head_dim = q_heads, head_dim
+        self.buf = torch.zeros((layers, rows, window, q_heads, head_dim), dtype=dtype, device=device)
         self.seen = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.buf: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
         self._cols: torch.Tensor | None = None
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, *, rows: int, window: int, dtype: torch.dtype) -> QueryRing:
+        """A ring for this TP / PP rank's attention layers (SGLang's `RadixAttention` modules)."""
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        attn = [m for m in model.modules() if isinstance(m, RadixAttention)]
+        if not attn:
+            raise SystemExit("sparserl plugin: the model has no RadixAttention layer to capture queries from")
+        ids = sorted(m.layer_id for m in attn)
+        heads, dims = {m.tp_q_head_num for m in attn}, {m.head_dim for m in attn}
+        if len(heads) != 1 or len(dims) != 1 or ids != list(range(ids[0], ids[0] + len(ids))):
+            raise SystemExit(
+                f"sparserl plugin: attention layers {ids[:4]}... with query heads {heads} and head dims "
+                f"{dims}: the query ring needs uniform, consecutive layers"
+            )
+        device = next(iter(model.parameters()), torch.empty(0)).device  # where the model runs
+        return cls(
+            layers=len(ids), start_layer=ids[0], rows=rows, window=window, q_heads=heads.pop(),
+            head_dim=dims.pop(), dtype=dtype, device=device,
+        )  # fmt: skip
+
+    def describe(self) -> str:
+        size = self.buf.numel() * self.buf.element_size()
+        return (
+            f"{size / 2**30:.2f} GiB ({self.layers} layers x {self.rows} rows x window {self.window} x "
+            f"{self.q_heads} query heads x {self.head_dim} x {self.buf.dtype})"
+        )
 
     def begin_step(self, rows: torch.Tensor) -> None:
         """A decode forward over `rows` starts: each row writes its next ring column."""
@@ -58,19 +102,16 @@ class QueryRing:
         self._rows, self._cols = rows, self.seen[rows] % self.window
         self.seen[rows] += 1
 
-    def record(self, layer_id: int, q: torch.Tensor, q_heads: int) -> None:
+    def record(self, layer_id: int, q: torch.Tensor) -> None:
         if self._rows is None or self._cols is None:
             return
-        q = q.reshape(self._rows.numel(), q_heads, -1)
-        if self.buf is None:
-            shape = (self.layers, self.rows, self.window, q_heads, q.shape[-1])
-            self.buf = torch.zeros(shape, dtype=q.dtype, device=q.device)
-        self.buf[layer_id - self.start_layer, self._rows, self._cols] = q
+        q = q.reshape(self._rows.numel(), self.q_heads, self.head_dim)
+        self.buf[layer_id - self.start_layer, self._rows, self._cols] = q.to(self.buf.dtype)
 
     def window_queries(self, row: int) -> torch.Tensor | None:
         """[L * Hq, w', d], oldest first (w' = queries seen, at most window); None before any."""
         seen = min(int(self.seen[row]), self.window)
-        if seen == 0 or self.buf is None:
+        if seen == 0:
             return None
         total = int(self.seen[row])
         cols = [(total - seen + j) % self.window for j in range(seen)]
@@ -85,7 +126,7 @@ class QueryRing:
 class KVHooks:
     """The hook functions (bound methods) and the state they share in one SGLang scheduler process."""
 
-    def __init__(self, cfg: KVCompressionConfig) -> None:
+    def __init__(self, cfg: KVCompressionConfig, *, max_running_requests: int | None = None) -> None:
         if cfg.method not in SGLANG_METHODS:
             raise ValueError(
                 f"kv method {cfg.method!r} does not work inside SGLang (choose from {list(SGLANG_METHODS)}): "
@@ -93,15 +134,26 @@ class KVHooks:
             )
         compressor = build_compressor(cfg)
         assert compressor is not None
-        self.cfg, self.compressor = cfg, compressor
+        if compressor.needs_window_queries and (max_running_requests is None or max_running_requests < 1):
+            raise ValueError(
+                f"max_running_requests={max_running_requests}: {cfg.method} keeps a query ring per "
+                "request row, sized from SGLang's --max-running-requests (sparserl sglang-serve passes both)"
+            )
+        self.cfg, self.compressor, self.max_running_requests = cfg, compressor, max_running_requests
         self.compactor: SGLangCompactor | None = None
         self.ring: QueryRing | None = None
+        self.total_kv_heads: int | None = None  # the model's, read at model load (ring policies)
 
     def targets(self) -> list[tuple[str, str]]:
         """(dotted path, hook type name) of every hook this configuration needs."""
-        hooks = [(PREPARE_FOR_DECODE, "BEFORE"), (INIT_NEW, "AFTER"), (ALLOC_ROWS, "AFTER")]
+        hooks = [
+            (PREPARE_FOR_DECODE, "BEFORE"),
+            (INIT_NEW, "AFTER"),
+            (ALLOC_ROWS, "AFTER"),
+            (RETRACTION_ORDER, "AFTER"),
+        ]
         if self.compressor.needs_window_queries:
-            hooks.append((ATTENTION, "AROUND"))
+            hooks += [(ATTENTION, "AROUND"), (MODEL_INIT, "AFTER")]
         return hooks
 
     def hook(self, target: str) -> Any:
@@ -110,7 +162,29 @@ class KVHooks:
             INIT_NEW: self.after_init_new,
             ALLOC_ROWS: self.after_alloc_rows,
             ATTENTION: self.around_attention,
+            MODEL_INIT: self.after_model_init,
+            RETRACTION_ORDER: self.after_retraction_order,
         }[target]
+
+    def after_model_init(self, result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+        """The query ring, right after the model is loaded and before SGLang sizes its KV pool."""
+        rows = self.max_running_requests
+        if (
+            rows is None
+            or not self.compressor.needs_window_queries
+            or getattr(runner, "is_draft_worker", False)
+        ):
+            return
+        self.ring = QueryRing.for_model(
+            runner.model, rows=rows + 1, window=self.cfg.window, dtype=runner.dtype
+        )
+        self.total_kv_heads = runner.model_config.get_total_num_kv_heads()
+        print(
+            f"sparserl plugin: {self.cfg.method} query ring {self.ring.describe()}, allocated before "
+            "SGLang sizes its KV pool",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _bind(self, batch: Any) -> SGLangCompactor:
         """Build the state on the first decode batch (the pools exist only then) and refuse what
@@ -121,15 +195,25 @@ class KVHooks:
             if batch.enable_overlap:
                 raise SystemExit("sparserl plugin: KV compression needs --disable-overlap-schedule")
             try:
-                self.compactor = SGLangCompactor(self.cfg, self.compressor, batch.tree_cache)
+                self.compactor = SGLangCompactor(self.cfg, self.compressor, batch.tree_cache, self._heads())
             except ValueError as exc:
                 raise SystemExit(f"sparserl plugin: {exc}") from None
             if self.compressor.needs_window_queries:
-                kv, rows = self.compactor.kv, self.compactor.req_to_token.shape[0]
-                self.ring = QueryRing(
-                    kv.layer_num, rows, self.cfg.window, kv.start_layer, self.compactor.evicted.device
-                )
+                _check_ring(self.ring, self.compactor.req_to_token.shape[0], self.max_running_requests)
         return self.compactor
+
+    def _heads(self) -> HeadReplicas:
+        """This rank's heads in SGLang's TP group (`runtime_context.get_parallel`); only the
+        policies scoring with queries need the group (KV heads replicated over TP ranks)."""
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        if self.total_kv_heads is None or par.tp_size == 1:
+            return HeadReplicas()
+        return HeadReplicas.of(
+            rank=par.tp_rank, size=par.tp_size, total_kv_heads=self.total_kv_heads,
+            group=par.tp_group.device_group,
+        )  # fmt: skip
 
     def before_prepare_for_decode(self, batch: Any, *args: Any, **kwargs: Any) -> None:
         """Compress the due requests and shrink their kv lengths before SGLang allocates the next slot."""
@@ -144,7 +228,8 @@ class KVHooks:
                 if queries is None:  # no decode query yet (a prompt above the budget): next step
                     continue
             before = req.kv.kv_committed_len
-            shrink[i] = before - compactor.compress(req, queries).kv_len
+            # leave one free slot per request for SGLang's own decode allocation right after this
+            shrink[i] = before - compactor.compress(req, queries, reserve=len(batch.reqs)).kv_len
         if any(shrink):
             delta = torch.tensor(shrink, dtype=batch.seq_lens_cpu.dtype)
             batch.seq_lens_cpu = batch.seq_lens_cpu - delta
@@ -167,6 +252,18 @@ class KVHooks:
             self.ring.begin_step(rows)
         return forward_batch
 
+    def after_retraction_order(
+        self, order: list[int], reqs: Any, *args: Any, **kwargs: Any
+    ) -> list[int] | None:
+        """SGLang's order (most preferred to keep first) with the compressed requests first, each
+        group in SGLang's own order; None (SGLang's order) when none is compressed."""
+        if self.compactor is None:
+            return None
+        compressed = [i for i in order if self.compactor.compressed(reqs[i])]
+        if not compressed:
+            return None
+        return compressed + [i for i in order if i not in set(compressed)]
+
     def after_alloc_rows(self, rows: list[int] | None, *args: Any, **kwargs: Any) -> None:
         if rows and self.compactor is not None:
             self.compactor.reset_rows(rows)
@@ -177,5 +274,20 @@ class KVHooks:
         self, original: Any, layer: Any, q: Any, k: Any, v: Any, forward_batch: Any, *args: Any, **kwargs: Any
     ) -> Any:
         if self.ring is not None and forward_batch.forward_mode.is_decode():
-            self.ring.record(layer.layer_id, q, layer.tp_q_head_num)
+            self.ring.record(layer.layer_id, q)
         return original(layer, q, k, v, forward_batch, *args, **kwargs)
+
+
+def _check_ring(ring: QueryRing | None, pool_rows: int, max_running_requests: int | None) -> None:
+    """The ring built at model load must cover every row of SGLang's request pool."""
+    if ring is None:
+        raise SystemExit(
+            "sparserl plugin: no query ring was allocated at model load (ModelRunner.initialize was not "
+            "hooked); start the server with sparserl sglang-serve"
+        )
+    if pool_rows > ring.rows:
+        raise SystemExit(
+            f"sparserl plugin: SGLang's request pool has {pool_rows} rows but the query ring has "
+            f"{ring.rows} (max_running_requests {max_running_requests} + 1): start the server with "
+            "sparserl sglang-serve --max-running-requests, which passes the same number to SGLang"
+        )

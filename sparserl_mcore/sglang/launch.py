@@ -9,8 +9,10 @@ own process group with:
   every SGLang process; `SGLANG_PLUGINS` is extended with `sparserl` only when the user already
   restricts the plugins (otherwise every installed plugin loads, ours included);
 - with KV compression: `--page-size 1 --disable-overlap-schedule`, and for the policies that score
-  with queries `--cuda-graph-backend-decode disabled` (what the plugin's hooks need,
-  docs/sglang.md "KV compression"); flags it cannot follow are refused (`KV_REFUSED_FLAGS`);
+  with queries `--cuda-graph-backend-decode disabled` and `--max-running-requests N` (default
+  `RING_MAX_RUNNING_REQUESTS`: the plugin's query ring has N + 1 rows and is allocated when the
+  model is loaded, before SGLang sizes its KV pool; docs/sglang.md "KV compression"); flags it
+  cannot follow are refused (`KV_REFUSED_FLAGS`);
 - `--admin-api-key <token>` when a token is given: SGLang then requires it on the weight, pause
   and flush routes (auth level ADMIN_OPTIONAL) while /generate stays open, the same split as
   `sparserl serve`.
@@ -41,12 +43,18 @@ from sparserl_mcore.sglang.loader import LOADER_PATH
 PLUGIN_NAME = "sparserl"  # the entry point name in pyproject.toml (group sglang.srt.plugins)
 PLUGIN_ENV = "SPARSERL_SGLANG"  # JSON settings of the plugin; unset: the plugin stays inert
 SGLANG_MODULE = "sglang.launch_server"
+# requests one server decodes at once when a query ring is needed (snapkv, rkv) and none is given:
+# SGLang's own default (`mem_cache/kv_cache_configurator.py: resolve_max_num_reqs`, 2048-4096)
+# would make the ring 3.3 GB for a 7B model at window 8
+RING_MAX_RUNNING_REQUESTS = 256
 ROUTER_MODULE = "sglang_router.launch_router"  # sglang-router 0.3.2, the `sglang` extra
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
-    """One SGLang server. extra_args go to SGLang verbatim, after ours (they may override)."""
+    """One SGLang server. extra_args go to SGLang verbatim, after ours (they may override).
+    max_running_requests: SGLang's `--max-running-requests` (None: SGLang's default, or
+    `RING_MAX_RUNNING_REQUESTS` when the KV policy keeps a query ring, which is sized from it)."""
 
     model_path: str
     host: str = "127.0.0.1"
@@ -54,6 +62,7 @@ class LaunchConfig:
     tp_size: int = 1
     token: str | None = None
     kv: KVCompressionConfig = dataclasses.field(default_factory=KVCompressionConfig)
+    max_running_requests: int | None = None
     extra_args: tuple[str, ...] = ()
     startup_timeout_s: float = 1800.0
     grace_s: float = 30.0
@@ -72,10 +81,26 @@ class LaunchConfig:
             )
         if self.token is not None and len(self.token) < 8:
             raise ValueError("token is shorter than 8 characters; use a long random string")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests={self.max_running_requests}: must be >= 1")
         if self.kv.enabled:
             _check_kv_launch(self.kv, self.extra_args)
+        if self.running_requests is not None and any(
+            a.split("=", 1)[0] == "--max-running-requests" for a in self.extra_args
+        ):
+            raise ValueError(
+                "--max-running-requests among the SGLang flags: pass it as sparserl sglang-serve "
+                "--max-running-requests N (the KV plugin's query ring is sized from it)"
+            )
         if self.startup_timeout_s <= 0 or self.grace_s <= 0:
             raise ValueError("startup_timeout_s and grace_s must be > 0 seconds")
+
+    @property
+    def running_requests(self) -> int | None:
+        """The `--max-running-requests` the server gets (None: SGLang chooses)."""
+        if self.max_running_requests is None and _needs_query_ring(self.kv):
+            return RING_MAX_RUNNING_REQUESTS
+        return self.max_running_requests
 
     @property
     def url(self) -> str:
@@ -94,9 +119,18 @@ def sglang_argv(cfg: LaunchConfig) -> list[str]:
         if cfg.kv.method != "streamingllm":
             # query capture runs inside RadixAttention.forward, which a replayed CUDA graph skips
             argv += ["--cuda-graph-backend-decode", "disabled"]
+    if cfg.running_requests is not None:
+        argv += ["--max-running-requests", str(cfg.running_requests)]
     if cfg.token is not None:
         argv += ["--admin-api-key", cfg.token]
     return argv + list(cfg.extra_args)
+
+
+def _needs_query_ring(kv: KVCompressionConfig) -> bool:
+    """snapkv / rkv score with the window queries, which the plugin keeps in a ring per request row."""
+    from sparserl_mcore.rollout.kvcompress import COMPRESSORS
+
+    return kv.enabled and COMPRESSORS[kv.method].needs_window_queries
 
 
 # SGLang flags the KV plugin cannot work with: decode positions and kv lengths would not be the
@@ -129,7 +163,7 @@ def _check_kv_launch(kv: KVCompressionConfig, extra_args: tuple[str, ...]) -> No
 
 def plugin_settings(cfg: LaunchConfig) -> dict[str, Any]:
     """What `sparserl_mcore.sglang.plugin` reads from $SPARSERL_SGLANG in every SGLang process."""
-    return {"required": True, "kv": dataclasses.asdict(cfg.kv)}
+    return {"required": True, "kv": dataclasses.asdict(cfg.kv), "max_running_requests": cfg.running_requests}
 
 
 # SGLang 0.5.23 (`srt/layers/sampler.py: Sampler.forward`) returns log_softmax(logits / T) of the

@@ -25,6 +25,7 @@ as needing a full sync and raises, so the worker never serves a half-applied ver
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ LOADER_PATH = "sparserl_mcore.sglang.loader.load_patch_fragments"  # the --custo
 PATCH_TENSOR = "sparserl.patch"
 VERSION_TENSOR = "sparserl.version"
 _RECEIVER_ATTR = "_sparserl_receiver"
+_log = logging.getLogger(__name__)
 
 
 class SyncRejected(RuntimeError):
@@ -69,7 +71,10 @@ def apply_named_tensors(
     """Apply this rank's fragments (or take a version marker); collective over `group`.
 
     Returns the version the worker holds afterwards; raises SyncRejected on every rank when any
-    rank rejected.
+    rank rejected or failed. Whatever this rank raises (a bad patch, a device out of memory in
+    the middle of a write, a KeyError), it still joins the exchange below, or the other ranks
+    would wait in it forever; a failure that is not a rejected patch may have written part of a
+    fragment, so it too leaves every rank needing a full sync.
     """
     error = ""
     receiver = None
@@ -78,6 +83,9 @@ def apply_named_tensors(
         _apply_local(receiver, named_tensors)
     except (PatchError, ValueError) as exc:
         error = f"tp rank {tp_rank}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange, whatever failed
+        _log.error("sparserl loader: tp rank %d failed applying a patch", tp_rank, exc_info=True)
+        error = f"tp rank {tp_rank}: {type(exc).__name__}: {exc}"
     errors = [error]
     if group is not None and dist.get_world_size(group) > 1:
         errors = [""] * dist.get_world_size(group)

@@ -14,7 +14,8 @@ sparserl-mcore next to SGLang changes nothing by itself. Hooks:
   exception there would end the scheduler process).
 - with a KV method other than "none": the compression hooks of `kv_hooks.KVHooks` (BEFORE
   `ScheduleBatch.prepare_for_decode`, AFTER `ForwardBatch.init_new`, AFTER
-  `ReqToTokenPool.alloc_rows`, AROUND `RadixAttention.forward` for policies scoring with queries);
+  `ReqToTokenPool.alloc_rows`, AROUND `RadixAttention.forward` and AFTER `ModelRunner.initialize`
+  for policies scoring with queries);
   docs/sglang.md, "KV compression".
 """
 
@@ -97,6 +98,6 @@ def _kv_hooks(config: dict[str, Any]) -> KVHooks | None:
 
     try:
         cfg = KVCompressionConfig(**dict(config.get("kv") or {}))
-        return KVHooks(cfg) if cfg.enabled else None
+        return KVHooks(cfg, max_running_requests=config.get("max_running_requests")) if cfg.enabled else None
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"sparserl plugin: bad kv settings in ${PLUGIN_ENV}: {exc}") from None

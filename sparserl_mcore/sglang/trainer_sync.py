@@ -195,15 +195,57 @@ class SGLangDelivery:
         return self._layouts[tp_size]
 
 
+Owned = dict[str, list[tuple[torch.Tensor, torch.Tensor]]]  # HF name -> (flat indices, int16 bits)
+
+
+class BucketReducer:
+    """Assembles each bucket on the host rank by one `reduce` (SUM of uint8 bytes: every element is
+    owned by exactly one learner rank and the others contribute zero bytes, so the sum is its exact
+    bits), in ONE buffer of the largest bucket per rank, reused for every bucket.
+
+    Before refilling the buffer a rank waits for the reduce that last read it (`Work.wait`: on NCCL
+    the current stream waits for the communication stream, on gloo the thread waits), so a rank
+    that is not the host, whose reduces return at once, never has more than one bucket in memory;
+    allocating a fresh bucket per reduce instead would keep every bucket alive until the host
+    reached it, up to the whole dense state."""
+
+    def __init__(self, plan: Sequence[Sequence[Spec]], *, host_rank: int, device: str) -> None:
+        self.host_rank = host_rank
+        self.buffer = torch.empty(max(byte_offsets(b)[-1] for b in plan), dtype=torch.uint8, device=device)
+        self._pending: Any = None  # the reduce still reading the buffer
+
+    def reduce(self, bucket: Sequence[Spec], owned: Owned) -> torch.Tensor:
+        """Collective: the bucket's bytes (a view of the buffer, valid until the next call) on the
+        host; this rank's elements in place, zeros elsewhere, on the others."""
+        self.wait()
+        offsets = byte_offsets(bucket)
+        flat = self.buffer[: offsets[-1]]
+        flat.zero_()
+        for (name, _, _), start, end in zip(bucket, offsets, offsets[1:], strict=False):
+            values = flat[start:end].view(torch.int16)
+            for idx, bits in owned.get(name, ()):
+                values[idx.to(flat.device)] = bits.to(flat.device)
+        work = dist.reduce(flat, dst=self.host_rank, op=dist.ReduceOp.SUM, async_op=True)
+        if dist.get_rank() == self.host_rank:
+            work.wait()  # the host broadcasts these bytes next
+        else:
+            self._pending = work
+        return flat
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+
 class SGLangBroadcast:
     """Full syncs (start, resume, fallback) into SGLang workers as bucketed broadcasts over their
     weight-update group (`dense_sync`), instead of HTTP fragments.
 
     The host rank is the group's sender. Each bucket is assembled from the learner ranks' own
-    elements by one `reduce` (SUM of uint8 bytes: every element is owned by exactly one rank and the
-    others contribute zero bytes, so the sum is its exact bits) onto the host just before its
-    broadcast: no rank ever holds more than one bucket of the dense state (`bucket_bytes`), and
-    the bytes cross the learner group once."""
+    elements by one `reduce` onto the host just before its broadcast (`BucketReducer`): no rank
+    ever holds more than one bucket of the dense state (`bucket_bytes`), and the bytes cross the
+    learner group once."""
 
     def __init__(
         self,
@@ -224,15 +266,16 @@ class SGLangBroadcast:
         targets = [w for url, w in self.workers.items() if only is None or url in only]
         if not targets:
             return {}
-        owned: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        owned: Owned = {}
         for name, idx, _, bits in changes:
             owned.setdefault(name, []).append((torch.from_numpy(idx), torch.from_numpy(bits.view(np.int16))))
+        reducer = BucketReducer(self._plan, host_rank=self._host_rank, device=self.cfg.device)
         filled = 0
 
         def fill(bucket: Sequence[Spec]) -> torch.Tensor:
             nonlocal filled
             filled += 1
-            return self._reduce(bucket, owned)
+            return reducer.reduce(bucket, owned)
 
         failed: dict[str, str] = {}
         if dist.get_rank() == self._host_rank:
@@ -246,19 +289,7 @@ class SGLangBroadcast:
         else:
             for bucket in self._plan:
                 fill(bucket)
+        reducer.wait()
         box: list[Any] = [failed]
         dist.broadcast_object_list(box, src=self._host_rank)
         return dict(box[0])
-
-    def _reduce(
-        self, bucket: Sequence[Spec], owned: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
-    ) -> torch.Tensor:
-        """Collective: the bucket's bytes on the host (this rank's elements in place, zeros elsewhere)."""
-        offsets = byte_offsets(bucket)
-        flat = torch.zeros(offsets[-1], dtype=torch.uint8, device=self.cfg.device)
-        for (name, _, _), start, end in zip(bucket, offsets, offsets[1:], strict=False):
-            values = flat[start:end].view(torch.int16)
-            for idx, bits in owned.get(name, ()):
-                values[idx.to(flat.device)] = bits.to(flat.device)
-        dist.reduce(flat, dst=self._host_rank, op=dist.ReduceOp.SUM)
-        return flat

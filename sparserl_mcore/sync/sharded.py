@@ -41,7 +41,14 @@ from sparserl_mcore.sync.codec import (
     PatchError,
     resolve_positions,
 )
-from sparserl_mcore.sync.hashing import bits_view, dtype_name, model_digest, tensor_digest, touched_digest
+from sparserl_mcore.sync.hashing import (
+    DTYPES,
+    bits_view,
+    dtype_name,
+    model_digest,
+    tensor_digest,
+    touched_digest,
+)
 
 Shard = tuple[int, int]  # (tp_rank, pp_rank)
 
@@ -71,7 +78,13 @@ class ShardedReceiver:
                     f"shard ({tp}, {pp}) params differ from the layout: "
                     f"{sorted(set(params) ^ set(expected))[:4]}"
                 )
-        self.dtype = next(t.dtype for params in shards.values() for t in params.values())
+        # HF tensor -> the held params (shard, name) that hold pieces of it: each is checked for the
+        # patch's dtype (a server may hold some weights in another dtype than the rest)
+        self._params_of: dict[str, list[tuple[Shard, str]]] = {}
+        for shard in shards:
+            for param in layout.shard(*shard).values():
+                for name in param.hf_names:
+                    self._params_of.setdefault(name, []).append((shard, param.name))
         holders: dict[str, set[Shard]] = {}
         for tp in range(layout.tp_size):
             for pp in range(layout.pp_size):
@@ -92,9 +105,36 @@ class ShardedReceiver:
             self._digests = {n: tensor_digest(self.hf_tensor(n)) for n in sorted(self.covered)}
         return self._digests
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype the receiver holds HF tensor `name` in (that of the first param holding it)."""
+        shard, param = self._params_of[name][0]
+        return self.shards[shard][param].dtype
+
+    def _hf_targets(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{HF name: (shape, dtype held)} of the whole model; tensors held on no shard here take
+        the dtype of the first held param."""
+        first = next(t.dtype for params in self.shards.values() for t in params.values())
+        return {
+            n: (shape, self.dtype_of(n) if n in self._params_of else first)
+            for n, shape in self.layout.hf_shapes.items()
+        }
+
+    def check_dtypes(self, patch: DecodedPatch) -> None:
+        """Every held param a patch tensor writes into must be of the patch's dtype: a 16-bit view
+        of another dtype would write the wrong elements. PatchError, in one line, otherwise."""
+        for t in patch.tensors:
+            want = DTYPES[t.dtype]
+            for shard, param in self._params_of.get(t.name, ()):
+                have = self.shards[shard][param].dtype
+                if have != want:
+                    raise PatchError(
+                        f"parameter {param!r} (holding {t.name!r}) is {have}, the patch carries {want}: "
+                        f"serve the model in {t.dtype} (SGLang's --dtype {t.dtype}) or sync in {have}"
+                    )
+
     def hf_tensor(self, name: str) -> torch.Tensor:
         """Rebuild HF tensor `name` from the held shards (it must be covered)."""
-        out = torch.empty(self.layout.hf_shapes[name], dtype=self.dtype)
+        out = torch.empty(self.layout.hf_shapes[name], dtype=self.dtype_of(name))
         for (tp, pp), params in self.shards.items():
             for param in self.layout.shard(tp, pp).values():
                 if name in param.hf_names:
@@ -151,8 +191,8 @@ class ShardedReceiver:
         return dataclasses.replace(result, version=self.ledger.version)
 
     def _write_touched(self, patch: DecodedPatch) -> ApplyResult:
-        hf_tensors = {name: (shape, self.dtype) for name, shape in self.layout.hf_shapes.items()}
-        check_target(patch, hf_tensors, None, check_base=False)  # the ledger checked the base
+        self.check_dtypes(patch)
+        check_target(patch, self._hf_targets(), None, check_base=False)  # the ledger checked the base
         planned = []
         for t in patch.tensors:
             if t.indices is None:
@@ -192,8 +232,8 @@ class ShardedReceiver:
         """Validate, write every held copy, verify covered tensors; PatchError leaves nothing changed."""
         if (self.ledger.pending is not None or self.ledger.broken is not None) and not patch.full:
             raise PatchError(f"receiver is between versions ({self.ledger.broken or 'fragments pending'})")
-        hf_tensors = {name: (shape, self.dtype) for name, shape in self.layout.hf_shapes.items()}
-        check_target(patch, hf_tensors, self.ledger.version)
+        self.check_dtypes(patch)
+        check_target(patch, self._hf_targets(), self.ledger.version)
         patch = resolve_positions(patch, self._base_bits)
         planned = []
         for t in patch.tensors:
@@ -210,7 +250,7 @@ class ShardedReceiver:
                 if digests[t.name] != t.digest:
                     bad.append(t.name)
         if not bad and len(self.covered) == len(self.layout.hf_shapes):
-            meta = {n: (dtype_name(self.dtype), s) for n, s in self.layout.hf_shapes.items()}
+            meta = {n: (dtype_name(self.dtype_of(n)), s) for n, s in self.layout.hf_shapes.items()}
             if model_digest(digests, meta) != patch.model_digest:
                 bad.append("<whole model>")
         if bad:

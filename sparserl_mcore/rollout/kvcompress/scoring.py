@@ -44,17 +44,37 @@ def importance(keys: torch.Tensor, queries: torch.Tensor, kernel_size: int) -> t
     return max_pool(probs, kernel_size)
 
 
-def redundancy(keys: torch.Tensor, threshold: float) -> torch.Tensor:
+# fp32 elements of one similarity tile in `redundancy` (32 MiB): the whole [Hk, n, n] matrix of a
+# long prompt would not fit (28 layers x 4 heads at 8k positions: 30 GB)
+SIMILARITY_TILE_ELEMENTS = 8 * 2**20
+
+
+def redundancy(
+    keys: torch.Tensor, threshold: float, *, tile_elements: int = SIMILARITY_TILE_ELEMENTS
+) -> torch.Tensor:
     """R-KV redundancy of each key within its head: [Hk, n], a distribution over positions.
 
     Cosine similarity between keys with the diagonal zeroed and similarities not above `threshold`
     zeroed (only near-duplicates count), averaged over the other keys, then softmax over positions.
     A key repeated many times scores high, a unique one low.
+
+    The similarity is built a tile of rows (and heads) at a time, at most `tile_elements` fp32
+    values, and summed per column: memory O(Hk * n) besides one tile, whatever the prompt length.
+    The tile shape depends on n only (not on how many heads are stacked), so a head scores the
+    same alone or batched with others.
     """
     unit = F.normalize(keys.float(), dim=-1)
-    sim = unit @ unit.transpose(1, 2)  # [Hk, n, n]
-    sim.diagonal(dim1=1, dim2=2).zero_()
-    return F.threshold(sim, threshold, 0.0).mean(dim=1).softmax(dim=-1)
+    kv_heads, n, _ = unit.shape
+    rows = max(1, min(n, tile_elements // n))
+    heads = max(1, tile_elements // (rows * n))
+    near = unit.new_zeros(kv_heads, n)  # per key: summed similarity of its near-duplicates
+    for h in range(0, kv_heads, heads):
+        block = unit[h : h + heads]
+        for r in range(0, n, rows):
+            sim = block[:, r : r + rows] @ block.transpose(1, 2)  # [heads, rows, n]
+            sim.diagonal(offset=r, dim1=1, dim2=2).zero_()  # entries (i, r + i): a key with itself
+            near[h : h + heads] += torch.threshold_(sim, threshold, 0.0).sum(dim=1)
+    return (near / n).softmax(dim=-1)
 
 
 def max_pool(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
