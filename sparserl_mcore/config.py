@@ -103,7 +103,9 @@ def _is_optional(tp: Any) -> tuple[bool, Any]:
 def _unwrap_raw(value: Any, tp: Any) -> Any:
     if not isinstance(value, _Raw):
         return value
-    if tp is str:
+    if tp is str or (
+        typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp))
+    ):
         return value.text
     if _is_optional(tp)[0] and value.text.strip().lower() in ("", "null", "none", "~"):
         return None
@@ -138,6 +140,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return from_dict(tp, value, prefix=key)
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if value is False and "off" in allowed:  # YAML 1.1 reads an unquoted `off` as false
+            value = "off"
         if value not in allowed:
             raise ConfigError(
                 f"{key}: {value!r} is not allowed; allowed values: {', '.join(map(str, allowed))}"
@@ -194,10 +198,16 @@ def _coerce_tuple(value: Any, args: tuple[Any, ...], key: str) -> tuple[Any, ...
     return tuple(_coerce(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, args, strict=True)))
 
 
+def _key(f: dataclasses.Field) -> str:
+    """A field's config key: its name, or `metadata["key"]` where the key is a Python keyword
+    (`train.async` is the field `async_`)."""
+    return f.metadata.get("key", f.name)
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
     """Build dataclass `cls` from plain data, rejecting unknown keys and bad values by dotted key."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {_key(f): f for f in dataclasses.fields(cls) if f.init}
     dotted = f"{prefix}." if prefix else ""
     unknown = sorted(set(data) - set(fields))
     for key in unknown:
@@ -209,11 +219,14 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
             f"unknown key {dotted}{unknown[0]}; allowed keys in {prefix or 'the top level'}: "
             f"{', '.join(sorted(fields))}"
         )
-    kwargs = {name: _coerce(data[name], hints[name], f"{dotted}{name}") for name in fields if name in data}
+    given = {key: f for key, f in fields.items() if key in data}
+    kwargs = {f.name: _coerce(data[key], hints[f.name], f"{dotted}{key}") for key, f in given.items()}
     missing = [
-        n
-        for n, f in fields.items()
-        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        key
+        for key, f in fields.items()
+        if f.name not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
     ]
     if missing:
         raise ConfigError(f"missing required key {dotted}{missing[0]}")
@@ -228,7 +241,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
 def to_dict(obj: Any) -> Any:
     """Plain YAML-safe data (dicts, lists, scalars) for a config dataclass tree."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return {_key(f): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
     if isinstance(obj, (tuple, list)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, Mapping):
@@ -304,6 +317,9 @@ class RolloutConfig:
     continue; `sparserl slurm` sets it for the servers it starts). token_env names an environment
     variable holding the servers' bearer token (the token itself never sits in a config file).
     request_timeout_s / max_retries bound how long a dead or hung engine can stall a step.
+    prefix_cache_across_versions: the embedded engine keeps its prefix cache over weight updates,
+    so requests may reuse prompt KV an older version computed (servers: `sparserl serve
+    --prefix-cache-across-versions`); off, no request reuses KV of an older version.
     tensor_parallel_size: GPUs per rollout server (SGLang's --tp-size) where servers are started
     for the run (`sparserl slurm`); the embedded engine runs on one device.
     router_url: an sglang-router in front of the SGLang servers at `urls` (server=sglang only):
@@ -322,6 +338,7 @@ class RolloutConfig:
     kv: KVCompressionConfig = dataclasses.field(default_factory=KVCompressionConfig)
     request_timeout_s: float = 600.0
     max_retries: int = 2
+    prefix_cache_across_versions: bool = False
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -350,6 +367,11 @@ class RolloutConfig:
         if self.request_timeout_s > threading.TIMEOUT_MAX:  # its consumers wait on threading primitives
             raise ValueError(
                 f"request_timeout_s={self.request_timeout_s:g}: must be <= {threading.TIMEOUT_MAX:g}"
+            )
+        if self.prefix_cache_across_versions and self.engine != "embedded":
+            raise ValueError(
+                "prefix_cache_across_versions configures the embedded engine; remote servers take "
+                "`sparserl serve --prefix-cache-across-versions`: drop it here"
             )
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries}: must be >= 0")
@@ -488,6 +510,48 @@ class OptimizerConfig:
 MAX_SEED = 2**31  # train.seed: numpy's legacy seeding takes [0, 2**32), minus stage and step offsets
 
 
+ASYNC_MODES = ("off", "one_step", "in_flight")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AsyncConfig:
+    """Asynchronous RL (`train.async`): rollouts for the next steps are generated while the learner
+    updates. One loop either way: the rollout phase is a producer the update consumes, and "off" is
+    the case where it runs 0 batches ahead (docs/async.md).
+
+    mode: "off" -- synchronous (generate, update, sync), today's loop exactly; "one_step" --
+    verl's one-step-off-policy: batch s+1 is generated under the weights of step s-1 while step s
+    trains, and the sync waits for that generation to end (every sample has one version, lag 1);
+    "in_flight" -- PipelineRL-style: generation never waits for the learner, each sync lands
+    between two decode steps of the running requests, which keep their KV (a sample may span
+    versions; every token carries the version that sampled it).
+    max_staleness: eta, in policy versions. A batch starts generating only when the lag of its
+    first token at train time cannot exceed eta (in_flight runs up to eta batches ahead;
+    one_step exactly 1); a token older than eta when its batch trains leaves the loss, counted
+    (`staleness/masked_tokens`).
+    """
+
+    mode: Literal["off", "one_step", "in_flight"] = "off"
+    max_staleness: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 1:
+            raise ValueError(
+                f"max_staleness={self.max_staleness}: must be >= 1 (staleness 0 is mode=off, the "
+                "synchronous loop)"
+            )
+        if self.mode == "one_step" and self.max_staleness != 1:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} with mode=one_step, which runs exactly one batch "
+                "ahead: set max_staleness=1, or mode=in_flight to run further ahead"
+            )
+
+    @property
+    def ahead(self) -> int:
+        """Batches generated beyond the one being trained (0: synchronous)."""
+        return 0 if self.mode == "off" else self.max_staleness
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The loop's size. A step samples prompts_per_step * rollout.group_size sequences, then
@@ -502,6 +566,7 @@ class TrainConfig:
     micro_batch_size: int = 4
     reuse_epochs: int = 1
     filter_zero_variance_groups: bool = True
+    async_: AsyncConfig = dataclasses.field(default_factory=AsyncConfig, metadata={"key": "async"})
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "prompts_per_step", "global_batch_size", "micro_batch_size", "reuse_epochs")
@@ -599,10 +664,25 @@ class RunConfig:
                 "sync.broadcast sends full syncs over SGLang's weight-update group: it needs "
                 f"rollout.server=sglang (got {self.rollout.server!r}); drop it"
             )
+        if self.train.async_.mode != "off":
+            self._check_async()
         if self.rollout.sampling.seed is not None:
             raise ValueError(
                 f"rollout.sampling.seed={self.rollout.sampling.seed}: training seeds every request "
                 "from train.seed (so a resumed run draws the same samples); leave it null"
+            )
+
+    def _check_async(self) -> None:
+        mode = self.train.async_.mode
+        if self.sync.every != 1:
+            raise ValueError(
+                f"train.async.mode={mode} with sync.every={self.sync.every}: asynchronous rollouts need "
+                "every step's weights at the engines (staleness counts versions); set sync.every=1"
+            )
+        if self.loss.correction.mode == "off":
+            raise ValueError(
+                f"train.async.mode={mode} with loss.correction.mode=off: stale samples need the behavior "
+                "correction (pi_old / pi_sampler per token); set loss.correction.mode to tis or sparse_rl"
             )
 
 

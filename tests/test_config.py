@@ -56,6 +56,18 @@ def test_dotted_overrides_are_typed_by_the_schema() -> None:
     assert cfg.parallel.tensor_model_parallel_size == 2
 
 
+def test_async_is_off_by_default_and_round_trips_under_its_keyword_key() -> None:
+    assert build().train.async_.mode == "off" and build().train.async_.ahead == 0
+    cfg = build("train.async.mode=in_flight", "train.async.max_staleness=3")
+    assert cfg.train.async_.ahead == 3
+    assert "async:" in to_yaml(cfg) and load_config_text(to_yaml(cfg)) == cfg
+    # YAML 1.1 reads an unquoted `off` as false, in a file and in an override alike
+    text = "model: {hf_path: m}\ndata: {train_path: t.jsonl}\ntrain: {async: {mode: off}}\n"
+    assert (
+        load_config_text(text).train.async_.mode == "off" == build("train.async.mode=off").train.async_.mode
+    )
+
+
 def test_remote_engine_urls_from_an_override() -> None:
     cfg = build("rollout.engine=remote", "rollout.urls=[http://a:1, http://b:2]")
     assert cfg.rollout.urls == ("http://a:1", "http://b:2")
@@ -136,6 +148,15 @@ def test_remote_engine_urls_from_an_override() -> None:
         (["loss.policy.kl_coef=inf"], ["loss.policy.kl_coef: inf is not allowed"]),
         (["dgg.eps=nan"], ["dgg.eps: nan"]),
         (["train.steps=[1"], ["cannot parse '[1'", "(line 1, column 3)"]),
+        (["train.async.mode=later"], ["train.async.mode", "'later'", "off, one_step, in_flight"]),
+        (["train.async.max_staleness=0"], ["max_staleness=0", "staleness 0 is mode=off"]),
+        (["train.async.mode=one_step", "train.async.max_staleness=2"], ["exactly one batch ahead"]),
+        (["train.async.mode=in_flight", "sync.every=2"], ["sync.every=2", "set sync.every=1"]),
+        (
+            ["train.async.mode=in_flight", "loss.correction.mode=off"],
+            ["loss.correction.mode=off", "behavior correction"],
+        ),
+        (["train.async_.mode=off"], ["unknown key train.async_", "async"]),
     ],
 )
 def test_errors_name_the_key_and_the_allowed_values(overrides: list[str], expected: list[str]) -> None:

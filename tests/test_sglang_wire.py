@@ -97,15 +97,16 @@ def test_results_from_unsynced_or_inconsistent_workers_are_refused(obj, error):
         wire.read_sample(obj, REQUESTS[0])
 
 
-def test_a_request_spanning_a_weight_update_carries_its_oldest_version():
-    """SGLang labels a response with the LAST version (`weight_version`) and lists the spans; the
-    sample's staleness is its oldest."""
+def test_a_request_spanning_a_weight_update_names_each_tokens_version():
+    """SGLang labels a response with the LAST version (`weight_version`) and lists the spans; each
+    token keeps the version that sampled it, so its staleness is its own."""
     obj = _response("a", [9, 10, 11], "5")
     obj["meta_info"]["weight_versions"] = [
         {"version": "4", "start": 0, "end": 1},
         {"version": "5", "start": 1, "end": 3},
     ]
-    assert wire.read_sample(obj, REQUESTS[0]).weight_version == 4
+    sample = wire.read_sample(obj, REQUESTS[0])
+    assert sample.output_versions == (4, 5, 5) and sample.weight_version == 5
     obj["meta_info"]["weight_versions"][0]["version"] = "default"  # tokens before any sync of ours
     with pytest.raises(ValueError, match="'default'"):
         wire.read_sample(obj, REQUESTS[0])
@@ -121,3 +122,46 @@ def test_the_plugins_kv_figures_become_kv_stats():
     obj["meta_info"]["sparserl_kv"] = [[7, 0, 0]]
     with pytest.raises(ValueError, match="sparserl_kv"):
         wire.read_sample(obj, REQUESTS[0])
+
+
+def test_in_flight_weight_version_spans_become_per_token_versions():
+    """A request an in-place update landed in: SGLang's own span bookkeeping
+    (`utils/weight_versions.py`: the scheduler's event at the change, then the tokenizer manager's
+    meta_info) names the version of every output token."""
+    require_sglang()
+    from sglang.srt.utils.weight_versions import (
+        WeightVersionEvent,
+        add_weight_versions_to_meta_info,
+        compute_weight_version_spans,
+    )
+
+    obj = _response("a", [9, 10, 11, 12, 13], "4")
+    spans = compute_weight_version_spans(
+        [WeightVersionEvent("3", 2)], current_version="4", num_output_tokens=5
+    )
+    add_weight_versions_to_meta_info(obj["meta_info"], spans, 5)
+    sample = wire.read_sample(obj, REQUESTS[0])
+    assert sample.output_versions == (3, 3, 4, 4, 4) and sample.weight_version == 4
+    untouched = wire.read_sample(_response("a", [9, 10], "3"), REQUESTS[0])
+    assert untouched.output_versions == () and untouched.token_versions() == (3, 3)
+    gap = _response("a", [9, 10], "3")
+    gap["meta_info"]["weight_versions"] = [{"version": "3", "start": 0, "end": 1}]
+    with pytest.raises(ValueError, match="cover 1 of the 2 output tokens"):
+        wire.read_sample(gap, REQUESTS[0])
+
+
+def test_the_prefix_cache_key_reaches_sglangs_request_classes():
+    """In-flight updates key the radix cache by version (`extra_key`); SGLang's batch and single
+    request classes take it per request."""
+    require_sglang()
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    req = GenerateReqInput(**wire.generate_body(REQUESTS, "weight-version:7"))
+    req.normalize_batch_and_arguments()
+    assert req.extra_key == ["weight-version:7"] * 2
+    single = GenerateReqInput(**wire.single_body(REQUESTS[0], "weight-version:7"))
+    single.normalize_batch_and_arguments()
+    assert single.extra_key == "weight-version:7"
+    assert "extra_key" not in wire.generate_body(REQUESTS) and "extra_key" not in wire.single_body(
+        REQUESTS[0]
+    )

@@ -31,6 +31,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
+from sparserl_mcore.loss import staleness
 from sparserl_mcore.loss.correction import CorrectionConfig, CorrectionTotals, sparse_rl_correction
 from sparserl_mcore.loss.dgg import DynamicGradientGate, GateDecision
 from sparserl_mcore.loss.lm_head_grad import leaf_optimizers, lm_head_grad_energy
@@ -53,11 +54,16 @@ class UpdateConfig:
     vocab_size: int | None = None  # the HF vocabulary; Megatron's padding ids above it are excluded
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    # asynchronous RL: tokens more than this many versions older than the learner leave the loss
+    # (counted); batches then carry lag_BT. None: synchronous, no lag.
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "minibatches_per_epoch", "epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness={self.max_staleness} must be >= 0 (or None: synchronous)")
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature} must be > 0 (the sampler's temperature)")
 
@@ -71,12 +77,18 @@ class UpdateBatch:
     advantages_B: Tensor  # GRPO advantage per sequence ([B, T] also accepted)
     logp_sparse_BT: Tensor  # the sampler's log-probs, 0 outside the mask
     logp_ref_BT: Tensor | None = None  # reference log-probs (last stage) for the KL term
+    lag_BT: Tensor | None = None  # policy versions between each token's sampler and the learner (async)
 
     def check(self, cfg: UpdateConfig) -> None:
         b, t = self.tokens_BT.shape
-        for name in ("mask_BT", "logp_sparse_BT"):
-            if tuple(getattr(self, name).shape) != (b, t):
-                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, tokens_BT {(b, t)}")
+        for name in ("mask_BT", "logp_sparse_BT", "lag_BT"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (b, t):
+                raise ValueError(f"{name} has shape {tuple(value.shape)}, tokens_BT {(b, t)}")
+        if (self.lag_BT is None) != (cfg.max_staleness is None):
+            raise ValueError(
+                "lag_BT and UpdateConfig.max_staleness go together (asynchronous RL) or are both None"
+            )
         if bool(self.mask_BT[:, 0].any()):
             raise ValueError("mask_BT[:, 0] is set: the first token has no logits before it to score it")
         step = cfg.minibatches_per_epoch * cfg.micro_batch_size
@@ -239,12 +251,23 @@ def _broadcast_from_last_stage(obj, runtime: Runtime):
 
 
 def _correct(batch: UpdateBatch, logp_old: Tensor, cfg: UpdateConfig, runtime: Runtime):
-    """Sparse-RL weights and mask with the weight mean taken over the global (DP) batch."""
+    """Sparse-RL weights and mask with the weight mean taken over the global (DP) batch. With
+    asynchronous rollouts (lag_BT), tokens older than max_staleness leave the mask first and the
+    mismatch is reported per lag (loss/staleness.py); pi_old is then the proximal policy and the
+    sampler's log-probs the behavior policy's, so the one correction covers both mismatches."""
     mask = batch.mask_BT.to(runtime.device)
     logp_sparse = batch.logp_sparse_BT.to(runtime.device)
+    lag_pieces: dict[str, Tensor] = {}
+    if batch.lag_BT is not None and cfg.max_staleness is not None:  # both or neither (check)
+        lag = batch.lag_BT.to(runtime.device)
+        lag_pieces = staleness.lag_pieces(logp_old, logp_sparse, mask, lag, cfg.max_staleness)
+        mask = staleness.drop_stale(mask, lag, cfg.max_staleness)
     totals = CorrectionTotals.local(logp_old, logp_sparse, mask, cfg.correction).all_reduce(runtime.groups.dp)
     weights, mask, metrics = sparse_rl_correction(logp_old, logp_sparse, mask, cfg.correction, totals=totals)
-    return weights, mask, reduce_metrics([metrics], runtime.groups.dp)
+    reduced = reduce_metrics([{**metrics, **lag_pieces}], runtime.groups.dp)
+    if lag_pieces and cfg.max_staleness is not None:
+        reduced = staleness.lag_metrics(reduced, cfg.max_staleness)
+    return weights, mask, reduced
 
 
 def _one_update(

@@ -20,7 +20,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 # Metrics that reduce by max across micro-batches and ranks; every other metric is a sum.
-MAX_METRICS: frozenset[str] = frozenset({"correction/abs_logp_diff_max", "correction/weight_max"})
+MAX_METRICS: frozenset[str] = frozenset(
+    {"correction/abs_logp_diff_max", "correction/weight_max", "staleness/lag_max"}
+)
 
 
 def all_reduce_fields(obj, group: dist.ProcessGroup | None):

@@ -82,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, (_, kind, text) in ENGINE_FLAGS.items():
         engine.add_argument(f"--{flag}", type=kind, default=None, help=text)
     engine.add_argument("--no-radix-cache", action="store_true", help="disable prompt-prefix KV sharing")
+    engine.add_argument(
+        "--prefix-cache-across-versions",
+        action="store_true",
+        help="keep the prefix cache over weight updates (new requests may reuse older versions' KV)",
+    )
     kv = parser.add_argument_group("KV compression (omitted: KVCompressionConfig defaults)")
     for flag, (_, kind, text) in KV_FLAGS.items():
         kv.add_argument(f"--kv-{flag}", type=kind, default=None, help=text)
@@ -132,7 +137,10 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
     kv = KVCompressionConfig(**_given(args, KV_FLAGS, "kv_"))
     return EngineConfig(
-        **_given(args, ENGINE_FLAGS, ""), radix_cache=not args.no_radix_cache, kv_compression=kv
+        **_given(args, ENGINE_FLAGS, ""),
+        radix_cache=not args.no_radix_cache,
+        prefix_cache_across_versions=args.prefix_cache_across_versions,
+        kv_compression=kv,
     )
 
 

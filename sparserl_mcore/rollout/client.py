@@ -73,6 +73,7 @@ class RemoteEngine:
         self.retries = retries
         self.backoff_s = backoff_s
         self.bucket_bytes = bucket_bytes
+        self.last_pause_ms: float | None = None  # from the last /continue_generation answer
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(
             base_url=self.url,
@@ -137,6 +138,8 @@ class RemoteEngine:
             content=bytes(patch_bytes),
             headers={"Content-Type": "application/octet-stream"},
         ).json()
+        paused = answer.get("pause_ms")
+        self.last_pause_ms = float(paused) if isinstance(paused, (int, float)) else None
         return int(answer["weight_version"])
 
     def flush_cache(self) -> None:
@@ -149,7 +152,10 @@ class RemoteEngine:
         self._call("POST", "/pause_generation", json={"mode": mode})
 
     def resume(self) -> None:
-        self._call("POST", "/continue_generation")
+        """Continue generating; `last_pause_ms` then holds how long the server stood still."""
+        answer = self._call("POST", "/continue_generation").json()
+        paused = answer.get("paused_ms") if isinstance(answer, dict) else None
+        self.last_pause_ms = float(paused) if isinstance(paused, (int, float)) else None
 
     def model_info(self) -> dict[str, Any]:
         return dict(self._call("GET", "/get_model_info").json())

@@ -13,9 +13,12 @@ engine cannot make progress (steps failing in a row, broken resource invariants,
 `stall_timeout_s` with work pending).
 
 Weights: `update_weights` (full or partial HF-named state dict) and `apply_patch` (sync's sparse
-BF16 patch, applied + verified all-or-nothing) replace parameters in place and flush the radix
-prefix cache, so no request admitted afterwards reuses KV computed with old weights. Requests in
-flight keep their KV unless the caller paused with "retract" or "abort" first.
+BF16 patch, applied + verified all-or-nothing) replace parameters in place between two steps and
+flush the radix prefix cache, so no request admitted afterwards reuses KV computed with old
+weights (unless `prefix_cache_across_versions`). Requests in flight keep their KV and continue
+under the new weights unless the caller paused with "retract" or "abort" first; every token
+records the version that sampled it (`Sample.output_versions`). `last_pause_ms` is how long
+generation stood still for the last update (or explicit pause): asynchronous RL's in-flight cost.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ class EngineConfig:
     the engine (isolating one bad request among n costs about log2(n) + 1). stall_timeout_s: work
     pending and no step completed for this long is unhealthy too. check_invariants: check the
     resource invariants after every step, not only when idle (tests; O(pages) per step).
+    prefix_cache_across_versions: keep the prefix cache over weight updates, so requests admitted
+    after an update may reuse prompt KV an older version computed (saves prefill; that staleness is
+    invisible to the per-token versions, which name only the version that sampled each token).
     """
 
     device: str = "auto"
@@ -85,6 +91,7 @@ class EngineConfig:
     unhealthy_after_failed_steps: int = 16
     stall_timeout_s: float = 300.0
     check_invariants: bool = False
+    prefix_cache_across_versions: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -159,6 +166,8 @@ class EmbeddedEngine:
         self._driving = False
         self._paused = False
         self._receiver: HFReceiver | None = None  # built on the first patch
+        self._paused_at: float | None = None  # perf_counter when an explicit pause stopped stepping
+        self.last_pause_ms: float | None = None  # how long the last update / pause held generation
         mc, kv = self.model.cfg, cfg.kv_compression
         self.limits = RequestLimits(
             vocab_size=mc.vocab_size,
@@ -261,6 +270,8 @@ class EmbeddedEngine:
         with self._cond:
             self._paused = True
         with self._step_lock:
+            if self._paused_at is None:
+                self._paused_at = time.perf_counter()
             if mode == "in_place":
                 return
             with self._cond:
@@ -275,6 +286,9 @@ class EmbeddedEngine:
 
     def resume(self) -> None:
         with self._cond:
+            if self._paused_at is not None:
+                self.last_pause_ms = (time.perf_counter() - self._paused_at) * 1e3
+                self._paused_at = None
             self._paused = False
             self._last_progress = time.monotonic()
             self._cond.notify_all()
@@ -298,20 +312,25 @@ class EmbeddedEngine:
     # ---- weights and cache ---------------------------------------------------------------------
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         with self._step_lock:
+            started = time.perf_counter()
             self.model.update(state_dict)
             self._receiver = None  # its digests describe the old weights
             self._set_version(version)
+            self._stalled_since(started)
 
     def apply_patch(self, patch_bytes: bytes) -> int:
-        """Apply + verify a sync patch (all-or-nothing, raises sync's PatchError); returns its version."""
+        """Apply + verify a sync patch (all-or-nothing, raises sync's PatchError); returns its version.
+        Decoding runs before generation is held; only the write and its verification hold it."""
         from sparserl_mcore.sync import apply as sync_apply  # lazy: no sync deps unless patches arrive
 
+        decoded = sync_apply.decode_parts(patch_bytes)  # generation goes on meanwhile
         with self._step_lock:
+            started = time.perf_counter()
             if self._receiver is None:
                 version = self.scheduler.weight_version
                 self._receiver = sync_apply.HFReceiver(self._wire_state(), version=version)
             try:
-                result = self._receiver.apply(patch_bytes)
+                result = self._receiver.apply_decoded(decoded)
             except sync_apply.PatchVersionError as exc:
                 raise WeightVersionConflict(str(exc)) from None
             changed = {n: self._receiver.state[n] for n in result.touched}
@@ -319,7 +338,14 @@ class EmbeddedEngine:
                 self.model.update(changed)
             if result.version is not None:  # None only for a receiver that never held a version
                 self._set_version(result.version)
+            self._stalled_since(started)
             return self.scheduler.weight_version
+
+    def _stalled_since(self, started: float) -> None:
+        """An update held the step lock since `started`: generation stood still that long (within
+        an explicit pause, the pause's own clock counts instead)."""
+        if self._paused_at is None:
+            self.last_pause_ms = (time.perf_counter() - started) * 1e3
 
     def _wire_state(self) -> dict[str, torch.Tensor]:
         """The BF16 HF-layout state patches address: the live parameters when they are 16-bit (then
@@ -334,7 +360,7 @@ class EmbeddedEngine:
 
     def _set_version(self, version: int) -> None:
         self.scheduler.weight_version = version
-        if self.radix is not None:
+        if self.radix is not None and not self.cfg.prefix_cache_across_versions:
             self.radix.flush()
 
     def flush_cache(self) -> None:

@@ -6,7 +6,10 @@ request  {"input_ids": [..] | [[..], ..]} or {"text": str | [str, ..]}, "samplin
          "return_logprob": bool, "return_text_in_logprobs": bool, "rid": str | [str, ..]
 response {"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
          "cached_tokens", "finish_reason": {"type": "stop"|"length"|"abort", ...}, "weight_version",
-         "kv_stats", "output_token_logprobs": [[logprob, token_id, text|null], ..]}}
+         "kv_stats", "output_token_logprobs": [[logprob, token_id, text|null], ..],
+         "output_token_versions": [weight_version, ..]}}
+(`output_token_versions`, ours: the weight version that sampled each token, sent with the
+log-probs; a request that ran across an in-place weight update holds several.)
 A batch request (list of prompts) gets a list of responses in the same order. What sglang-router
 forwards is accepted too (`ROUTER_DEFAULTS`, SGLang's `sampling_seed`), so the router can front
 `sparserl serve` workers.
@@ -194,6 +197,7 @@ def render_sample(
             [lp, tok, txt]
             for lp, tok, txt in zip(sample.output_logprobs, sample.output_ids, texts, strict=True)
         ]
+        meta["output_token_versions"] = list(sample.token_versions())
     return {
         "text": decode(sample.output_ids) if decode is not None else None,
         "output_ids": list(sample.output_ids),
@@ -252,4 +256,5 @@ def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
         kv_stats=KVStats(**meta["kv_stats"]),
         weight_version=int(meta["weight_version"]),
         cached_prompt_tokens=int(meta["cached_tokens"]),
+        output_versions=tuple(int(v) for v in meta.get("output_token_versions", ())),
     )

@@ -219,7 +219,13 @@ class KVStats:
 
 @dataclass(frozen=True, kw_only=True)
 class Sample:
-    """A finished request: generated tokens, the sampler's log-prob of each, and KV stats."""
+    """A finished request: generated tokens, the sampler's log-prob of each, and KV stats.
+
+    weight_version: the engine's version when the request finished. output_versions: the weight
+    version of the forward that sampled each output token; a request that ran across an in-place
+    weight update holds several (its earlier KV was computed under the older ones). Empty when the
+    engine does not report them (then `token_versions` takes every token at `weight_version`).
+    """
 
     rid: str
     prompt_ids: tuple[int, ...]
@@ -229,6 +235,18 @@ class Sample:
     kv_stats: KVStats = field(default_factory=KVStats)
     weight_version: int = 0
     cached_prompt_tokens: int = 0
+    output_versions: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.output_versions and len(self.output_versions) != len(self.output_ids):
+            raise ValueError(
+                f"sample {self.rid}: {len(self.output_versions)} token versions for "
+                f"{len(self.output_ids)} output tokens"
+            )
+
+    def token_versions(self) -> tuple[int, ...]:
+        """The weight version that sampled each output token."""
+        return self.output_versions or (self.weight_version,) * len(self.output_ids)
 
 
 class RequestsFailed(RuntimeError):

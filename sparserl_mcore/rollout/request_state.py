@@ -34,6 +34,7 @@ class RequestState:
     cached_prompt_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # weight version that sampled each output token
     q_seen: int = 0  # queries pushed to its window ring
     lane: int | None = None  # its lane of the scheduler's CompressionLanes (queries, h2o's mass)
     kept_positions: torch.Tensor | None = None  # [L, Hk, k] positions of slots [0, k) after compressing
@@ -82,4 +83,5 @@ class RequestState:
             ),
             weight_version=weight_version,
             cached_prompt_tokens=self.cached_prompt_tokens,
+            output_versions=tuple(self.versions),
         )

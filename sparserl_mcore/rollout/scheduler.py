@@ -368,6 +368,7 @@ class Scheduler:
     def _append(self, r: RequestState, token: int, logprob: float) -> FinishReason | None:
         r.output_ids.append(token)
         r.logprobs.append(logprob)
+        r.versions.append(self.weight_version)
         self.stats.generated_tokens += 1
         sp = r.req.sampling
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.model.cfg.eos_token_ids):

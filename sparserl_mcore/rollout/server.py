@@ -206,7 +206,9 @@ def create_app(
     @app.post("/continue_generation", dependencies=[Depends(auth)])
     async def continue_generation() -> dict[str, Any]:
         await asyncio.to_thread(worker.resume)
-        return {"success": True, "message": "generation continued"}
+        # how long generation stood still (engines that measure it): the in-flight update's cost
+        paused_ms = getattr(engine, "last_pause_ms", None)
+        return {"success": True, "message": "generation continued", "paused_ms": paused_ms}
 
     @app.post("/abort_request", dependencies=[Depends(auth)])
     async def abort_request(request: Request) -> dict[str, Any]:
@@ -294,8 +296,10 @@ def _add_weight_routes(app: FastAPI, worker: EngineWorker, auth: Callable[..., N
     @app.post("/update_weights_from_patch", dependencies=[Depends(auth)])
     async def update_weights_from_patch(request: Request) -> dict[str, Any]:
         patch = await _octets(request)
+        own_pause = not worker.paused  # else the explicit pause's clock, at /continue_generation
         version = await update(lambda e: e.apply_patch(patch))
-        return {"success": True, "weight_version": int(version)}
+        pause_ms = getattr(worker.engine, "last_pause_ms", None) if own_pause else None
+        return {"success": True, "weight_version": int(version), "pause_ms": pause_ms}
 
     @app.post("/update_weights_from_safetensors", dependencies=[Depends(auth)])
     async def update_weights_from_safetensors(request: Request, weight_version: int) -> dict[str, Any]:

@@ -62,11 +62,16 @@ class SGLangWorker(RemoteEngine):
     """One SGLang server: generation through `RemoteEngine` in SGLang's /generate dialect
     (`sglang.wire`), plus the weight-update routes."""
 
-    _generate_body = staticmethod(wire.generate_body)
     _read_sample = staticmethod(wire.read_sample)
+    # set by in-flight weight syncs: requests carry it as `extra_key`, so none matches prefix KV an
+    # older version cached (SGLang cannot flush while paused requests hold their pages)
+    prefix_key: str | None = None
 
     def __repr__(self) -> str:
         return f"SGLangWorker({self.url!r})"
+
+    def _generate_body(self, requests: Sequence[GenerateRequest]) -> dict[str, Any]:
+        return wire.generate_body(requests, self.prefix_key)
 
     def server_info(self) -> dict[str, Any]:
         return dict(self._call("GET", "/server_info").json())
@@ -92,13 +97,15 @@ class SGLangWorker(RemoteEngine):
     def end_weight_update(self) -> None:
         self._call("POST", "/end_weight_update", json={})
 
-    def open_update_session(self) -> None:
-        """Pause generation (retracting running requests) and begin a weight-update session.
+    def open_update_session(self, pause_mode: str = "retract") -> None:
+        """Pause generation and begin a weight-update session. "retract": running requests restart
+        from their prompts under the new weights; "in_place" (in-flight updates): they keep their KV
+        and continue under the new weights.
 
         0.5.23 refuses a second session (`SchedulerWeightUpdaterManager.begin_weight_update`: "a
         weight-update session is already open"): one left by a trainer that died mid-sync is ended
         first (the run resumes with a full sync, so closing it loses nothing)."""
-        self.pause("retract")
+        self.pause(pause_mode)
         try:
             self.begin_weight_update()
         except RemoteValueError as exc:
@@ -107,16 +114,16 @@ class SGLangWorker(RemoteEngine):
             self.end_weight_update()
             self.begin_weight_update()
 
-    def close_update_session(self) -> None:
+    def close_update_session(self, *, flush: bool = True) -> None:
         """End the session, flush the radix cache (its KV came from the old weights), continue
         generation: each tried even when an earlier one failed, so a worker never stays paused;
-        raises RuntimeError naming every step that failed."""
+        raises RuntimeError naming every step that failed. `flush=False` after an in-place pause:
+        0.5.23 refuses a flush while requests hold pages (`Scheduler.flush_cache`: not idle);
+        `prefix_key` keeps the versions' prefixes apart instead."""
+        steps = [("end_weight_update", self.end_weight_update)]
+        steps += [("flush_cache", self.flush_cache)] if flush else []
         problems = []
-        for what, call in (
-            ("end_weight_update", self.end_weight_update),
-            ("flush_cache", self.flush_cache),
-            ("continue_generation", self.resume),
-        ):
+        for what, call in (*steps, ("continue_generation", self.resume)):
             try:
                 call()
             except Exception as exc:  # noqa: BLE001 - the next step must still run
@@ -186,6 +193,7 @@ class SGLangRouter(RemoteEngine):
     """
 
     _read_sample = staticmethod(wire.read_sample)
+    prefix_key: str | None = None  # as SGLangWorker's; the router forwards `extra_key`
 
     def __init__(
         self, url: str, *, concurrency: int, chunk_size: int, timeout: float = 600.0, retries: int = 0
@@ -206,7 +214,7 @@ class SGLangRouter(RemoteEngine):
             return list(calls.map(self._generate_one, requests))
 
     def _generate_one(self, request: GenerateRequest) -> Sample:
-        answer = self._call("POST", "/generate", json=wire.single_body(request)).json()
+        answer = self._call("POST", "/generate", json=wire.single_body(request, self.prefix_key)).json()
         try:
             return self._read_sample(answer, request)
         except (KeyError, TypeError, ValueError) as exc:

@@ -17,6 +17,12 @@ session (`SchedulerWeightUpdaterManager.update_weights_from_tensor`). So one syn
    has sent), then the host: `/end_weight_update`, `/flush_cache`, `/continue_generation`, for
    every worker whose session it opened, failed or not (a worker must never stay paused).
 
+In-flight updates (`in_flight`, asynchronous RL) pause `{"mode": "in_place"}` instead: running
+requests keep their KV and continue under the new version (SGLang records the version change per
+request: `meta_info.weight_versions`), and there is no flush (0.5.23 refuses one while requests
+hold pages); requests carry the version as `extra_key` instead (`SGLangWorker.prefix_key`). The
+host times each bracket, pause to continue: `pause_ms`.
+
 Collective over the default group (the learner ranks); every rank returns the same failure map.
 A full sync is the same path with every owned element (`overwrite`, base None), which a worker
 whose patch was rejected accepts (its ledger is `broken` until a full version lands).
@@ -24,6 +30,7 @@ whose patch was rejected accepts (its ledger is `broken` until a full version la
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -93,8 +100,11 @@ class SGLangDelivery:
         host_rank: int,
         token: str | None = None,
         timeout_s: float = 600.0,
+        in_flight: bool = False,
     ) -> None:
         self.workers = {u: SGLangWorker(u, token, timeout=timeout_s, retries=1) for u in urls}
+        self.in_flight = in_flight
+        self.pause_ms: dict[str, float] = {}  # host: per worker, pause to continue of the last sync
         self._hf = hf
         self._host_rank = host_rank
         # worker -> its (TP, EP) sizes, learned by the host at the first sync
@@ -123,9 +133,12 @@ class SGLangDelivery:
         host = dist.get_rank() == self._host_rank
         opened: list[str] = []
         failed: dict[str, str] = {}
+        paused_at: dict[str, float] = {}
+        self.pause_ms = {}
         if host:
             for url in targets:
                 try:
+                    paused_at[url] = time.perf_counter()
                     self._open(url)
                     opened.append(url)
                 except Exception as exc:  # noqa: BLE001 - this worker is reported, the others go on
@@ -157,6 +170,7 @@ class SGLangDelivery:
         if host:
             for url in opened:
                 problem = self._close(url)
+                self.pause_ms[url] = (time.perf_counter() - paused_at[url]) * 1e3
                 if problem and url not in failed:
                     failed[url] = problem
         box = [failed]
@@ -167,11 +181,11 @@ class SGLangDelivery:
         worker = self.workers[url]
         if url not in self._tp:
             self._tp[url] = worker.layout_sizes()
-        worker.open_update_session()
+        worker.open_update_session("in_place" if self.in_flight else "retract")
 
     def _close(self, url: str) -> str:
         try:
-            self.workers[url].close_update_session()
+            self.workers[url].close_update_session(flush=not self.in_flight)
         except Exception as exc:  # noqa: BLE001 - reported as this worker's failure
             return str(exc)
         return ""

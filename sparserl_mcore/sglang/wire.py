@@ -10,13 +10,17 @@ SGLang's where this module adapts (read in the 0.5.23 wheel, file: symbol):
 - response (`managers/tokenizer_manager.py: TokenizerManager._handle_batch_output`): `output_ids`,
   `meta_info` with `id`, `finish_reason` ({"type": "stop"|"length"|"abort", ...}),
   `cached_tokens`, `weight_version` (SGLang's label string: the version our sync sent, or
-  "default" on a worker that never got our weights), `weight_versions` (`utils/weight_versions.py:
-  add_weight_versions_to_meta_info`: [{"version", "start", "end"}] output-token spans, more than
-  one when a weight update landed while the request ran; `weight_version` is the LAST span's)
-  and `output_token_logprobs` as [logprob, token_id, text|null] (`detokenize_logprob_tokens`).
-  SGLang has no KV statistics of its own: our plugin adds `sparserl_kv` (`kv_report`), read into
-  the sample's `KVStats`; a server without our plugin gives zero `KVStats`.
-A sample's `weight_version` is the OLDEST version any of its tokens came from (its staleness).
+  "default" on a worker that never got our weights), `weight_versions` (the label of each span of
+  output tokens, [{"version", "start", "end"}, ...]: `utils/weight_versions.py:
+  add_weight_versions_to_meta_info`, recorded by the scheduler at every weight-version change, so a
+  request an in-place update landed in names both) and `output_token_logprobs` as
+  [logprob, token_id, text|null] (`detokenize_logprob_tokens`). SGLang has no KV statistics
+  of its own: our plugin adds `sparserl_kv` (`kv_report`), read into the sample's `KVStats`; a
+  server without our plugin gives zero `KVStats`.
+- `extra_key` (`GenerateReqInput.extra_key`, part of the radix cache's key, forwarded by
+  sglang-router 0.3.2 too): in-flight updates set it to the weight version, so a request never
+  matches prefix KV that requests of an older version cached (SGLang cannot flush while requests
+  run in place).
 """
 
 from __future__ import annotations
@@ -47,19 +51,49 @@ def sampling_json(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
-    """One batch /generate body: ours, with SGLang's sampling names."""
-    return http_wire.generate_body(requests, params_json=sampling_json)
+def generate_body(requests: Sequence[GenerateRequest], extra_key: str | None = None) -> dict[str, Any]:
+    """One batch /generate body: ours, with SGLang's sampling names (and the prefix-cache key)."""
+    body = http_wire.generate_body(requests, params_json=sampling_json)
+    if extra_key is not None:
+        body["extra_key"] = [extra_key] * len(requests)
+    return body
 
 
-def single_body(request: GenerateRequest) -> dict[str, Any]:
+def single_body(request: GenerateRequest, extra_key: str | None = None) -> dict[str, Any]:
     """One prompt's /generate body: what sglang-router takes (it refuses batch bodies)."""
-    return {
+    body = {
         "input_ids": list(request.input_ids),
         "sampling_params": sampling_json(request.sampling),
         "rid": request.rid or uuid.uuid4().hex,
         "return_logprob": True,
     }
+    if extra_key is not None:
+        body["extra_key"] = extra_key
+    return body
+
+
+def _version(label: Any) -> int:
+    label = str(label)
+    if not label.isdigit():
+        raise ValueError(f"weight_version={label!r}: this worker holds no weights synced by the trainer")
+    return int(label)
+
+
+def token_versions(meta: dict[str, Any], n: int) -> tuple[int, ...]:
+    """Per output token, the version that sampled it, from `weight_versions` spans (empty when the
+    worker sends none: then every token counts at `weight_version`). ValueError unless the spans
+    cover the n tokens in order."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return ()
+    out: list[int] = []
+    for span in spans:
+        if int(span["start"]) != len(out) or int(span["end"]) < len(out):
+            raise ValueError(f"weight_versions {spans!r} do not cover the {n} output tokens in order")
+        out += [_version(span["version"])] * (int(span["end"]) - len(out))
+    if len(out) != n:
+        raise ValueError(f"weight_versions {spans!r} cover {len(out)} of the {n} output tokens")
+    return tuple(out)
 
 
 def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
@@ -74,20 +108,10 @@ def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
         output_logprobs=logprobs,
         finish_reason=meta["finish_reason"]["type"],
         kv_stats=read_kv_stats(meta),
-        weight_version=oldest_version(meta),
+        weight_version=_version(meta["weight_version"]),
         cached_prompt_tokens=int(meta.get("cached_tokens", 0)),
+        output_versions=token_versions(meta, len(output_ids)),
     )
-
-
-def oldest_version(meta: dict[str, Any]) -> int:
-    """The oldest weight version among the response's token spans (`weight_versions`), or its
-    `weight_version` when it has none; ValueError for a label our sync did not send."""
-    spans = meta.get("weight_versions") or [{"version": meta["weight_version"]}]
-    labels = [str(span["version"]) for span in spans]
-    for label in labels:
-        if not label.isdigit():
-            raise ValueError(f"weight_version={label!r}: this worker holds no weights synced by the trainer")
-    return min(int(label) for label in labels)
 
 
 def read_kv_stats(meta: dict[str, Any]) -> KVStats:

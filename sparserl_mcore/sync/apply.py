@@ -304,7 +304,12 @@ class HFReceiver:
         The result covers every part applied: per-rank fragments (one per learner rank) write
         disjoint tensors under PP, and a caller refreshing what changed needs all of them.
         """
-        results = [self._apply_one(patch) for patch in decode_parts(data)]
+        return self.apply_decoded(decode_parts(data))
+
+    def apply_decoded(self, parts: list[DecodedPatch]) -> ApplyResult:
+        """`apply` of patches already decoded (`decode_parts`): an engine decodes while it keeps
+        generating and holds generation only for this part."""
+        results = [self._apply_one(patch) for patch in parts]
         if len(results) == 1:
             return results[0]
         touched = tuple(dict.fromkeys(name for r in results for name in r.touched))

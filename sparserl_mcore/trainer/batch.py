@@ -5,6 +5,7 @@ Shapes (legend): B sequences, T = longest prompt + response in the batch.
     mask_BT          1.0 where tokens_BT[:, t] is a response token (the loss positions)
     logp_sparse_BT   the sampler's log-prob of tokens_BT[:, t] (0 outside mask_BT)
     advantages_B     GRPO advantage of each sequence
+    versions_BT      the weight version that sampled tokens_BT[:, t] (0 outside mask_BT)
 Per-token arrays are indexed by the position of the token they score, the convention of
 `sparserl_mcore.loss` (the log-prob of token t comes from the logits at position t - 1).
 """
@@ -27,6 +28,7 @@ class RolloutBatch:
     logp_sparse_BT: torch.Tensor
     advantages_B: torch.Tensor
     rewards_B: torch.Tensor
+    versions_BT: torch.Tensor
 
     @property
     def size(self) -> int:
@@ -56,6 +58,7 @@ def build_batch(
     tokens_BT = torch.zeros(B, T, dtype=torch.long)
     mask_BT = torch.zeros(B, T, dtype=torch.float32)
     logp_sparse_BT = torch.zeros(B, T, dtype=torch.float32)
+    versions_BT = torch.zeros(B, T, dtype=torch.long)
     for row, sample in enumerate(samples):
         p, n = len(sample.prompt_ids), len(sample.output_ids)
         if len(sample.output_logprobs) != n:
@@ -65,6 +68,7 @@ def build_batch(
         tokens_BT[row, : p + n] = torch.tensor(sample.prompt_ids + sample.output_ids)
         mask_BT[row, p : p + n] = 1.0
         logp_sparse_BT[row, p : p + n] = torch.tensor(sample.output_logprobs, dtype=torch.float32)
+        versions_BT[row, p : p + n] = torch.tensor(sample.token_versions(), dtype=torch.long)
     rewards_B = torch.tensor(list(rewards), dtype=torch.float32)
     advantages_B = grpo_advantages(rewards_B, group_size, normalize_std=normalize_std)
-    return RolloutBatch(tokens_BT, mask_BT, logp_sparse_BT, advantages_B, rewards_B)
+    return RolloutBatch(tokens_BT, mask_BT, logp_sparse_BT, advantages_B, rewards_B, versions_BT)

@@ -130,7 +130,7 @@ class EnginePool:
         return [sample for index in range(n_chunks) for sample in done[index]]
 
     def _dispatch(self, pending: queue.Queue, busy: _Busy, finished: queue.Queue) -> None:
-        for name, engine in self.live.items():
+        for name, engine in list(self.live.items()):  # a weight sync may remove one meanwhile
             free = getattr(engine, "concurrency", 1) - sum(1 for owner, _ in busy if owner == name)
             for _ in range(free):
                 if pending.empty():

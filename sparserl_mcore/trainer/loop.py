@@ -1,8 +1,14 @@
 """The RL loop. `train(cfg)` runs on every learner rank; one step is the list in `Trainer.step`:
 
-    prompts -> rollouts (host rank, one engine interface) -> rewards -> GRPO advantages
-    -> dense pi_old (+ pi_ref) recompute -> up to K update epochs with DGG -> sparse weight sync
-    -> periodic eval (dense and compressed KV) -> metrics -> checkpoint
+    admit prompts -> take the step's rollouts (host rank, one engine interface) with rewards
+    -> GRPO advantages -> dense pi_old (+ pi_ref) recompute -> up to K update epochs with DGG
+    -> sparse weight sync -> periodic eval (dense and compressed KV) -> metrics -> checkpoint
+
+The rollout phase is a producer the update consumes (trainer/producer.py). Admission: batch b is
+submitted at the start of step b - ahead (ahead = 0 synchronous, `train.async.max_staleness`
+asynchronous), when the engines hold the learner's current version, so no token of it can be more
+than `ahead` versions old when step b trains on it. `train.async.mode=off` is ahead 0: the batch is
+generated when taken, exactly the synchronous loop.
 
 Before each step the ranks agree whether a stop signal (SIGUSR1 ahead of a Slurm time limit,
 SIGTERM) arrived anywhere; if so they checkpoint and end cleanly (trainer/preemption.py).
@@ -24,15 +30,18 @@ import torch
 from sparserl_mcore import parallel
 from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
+from sparserl_mcore.rollout.protocol import Sample
 from sparserl_mcore.telemetry import RunProgress
 from sparserl_mcore.trainer import checkpoint, moe_routing, run_layout
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
 from sparserl_mcore.trainer.preemption import StopRequest
-from sparserl_mcore.trainer.rollouts import generate_and_score
+from sparserl_mcore.trainer.producer import RolloutProducer
+from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, score_on_host
 from sparserl_mcore.trainer.run_layout import RunLayout
 from sparserl_mcore.trainer.run_record import read_saved_run
 from sparserl_mcore.trainer.setup import Parts, build_parts, resume_checkpoint
+from sparserl_mcore.trainer.versions import PolicyVersions
 
 EXIT_OK, EXIT_NO_ENGINE = 0, 3
 
@@ -47,6 +56,7 @@ class LoopState:
     skipped_updates: int = 0  # non-finite loss/gradient updates dropped
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
     dgg: dict[str, Any] = dataclasses.field(default_factory=dict)
+    versions: list[int] = dataclasses.field(default_factory=list)  # published, see trainer/versions.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +137,15 @@ class Trainer:
         self._first_step = 0
         self._rewards: list[float] = []  # mean reward of this run's first and latest step
         self._saved_step = -1  # step of the last checkpoint this process wrote
+        self.versions = PolicyVersions()
+        self.producer = RolloutProducer(
+            self._score,
+            ahead=cfg.train.async_.ahead,
+            host=runtime.rank == HOST_RANK,
+            group=runtime.learner_group,
+            abort=self._abort_generation,
+        )
+        self._submitted_through = 0  # the last step whose batch was submitted
 
     # -- the run -------------------------------------------------------------------------------
     def fit(self) -> RunSummary:
@@ -174,26 +193,23 @@ class Trainer:
         """One RL step, as a list of named steps."""
         cfg, p, step = self.cfg, self.parts, self.state.step + 1
         timer, started = _Timer(), time.perf_counter()
-        prompts = p.data.next_prompts(cfg.train.prompts_per_step)
-        self.progress.rollouts(len(prompts) * cfg.rollout.group_size)
-        with timer("rollout"):
-            samples, rewards = generate_and_score(
-                p.pool,
-                prompts,
-                tag=f"step{step}",
-                group_size=cfg.rollout.group_size,
-                sampling=cfg.rollout.sampling,
-                run_seed=cfg.train.seed,
-                reward_fn=p.reward_fn,
-                group=self.runtime.learner_group,
-            )
+        self._admit(step)
+        if self.producer.ahead:
+            self.progress.phase("rollouts (generated ahead)")
+        else:
+            self.progress.rollouts(cfg.train.prompts_per_step * cfg.rollout.group_size)
+        with timer("rollout"):  # asynchronous: how long the learner waited for the batch
+            produced = self.producer.take(step)
+        samples = produced.samples
         batch = build_batch(
             samples,
-            rewards,
+            produced.rewards,
             group_size=cfg.rollout.group_size,
             normalize_std=cfg.loss.advantage_std_normalize,
         )
         metrics = rollout_metrics(samples, batch, p.kv_bytes_per_token)
+        if self.producer.ahead:
+            metrics["rollout/generate_s"] = produced.generate_s
         if cfg.train.filter_zero_variance_groups:
             batch = batch.select(informative_rows(batch.rewards_B, cfg.rollout.group_size))
         batch, updates_per_epoch = self._trim(batch)
@@ -217,16 +233,60 @@ class Trainer:
         self.progress.step_done(step, info=f"reward {metrics['rollout/reward_mean']:.3f}")
 
     def close(self) -> None:
-        """Release the engines (HTTP clients); the telemetry closes with the run's summary."""
+        """Stop generating ahead, release the engines (HTTP clients); the telemetry closes with the
+        run's summary."""
+        self.producer.close()
         for pool in (self.parts.pool, self.parts.dense_pool):
             if pool is not None:
                 pool.close()
 
     # -- pieces ---------------------------------------------------------------------------------
+    def _admit(self, step: int) -> None:
+        """Submit every batch up to step + ahead (within the run), prompts drawn in step order on
+        every rank; see the module docstring for why this bounds the staleness."""
+        cfg, p = self.cfg, self.parts
+        last = min(step + self.producer.ahead, cfg.train.steps)
+        for b in range(max(self._submitted_through + 1, step), last + 1):
+            before = p.data.state_dict()
+            self.producer.submit(b, p.data.next_prompts(cfg.train.prompts_per_step), before)
+            self._submitted_through = b
+
+    def _score(self, step: int, prompts: Sequence[Prompt]) -> tuple[list[Sample], list[float]]:
+        """Host: batch `step` from the engines, scored (the producer's worker when running ahead)."""
+        cfg = self.cfg
+        return score_on_host(
+            self.parts.pool,
+            prompts,
+            tag=f"step{step}",
+            group_size=cfg.rollout.group_size,
+            sampling=cfg.rollout.sampling,
+            run_seed=cfg.train.seed,
+            reward_fn=self.parts.reward_fn,
+        )
+
+    def _abort_generation(self) -> None:
+        """Host: finish every request the engines are running as "abort" (stopping mid-run)."""
+        pool = self.parts.pool
+        for name, engine in list(pool.live.items()) if pool is not None else []:
+            try:
+                engine.pause("abort")
+                engine.resume()
+            except Exception as exc:  # noqa: BLE001 - stopping anyway; the engine's answer is late
+                self.parts.telemetry.event("abort_failed", {"engine": name, "reason": str(exc)})
+
     def sync_weights(self, version: int) -> dict[str, float]:
+        """Collective: publish the learner's weights as `version`. one_step mode first waits for the
+        batch being generated (its samples keep one version); in_flight lands between decode steps."""
         p = self.parts
-        metrics = p.syncer.sync([p.pool, p.dense_pool], version=version)
+        metrics: dict[str, float] = {}
+        if self.cfg.train.async_.mode == "one_step" and self.runtime.rank == HOST_RANK:
+            waited = time.perf_counter()
+            self.producer.wait_generated()
+            metrics["time/wait_generation_s"] = time.perf_counter() - waited
+        metrics.update(p.syncer.sync([p.pool, p.dense_pool], version=version))
         self.state.sync_version, self._weights_changed = version, False
+        self.versions.publish(version)
+        self.state.versions = self.versions.state_dict()
         return metrics
 
     def _log_eval(self) -> None:
@@ -256,6 +316,7 @@ class Trainer:
         learner = p.learner
         rows = torch.arange(batch.size).tensor_split(rt.dp_size)[rt.dp_rank]
         local = batch.select(rows)
+        asynchronous = learner.update_cfg.max_staleness is not None
         logp_ref = None
         if p.ref is not None:
             logp_ref = megatron_step.compute_logprobs(
@@ -272,6 +333,7 @@ class Trainer:
             advantages_B=local.advantages_B,
             logp_sparse_BT=local.logp_sparse_BT,
             logp_ref_BT=logp_ref,
+            lag_BT=self.versions.lag(local.versions_BT) if asynchronous else None,
         )
         cfg = dataclasses.replace(learner.update_cfg, minibatches_per_epoch=updates_per_epoch)
         self.progress.phase(f"update (<= {updates_per_epoch * cfg.epochs} optimizer steps)")
@@ -317,7 +379,8 @@ class Trainer:
         p = self.parts
         if sync_engines and self._weights_changed:
             self.sync_weights(self.state.step)
-        self.state.data = p.data.state_dict()
+        # batches generated ahead are regenerated on resume: record the position before them
+        self.state.data = self.producer.resume_data_state() or p.data.state_dict()
         self.state.dgg = p.learner.dgg_state()
         record = {
             "config": to_dict(self.cfg),
@@ -353,6 +416,7 @@ class Trainer:
                 pp_rank=self.runtime.pp_rank,
             )
             self.state = LoopState(**loop)
+            self.versions = PolicyVersions(self.state.versions or [self.state.sync_version])
             p.data.load_state_dict(self.state.data)
             p.learner.load_dgg_state(self.state.dgg)
             saved = read_saved_run(path).layout

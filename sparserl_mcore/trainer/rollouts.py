@@ -56,6 +56,37 @@ def make_requests(
 RewardFn = Callable[[Sample, Prompt], float]
 
 
+def score_on_host(
+    pool: EnginePool | None,
+    prompts: Sequence[Prompt],
+    *,
+    tag: str,
+    group_size: int,
+    sampling: SamplingParams,
+    run_seed: int,
+    reward_fn: RewardFn,
+) -> tuple[list[Sample], list[float]]:
+    """Host rank only: G samples per prompt from the engines, each scored by the reward function."""
+    assert pool is not None, "the host rank holds the engine pool"
+    requests = make_requests(prompts, tag=tag, group_size=group_size, sampling=sampling, run_seed=run_seed)
+    samples = pool.generate(requests)
+    rewards = [reward_fn(s, prompts[i // group_size]) for i, s in enumerate(samples)]
+    return samples, rewards
+
+
+def share_from_host(payload: Any, group: dist.ProcessGroup) -> Any:
+    """Collective over `group` (the learner ranks, host included): the host's payload to every rank.
+
+    A payload that is an exception (an engine failure on the host, e.g. `NoEngineLeftError`) is
+    raised on every rank, so none waits forever for samples that will not come.
+    """
+    box: list[Any] = [payload if dist.get_rank() == HOST_RANK else None]
+    dist.broadcast_object_list(box, src=HOST_RANK, group=group)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
 def generate_and_score(
     pool: EnginePool | None,
     prompts: Sequence[Prompt],
@@ -67,25 +98,20 @@ def generate_and_score(
     reward_fn: RewardFn,
     group: dist.ProcessGroup,
 ) -> tuple[list[Sample], list[float]]:
-    """Collective over `group` (the learner ranks, host included): the host generates and scores,
-    everyone receives the result.
-
-    An engine failure on the host (e.g. `NoEngineLeftError`) is broadcast too, so every rank
-    raises the same error instead of waiting forever for samples that will not come.
-    """
-    payload: list[Any] = [None]
+    """Collective over `group`: the host generates and scores (`score_on_host`), everyone receives
+    the result (`share_from_host`)."""
+    payload: Any = None
     if dist.get_rank() == HOST_RANK:
         try:
-            assert pool is not None, "the host rank holds the engine pool"
-            requests = make_requests(
-                prompts, tag=tag, group_size=group_size, sampling=sampling, run_seed=run_seed
+            payload = score_on_host(
+                pool,
+                prompts,
+                tag=tag,
+                group_size=group_size,
+                sampling=sampling,
+                run_seed=run_seed,
+                reward_fn=reward_fn,
             )
-            samples = pool.generate(requests)
-            rewards = [reward_fn(s, prompts[i // group_size]) for i, s in enumerate(samples)]
-            payload[0] = (samples, rewards)
         except Exception as exc:
-            payload[0] = exc
-    dist.broadcast_object_list(payload, src=HOST_RANK, group=group)
-    if isinstance(payload[0], Exception):
-        raise payload[0]
-    return payload[0]
+            payload = exc
+    return share_from_host(payload, group)

@@ -42,6 +42,7 @@ def update_config(cfg: RunConfig, vocab_size: int) -> megatron_step.UpdateConfig
         vocab_size=vocab_size,
         correction=cfg.loss.correction,
         policy=cfg.loss.policy,
+        max_staleness=cfg.train.async_.max_staleness if cfg.train.async_.mode != "off" else None,
     )
 
 
@@ -143,7 +144,12 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
 
     kv = rc.kv if compressed else KVCompressionConfig(method="none")
     name = "embedded" if compressed else "embedded-dense"
-    engine_cfg = EngineConfig(device=str(device), kv_compression=kv, seed=cfg.train.seed)
+    engine_cfg = EngineConfig(
+        device=str(device),
+        kv_compression=kv,
+        seed=cfg.train.seed,
+        prefix_cache_across_versions=rc.prefix_cache_across_versions,
+    )
     return {name: EmbeddedEngine(cfg.model.hf_path, engine_cfg)}
 
 
@@ -226,6 +232,7 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         token=os.environ.get(cfg.rollout.token_env) if remote and cfg.rollout.token_env else None,
         timeout_s=cfg.rollout.request_timeout_s,
         broadcast=broadcast_config(cfg, runtime) if remote else None,
+        in_flight=cfg.train.async_.mode == "in_flight",
     )
     evaluator = Evaluator(
         cfg.eval,

@@ -12,6 +12,12 @@ is gathered on a stage source and no rank holds a mirror of the model. Delivery:
 - in-process engines (the embedded engine on the host rank): the fragments, already encoded,
   reach the host (the receiver's own process) in one `gather_object` of bytes.
 Every engine applies each fragment as it lands and moves to the version when all have landed.
+
+In-flight updates (`in_flight`, asynchronous RL): requests keep running while a sync lands. An
+in-process engine applies the whole version in one call between two decode steps; remote
+`sparserl serve` engines, which get one fragment per learner rank, are paused `in_place` by the
+host first (running requests keep their KV and wait) and continued after every rank has sent, so no
+decode step sees half a version. How long each engine stood still comes back as `time/sync_pause_ms`.
 Any failure (digest mismatch, wrong base, unreachable) is shared by one `all_gather_object` of
 names, and the failed engines get a full sync made the same way (each rank its owned elements,
 `overwrite`); an engine failing that too leaves the pool. An fp32 learner (CPU) is diffed through a
@@ -78,8 +84,11 @@ class WeightSyncer:
         token: str | None = None,
         timeout_s: float = 600.0,
         broadcast: DenseSyncConfig | None = None,
+        in_flight: bool = False,
     ):
         self.layout, self.runtime, self.codec = layout, runtime, codec
+        self.in_flight = in_flight
+        self._pauses: dict[str, float] = {}  # engine -> ms it stood still for the last delivery
         self._on_event = on_event
         self._groups = build_sync_groups(runtime)
         core = unwrap_model(model)
@@ -96,7 +105,12 @@ class WeightSyncer:
         self._dropped: set[str] = set()  # engines a full sync failed on: out of the pool for good
         if remote_urls and remote_server == "sglang":
             self._sglang = SGLangDelivery(
-                remote_urls, layout.hf, host_rank=HOST_RANK, token=token, timeout_s=timeout_s
+                remote_urls,
+                layout.hf,
+                host_rank=HOST_RANK,
+                token=token,
+                timeout_s=timeout_s,
+                in_flight=in_flight,
             )
             if broadcast is not None:
                 self._broadcast = SGLangBroadcast(
@@ -148,6 +162,17 @@ class WeightSyncer:
         self._shards = self._new_shard_syncer(version)
         failed, _ = self._deliver(self._full_changes(), version, None, pools, None, "full weight sync")
         self._drop(pools, failed)
+        self._key_prefixes(pools, version)
+
+    def _key_prefixes(self, pools: list[EnginePool | None], version: int) -> None:
+        """In-flight updates into SGLang (no flush while requests run in place): the host's SGLang
+        clients key later requests' prefix cache by this version (`SGLangWorker.prefix_key`)."""
+        if not self.in_flight or self._sglang is None:
+            return
+        for pool in pools:
+            for engine in pool.live.values() if pool is not None else ():
+                if hasattr(engine, "prefix_key"):
+                    engine.prefix_key = f"weight-version:{version}"
 
     def sync(self, pools: list[EnginePool | None], *, version: int) -> dict[str, float]:
         """Collective: this version's fragments, one per learner rank, applied by every engine."""
@@ -166,13 +191,17 @@ class WeightSyncer:
                 self._full_changes(), version, None, pools, failed, "full fallback sync"
             )
             self._drop(pools, failed)
+        self._key_prefixes(pools, version)
         sent = torch.tensor([size], dtype=torch.int64)
         dist.all_reduce(sent)
-        return {
+        metrics = {
             "sync/patch_bytes": float(sent),
             "sync/dense_bytes": float(self._dense_bytes),
             "sync/ratio_vs_dense": self._dense_bytes / max(int(sent), 1),
         }
+        if self._pauses:  # host: the engines that measured their stall
+            metrics["time/sync_pause_ms"] = max(self._pauses.values())
+        return metrics
 
     def _deliver(
         self,
@@ -189,10 +218,14 @@ class WeightSyncer:
         encode = self._encoder(version, base_version)
         # remote engines dropped earlier get nothing more (every rank dropped the same ones)
         remote = (self._remote if only is None else only & self._remote) - self._dropped
-        failed: dict[str, str] = {}
+        self._pauses = {}
+        bracketed = self._bracketed(remote)
+        failed = self._pause_in_place(bracketed)
+        remote -= set(failed)
         size = 0
         if self._sglang is not None:
-            failed, size = self._deliver_sglang(changes, encode, version, base_version is None, remote)
+            sglang_failed, size = self._deliver_sglang(changes, encode, version, base_version is None, remote)
+            failed.update(sglang_failed)
         local = self._local_engines(pools, only)
         any_local = self._any_local(local)
         mine = (self.runtime.rank, self.runtime.world_size)
@@ -204,14 +237,63 @@ class WeightSyncer:
                     client.apply_patch(whole)
                 except Exception as exc:  # noqa: BLE001 - reported below, the learner carries on
                     failed[name] = f"{type(exc).__name__}: {exc}"
+                    continue
+                if client.last_pause_ms is not None:  # the server paused for this fragment itself
+                    self._pauses[name] = client.last_pause_ms
         if any_local:
             failed.update(self._deliver_to_host(whole, local))
         everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, failed)
+        dist.all_gather_object(everyone, failed)  # also: every rank has sent
         merged = {k: v for part in everyone for k, v in (part or {}).items()}
+        merged.update(self._continue(bracketed))
         for name, reason in sorted(merged.items()):
             self._on_event("sync_engine_failed", {"engine": name, "what": what, "reason": reason})
         return set(merged), size
+
+    def _bracketed(self, remote: set[str]) -> list[str] | None:
+        """The remote `sparserl serve` engines an in-flight delivery pauses in place (the host
+        pauses them; [] on the other ranks), or None when there is no such bracket (on every rank)."""
+        if not self.in_flight or not self._senders:
+            return None
+        if self.runtime.rank != HOST_RANK:
+            return []
+        return sorted(name for name in self._senders if name in remote)
+
+    def _pause_in_place(self, bracketed: list[str] | None) -> dict[str, str]:
+        """Collective when bracketed: the host pauses those engines `in_place` (running requests keep
+        their KV); every rank learns which could not be paused (they fail this delivery) and nobody
+        sends before the pauses are done."""
+        if bracketed is None:
+            return {}
+        failed: dict[str, str] = {}
+        for name in bracketed:
+            try:
+                self._senders[name].pause("in_place")
+            except Exception as exc:  # noqa: BLE001 - reported like any failed delivery
+                failed[name] = f"pause before the update failed: {type(exc).__name__}: {exc}"
+        box: list[Any] = [failed]
+        dist.broadcast_object_list(box, src=HOST_RANK)
+        return box[0]
+
+    def _continue(self, bracketed: list[str] | None) -> dict[str, str]:
+        """Collective when bracketed: the host continues every engine it paused (failed or not: none
+        may stay paused) and records how long each stood still; returns, on every rank, those that
+        could not be continued."""
+        if bracketed is None:
+            return {}
+        failed: dict[str, str] = {}
+        for name in bracketed:
+            engine = self._senders[name]
+            try:
+                engine.resume()
+            except Exception as exc:  # noqa: BLE001 - it would stay paused: it leaves the pool
+                failed[name] = f"continue after the update failed: {type(exc).__name__}: {exc}"
+                continue
+            if engine.last_pause_ms is not None:
+                self._pauses[name] = engine.last_pause_ms
+        box: list[Any] = [failed]
+        dist.broadcast_object_list(box, src=HOST_RANK)
+        return box[0]
 
     def _deliver_sglang(
         self, changes: Sequence[Change], encode: Encode, version: int, full: bool, remote: set[str]
@@ -230,6 +312,7 @@ class WeightSyncer:
 
         pieces = full_sync_pieces(self._meta.numel, self.runtime.world_size) if full else 1
         failed = self._sglang.deliver(changes, counted, version=version, pieces=pieces, only=remote)
+        self._pauses.update(self._sglang.pause_ms)
         return failed, sum(sizes)
 
     def _local_engines(self, pools: list[EnginePool | None], only: set[str] | None) -> dict[str, Any]:
@@ -256,9 +339,12 @@ class WeightSyncer:
         blob = b"".join(gathered or [])  # the version's fragments, each framed (codec.split_fragments)
         for name, engine in local.items():
             try:
-                engine.apply_patch(blob)
+                engine.apply_patch(blob)  # one call, between two decode steps
             except Exception as exc:  # noqa: BLE001 - a failing engine must not stop the learner
                 failed[name] = f"{type(exc).__name__}: {exc}"
+                continue
+            if getattr(engine, "last_pause_ms", None) is not None:
+                self._pauses[name] = engine.last_pause_ms
         return failed
 
     def _drop(self, pools: list[EnginePool | None], failed: set[str]) -> None:
