@@ -272,6 +272,7 @@ class Trainer:
             runtime=rt,
             scheduler=learner.scheduler,
         )
+        p.telemetry.log_updates(result.updates, step=self.state.step + 1)  # DWD/DGG per update
         skipped = sum(u.get("train/found_inf", 0.0) > 0 for u in result.updates)
         if skipped:
             self.state.skipped_updates += skipped
