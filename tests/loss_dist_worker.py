@@ -199,7 +199,11 @@ def dwd_groups(model) -> dict[str, list[torch.Tensor]]:
     (the embedding when tied) and the decoder layers [L//4, L - L//4)."""
     gpt = model.module
     n = gpt.config.num_layers
-    head = "embedding.word_embeddings.weight" if gpt.share_embeddings_and_output_weights else "output_layer.weight"
+    head = (
+        "embedding.word_embeddings.weight"
+        if gpt.share_embeddings_and_output_weights
+        else "output_layer.weight"
+    )
     middle = tuple(f"decoder.layers.{i}." for i in range(n // 4, n - n // 4))
     params = dict(gpt.named_parameters())
     return {
@@ -211,7 +215,10 @@ def dwd_groups(model) -> dict[str, list[torch.Tensor]]:
 def rel_change(before: dict, after: dict) -> dict[str, float]:
     out = {}
     for name in before:
-        delta = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(after[name], before[name]))
+        delta = sum(
+            float((a.double() - b.double()).square().sum())
+            for a, b in zip(after[name], before[name], strict=True)
+        )
         norm = sum(float(b.double().square().sum()) for b in before[name])
         out[name] = (delta / norm) ** 0.5
     return out

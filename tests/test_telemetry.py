@@ -128,7 +128,9 @@ def test_per_update_records_go_to_updates_jsonl_and_their_panels(tmp_path: Path)
         (2, 3, 3),
     ]
     assert [r["step"] for r in read_metrics(paths["metrics"])] == [1, 2]  # step records untouched
-    panels = {title: dict((label, data) for data, label in curves) for title, curves, _ in update_panels(rows)}
+    panels = {
+        title: dict((label, data) for data, label in curves) for title, curves, _ in update_panels(rows)
+    }
     # update i of n in step s sits at s - 1 + i / n; the gated update has no weight change
     change = panels["DWD: relative weight change per update"]["lm_head"]
     assert change == ([0.5, 1.0, 1 + 1 / 3, 1 + 2 / 3], [4e-3] * 4)

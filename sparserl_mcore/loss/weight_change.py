@@ -12,8 +12,9 @@ model copy would round small updates away):
   middle   every parameter of the decoder layers in the middle half of the depth, global layer
            index in [L // 4, L - L // 4) (all layers of a model with fewer than 4).
 Each element counts once in the job: TP shards and PP stages hold disjoint parameters, a parameter
-replicated over TP (layer norms) counts on TP rank 0; with the distributed optimizer each DP rank holds the main weights of its own range, without it every DP
-rank holds them all and DP rank 0 counts. One SUM all-reduce of four float64 numbers over `group`.
+replicated over TP (layer norms) counts on TP rank 0; with the distributed optimizer each DP rank
+holds the main weights of its own range, without it every DP rank holds them all and DP rank 0
+counts. One SUM all-reduce of four float64 numbers over `group`.
 Cost: an fp32 copy of this rank's tracked main weights (1/DP of them with the distributed
 optimizer), taken before the step and dropped after it; `dgg.weight_change=false` turns it off.
 """

@@ -106,7 +106,7 @@ def _value(record: Mapping, series: Series) -> float | None:
     return num / den if num is not None and den else None
 
 
-def _series(records: Sequence[Mapping], series: Series) -> tuple[list[int], list[float]]:
+def _series(records: Sequence[Mapping], series: Series) -> tuple[list[float], list[float]]:
     """(steps, values) of one series; a resumed run's re-logged steps keep their latest value."""
     by_step: dict[int, float] = {}
     for r in records:
@@ -114,7 +114,7 @@ def _series(records: Sequence[Mapping], series: Series) -> tuple[list[int], list
         if value is not None:
             by_step[int(r["step"])] = value
     steps = sorted(by_step)
-    return steps, [by_step[s] for s in steps]
+    return [float(s) for s in steps], [by_step[s] for s in steps]
 
 
 Curve = tuple[tuple[list[float], list[float]], str]
