@@ -16,12 +16,13 @@ schedule), with reuse K (train.reuse_epochs), Adam lr, steps and DGG set per run
   compare  at one setting: K=1 (single use), fixed reuse K, and K with DGG at tau, per seed.
 Tasks: `demo` (DEMO_TASK, 24-digit chains, reward digit_chain) and `worked` (WORKED_TASK: the same
 chains with the work shown, 12 steps `a+b=c`, a 71-token answer, reward worked_chain).
-Per run (OUT/<task>/runs/<name>/result.json, kept as each run ends): reward (5-step running mean:
-first, peak, last, the drop after the peak), rollouts until it first reached --target, the run's
-greedy evals (dense and compressed KV, every 10 steps and at the end: max and final), updates
-applied and gated, the DWD signal (lm_head and middle-layer change, their ratio: mean of the first 5
-steps, of the 5 steps before the reward peak, of the last 5, and its maximum), wall s / step. A run
-"degrades" when its last-5 reward falls >= 0.1 below its peak or its final dense eval >= 0.1 below
+Per run (OUT/<task>/runs/<name>/: the run's metrics.jsonl, updates.jsonl, summary.png, and
+result.json as it ends): reward (5-step running mean: first, peak, last), rollouts until it first
+reached --target, the run's greedy evals (dense and compressed KV, every 10 steps), updates applied
+and gated, passes per batch, the DWD signal per reuse index k (lm_head and middle-layer relative
+change per update and their ratio, at the first and the last pass over a batch) and per step (the
+ratio's mean over the first and the last 5 steps), wall s / step. A run "degrades" when it ends
+below where it started (last-5 reward under the first-5) or its final dense eval is >= 0.05 under
 its best. Prints markdown tables; writes OUT/<task>/{sweep,compare}.png. Results: docs/benchmarks.md,
 "DGG: what batch reuse and the gate do".
 """
@@ -41,7 +42,7 @@ import yaml
 
 EVALS = ("eval/pass1_dense", "eval/pass1_compressed")
 RUN = ["checkpoint.every=0", "checkpoint.resume=false", "telemetry.plot=true", "telemetry.progress=false"]
-DROP = 0.1  # "degrades": reward or dense eval this far below its best
+DROP = 0.05  # "degrades": the final dense eval this far below the run's best
 
 
 @dataclass(frozen=True)
@@ -120,27 +121,34 @@ def _mean(rows: list[dict], key: str) -> float:
     return statistics.fmean(values) if values else math.nan
 
 
-def summarize(records: list[dict], target: float) -> dict:
-    """One run's numbers from its metrics.jsonl records (see the module docstring)."""
+def _by_reuse_index(updates: list[dict]) -> dict[str, dict[str, float]]:
+    """Per reuse index k (1 = first pass over a batch): the mean DWD numbers and lm_head energy of
+    its applied updates, and how many updates DGG gated at k."""
+    out: dict[str, dict[str, float]] = {}
+    for k in sorted({int(u["dgg/reuse_index"]) for u in updates}):
+        at_k = [u for u in updates if int(u["dgg/reuse_index"]) == k]
+        out[str(k)] = {
+            "ratio": _mean(at_k, "dwd/ratio"),
+            "lm_head": _mean(at_k, "dwd/lm_head_rel_change"),
+            "middle": _mean(at_k, "dwd/middle_rel_change"),
+            "energy": _mean(at_k, "dgg/lm_head_grad_sq"),
+            "gated": float(sum(u.get("dgg/gated", 0.0) for u in at_k)),
+            "updates": float(len(at_k)),
+        }
+    return out
+
+
+def summarize(run_dir: Path, target: float) -> dict:
+    """One run's numbers from its metrics.jsonl and updates.jsonl (see the module docstring)."""
+    from sparserl_mcore.telemetry import read_metrics
+
+    records = read_metrics(run_dir / "metrics.jsonl")
     steps = [r for r in records if r["step"] > 0 and r.get("rollout/reward_mean") is not None]
     smooth = _running_mean([r["rollout/reward_mean"] for r in steps])
     peak = max(range(len(smooth)), key=smooth.__getitem__)
     reached = next((s["train/rollouts"] for s, m in zip(steps, smooth, strict=True) if m >= target), None)
     evals = {k: [(r["step"], r[k]) for r in records if r.get(k) is not None] for k in EVALS}
     dense = [v for _, v in evals[EVALS[0]]]
-    before_peak = steps[max(0, peak - 4) : peak + 1]
-    dwd = {}
-    for key, name in (
-        ("dwd/lm_head_rel_change", "lm_head"),
-        ("dwd/middle_rel_change", "middle"),
-        ("dwd/ratio", "ratio"),
-    ):
-        dwd |= {
-            f"{name}_first5": _mean(steps[:5], key),
-            f"{name}_peak5": _mean(before_peak, key),
-            f"{name}_last5": _mean(steps[-5:], key),
-            f"{name}_max": max((r[key] for r in steps if r.get(key) is not None), default=math.nan),
-        }
     row = {
         "reward_first5": smooth[min(4, len(smooth) - 1)],
         "reward_peak5": smooth[peak],
@@ -154,57 +162,73 @@ def summarize(records: list[dict], target: float) -> dict:
         "evals": evals,
         "updates": sum(r.get("train/updates", 0.0) for r in steps),
         "gates": sum(r.get("dgg/gates", 0.0) for r in steps),
+        "epochs_mean": _mean(steps, "train/epochs"),
         "step_s": statistics.fmean(r["time/step_s"] for r in steps),
-        **dwd,
+        "ratio_first5": _mean(steps[:5], "dwd/ratio"),
+        "ratio_last5": _mean(steps[-5:], "dwd/ratio"),
+        "by_k": _by_reuse_index(read_metrics(run_dir / "updates.jsonl")),
     }
     row["degrades"] = bool(
-        row["reward_peak5"] - row["reward_last5"] >= DROP
-        or row["eval_dense_max"] - row["eval_dense_final"] >= DROP
+        row["reward_last5"] < row["reward_first5"] or row["eval_dense_max"] - row["eval_dense_final"] >= DROP
     )
     return row
 
 
 def run_and_record(
-    out: Path, task: str, seed: int, reuse: int, lr: float, steps: int, tau, target: float
+    out: Path, task: str, seed: int, reuse: int, lr: float, steps: int, tau, target: float, rerun: bool
 ) -> dict:
-    from sparserl_mcore.telemetry import read_metrics
-
     name = run_name(reuse, lr, steps, tau)
+    done = out / "runs" / f"s{seed}-{name}" / "result.json"
+    if done.is_file() and not rerun:  # the same run, made by a sweep or an earlier compare
+        print(f"=== {task} seed {seed}: {name} (ran before: {done})", flush=True)
+        return json.loads(done.read_text())
     print(f"=== {task} seed {seed}: {name}", flush=True)
     run_dir = train_run(out, task, seed, reuse, lr, steps, tau)
-    row = {"seed": seed, "reuse": reuse, "lr": lr, "steps": steps, "tau": tau}
-    row |= summarize(read_metrics(run_dir / "metrics.jsonl"), target)
-    (run_dir / "result.json").write_text(json.dumps(row, indent=1))
+    row = {"seed": seed, "reuse": reuse, "lr": lr, "steps": steps, "tau": tau} | summarize(run_dir, target)
+    done.write_text(json.dumps(row, indent=1))
     return row
 
 
-def load_results(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/result.json"))]
+def load_results(out: Path, target: float) -> list[dict]:
+    """Every finished run under OUT/runs, summarized again from its metrics (the current code's numbers)."""
+    rows = []
+    for path in sorted((out / "runs").glob("*/result.json")):
+        row = json.loads(path.read_text())
+        rows.append(
+            {k: row[k] for k in ("seed", "reuse", "lr", "steps", "tau")} | summarize(path.parent, target)
+        )
+    return rows
 
 
 def _f(value: float, fmt: str = "{:.3f}") -> str:
     return "-" if value != value else fmt.format(value)
 
 
+def _evals(r: dict) -> str:
+    return " ".join(f"{v:.2f}" for _, v in r["evals"][EVALS[0]])
+
+
+def _at_k(r: dict, key: str, fmt: str) -> str:
+    """`key` at the first and the last pass over a batch (k = 1 -> k = the run's largest)."""
+    by_k = r["by_k"]
+    return f"{_f(by_k['1'][key], fmt)} -> {_f(by_k[max(by_k, key=int)][key], fmt)}" if by_k else "-"
+
+
 def sweep_table(rows: list[dict]) -> str:
     head = (
-        "| K | lr | steps | reward first -> peak (step) -> last 5 | dense eval max -> final "
-        "| compressed final | degrades | lm_head change first5 / before peak / last5 "
-        "| middle change first5 / before peak / last5 | ratio first5 / before peak / last5 / max "
-        "| s / step |\n" + "|---" * 11 + "|"
+        "| K | lr | steps | reward 5-step mean: first -> peak (step) -> last | dense eval every 10 steps "
+        "| compressed final | degrades | lm_head change k=1 -> k=K | middle change k=1 -> k=K "
+        "| ratio k=1 -> k=K | ratio first -> last 5 steps | s / step |\n" + "|---" * 12 + "|"
     )
     lines = [head]
     for r in sorted(rows, key=lambda r: (r["lr"], r["reuse"], r["steps"])):
-        trio = {
-            name: " / ".join(_f(r[f"{name}_{at}"], fmt) for at in ("first5", "peak5", "last5"))
-            for name, fmt in (("lm_head", "{:.2e}"), ("middle", "{:.2e}"), ("ratio", "{:.2f}"))
-        }
         lines.append(
             f"| {r['reuse']} | {r['lr']:g} | {r['steps']} | {_f(r['reward_first5'])} -> "
-            f"{_f(r['reward_peak5'])} ({r['peak_step']}) -> {_f(r['reward_last5'])} "
-            f"| {_f(r['eval_dense_max'])} -> {_f(r['eval_dense_final'])} | {_f(r['eval_compressed_final'])} "
-            f"| {'**yes**' if r['degrades'] else 'no'} | {trio['lm_head']} | {trio['middle']} "
-            f"| {trio['ratio']} / {_f(r['ratio_max'], '{:.2f}')} | {r['step_s']:.1f} |"
+            f"{_f(r['reward_peak5'])} ({r['peak_step']}) -> {_f(r['reward_last5'])} | {_evals(r)} "
+            f"| {_f(r['eval_compressed_final'])} | {'**yes**' if r['degrades'] else 'no'} "
+            f"| {_at_k(r, 'lm_head', '{:.1e}')} | {_at_k(r, 'middle', '{:.1e}')} "
+            f"| {_at_k(r, 'ratio', '{:.2f}')} "
+            f"| {_f(r['ratio_first5'], '{:.2f}')} -> {_f(r['ratio_last5'], '{:.2f}')} | {r['step_s']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -221,24 +245,33 @@ def _cell(values: list[float], fmt: str = "{:.3f}") -> str:
 
 
 def compare_table(rows: list[dict], target: float) -> str:
+    """Per arm, mean (min-max) over seeds; 'rollouts to K=1's final eval': the first eval step at which
+    the run's dense eval reached the same seed's K=1 run's final dense eval."""
+    k1 = {r["seed"]: r["eval_dense_final"] for r in rows if r["reuse"] == 1 and r["tau"] is None}
     lines = [
-        f"| arm | seeds | final eval dense | final eval compressed | best dense eval | reward last 5 "
-        f"| rollouts to reward {target} | degrades | updates / gates | ratio before peak | s / step |\n"
-        + "|---" * 11
-        + "|"
+        "| arm | seeds | final eval dense | final eval compressed | best dense eval | reward last 5 "
+        f"| rollouts to reward {target} | rollouts to K=1's final dense eval | degrades | updates / gates "
+        "| passes per batch | s / step |\n" + "|---" * 12 + "|"
     ]
     arms: dict[str, list[dict]] = {}
     for r in rows:
         arms.setdefault(run_name(r["reuse"], r["lr"], r["steps"], r["tau"]), []).append(r)
     for name, runs in sorted(arms.items(), key=lambda kv: (kv[1][0]["reuse"], kv[1][0]["tau"] is not None)):
         col = {k: [r[k] for r in runs] for k in runs[0] if not isinstance(runs[0][k], dict)}
+        to_k1 = []
+        for r in runs:
+            per_step = r["rollouts"] / r["steps"]
+            hit = next(
+                (s for s, v in r["evals"][EVALS[0]] if s > 0 and v >= k1.get(r["seed"], math.inf)), None
+            )
+            to_k1.append(hit * per_step if hit is not None else math.nan)
         lines.append(
             f"| {name} | {', '.join(str(s) for s in col['seed'])} | {_cell(col['eval_dense_final'])} "
             f"| {_cell(col['eval_compressed_final'])} | {_cell(col['eval_dense_max'])} "
-            f"| {_cell(col['reward_last5'])} "
-            f"| {_cell(col['rollouts_to_target'], '{:.0f}')} | {sum(col['degrades'])} of {len(runs)} "
+            f"| {_cell(col['reward_last5'])} | {_cell(col['rollouts_to_target'], '{:.0f}')} "
+            f"| {_cell(to_k1, '{:.0f}')} | {sum(col['degrades'])} of {len(runs)} "
             f"| {statistics.fmean(col['updates']):.0f} / {statistics.fmean(col['gates']):.0f} "
-            f"| {_cell(col['ratio_peak5'], '{:.2f}')} | {_cell(col['step_s'], '{:.1f}')} |"
+            f"| {_cell(col['epochs_mean'], '{:.1f}')} | {_cell(col['step_s'], '{:.1f}')} |"
         )
     return "\n".join(lines)
 
@@ -344,6 +377,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4, help="compare: Adam lr of every arm")
     p.add_argument("--steps", type=int, default=40, help="compare: RL steps of every arm")
     p.add_argument("--tau", type=float, default=0.5, help="compare: DGG's z-score threshold")
+    p.add_argument("--rerun", action="store_true", help="train again runs that have a result.json")
     return p.parse_args(argv)
 
 
@@ -357,15 +391,15 @@ def main(argv: list[str]) -> int:
         prepare(out, a.task, a.seed)
         for spec in a.runs:
             reuse, lr, steps = spec.split(":")
-            run_and_record(out, a.task, a.seed, int(reuse), float(lr), int(steps), None, a.target)
+            run_and_record(out, a.task, a.seed, int(reuse), float(lr), int(steps), None, a.target, a.rerun)
     elif a.mode == "compare":
         arms = {"k1": (1, None), "fixed": (a.reuse, None), "dgg": (a.reuse, a.tau)}
         for seed in a.seeds:
             prepare(out, a.task, seed)
             for arm in a.arms:
                 reuse, tau = arms[arm]
-                run_and_record(out, a.task, seed, reuse, a.lr, a.steps, tau, a.target)
-    rows = load_results(out)
+                run_and_record(out, a.task, seed, reuse, a.lr, a.steps, tau, a.target, a.rerun)
+    rows = load_results(out, a.target)
     sweep = [r for r in rows if r["tau"] is None and r["seed"] == (a.seed if a.mode == "sweep" else 0)]
     print(f"\n{a.task}: sweep (seed 0 unless given, fixed reuse)\n{sweep_table(sweep)}")
     if sweep:

@@ -19,7 +19,8 @@ from pathlib import Path
 # A series is a metric key, or (numerator key, denominator key) for a ratio of two metrics.
 Series = str | tuple[str, str]
 # (title, [(series, legend label)], y scale). The keys are the trainer's metric names. Scales:
-# "linear", "zero" (linear from 0, so a ratio reads as a height ratio), "log" (ratios of ~100x).
+# "linear", "zero" (linear from 0, so a ratio reads as a height ratio), "log" (ratios of ~100x),
+# "symlog" (linear within +-1, log beyond: z-scores of 0.3 and of 2000 on one axis).
 PANELS: tuple[tuple[str, tuple[tuple[Series, str], ...], str], ...] = (
     ("train reward (mean)", (("rollout/reward_mean", "reward"),), "linear"),
     (
@@ -76,7 +77,7 @@ UPDATE_PANELS: tuple[tuple[str, tuple[tuple[Series, str], ...], str], ...] = (
         "log",
     ),
     ("DWD: lm_head / middle layers change", (("dwd/ratio", "ratio"),), "zero"),
-    ("DGG: lm_head grad energy z-score", (("dgg/z", "z"), ("dgg/z", GATED)), "linear"),
+    ("DGG: lm_head grad energy z-score", (("dgg/z", "z"), ("dgg/z", GATED)), "symlog"),
     (
         "grad norm per update",
         (("dgg/lm_head_grad_norm", "lm_head"), ("train/grad_norm", "global (before clip)")),
@@ -194,6 +195,8 @@ def plot_metrics(
         ax.legend(fontsize=8)
         if scale == "log":
             ax.set_yscale("log")
+        elif scale == "symlog":
+            ax.set_yscale("symlog", linthresh=1.0)
         elif scale == "zero":
             ax.set_ylim(0, ax.get_ylim()[1] * 1.2)  # headroom for the legend
     run_dir = Path(jsonl_path).resolve().parent
