@@ -21,7 +21,8 @@ result.json as it ends): reward (5-step running mean: first, peak, last), rollou
 reached --target, the run's greedy evals (dense and compressed KV, every 10 steps), updates applied
 and gated, passes per batch, the DWD signal per reuse index k (lm_head and middle-layer relative
 change per update and their ratio, at the first and the last pass over a batch) and per step (the
-ratio's mean over the first and the last 5 steps), wall s / step. A run "degrades" when it ends
+ratio's mean over the first and the last 5 steps), lm_head's share of the gradient norm (first and
+last 5 steps), wall s / step. A run "degrades" when it ends
 below where it started (last-5 reward under the first-5) or its final dense eval is >= 0.05 under
 its best. Prints markdown tables; writes OUT/<task>/{sweep,compare}.png. Results: docs/benchmarks.md,
 "DGG: what batch reuse and the gate do".
@@ -138,11 +139,31 @@ def _by_reuse_index(updates: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _head_share(updates: list[dict]) -> dict[str, float]:
+    """lm_head's share of the global gradient norm (before clipping), mean over the applied updates
+    of the first and of the last 5 steps: the paper has it spike at collapse."""
+    applied = [u for u in updates if u.get("train/grad_norm")]
+    steps = sorted({u["step"] for u in applied})
+
+    def share(chosen: list[int]) -> float:
+        return _mean(
+            [
+                {"x": u["dgg/lm_head_grad_norm"] / u["train/grad_norm"]}
+                for u in applied
+                if u["step"] in chosen
+            ],
+            "x",
+        )
+
+    return {"head_share_first5": share(steps[:5]), "head_share_last5": share(steps[-5:])}
+
+
 def summarize(run_dir: Path, target: float) -> dict:
     """One run's numbers from its metrics.jsonl and updates.jsonl (see the module docstring)."""
     from sparserl_mcore.telemetry import read_metrics
 
     records = read_metrics(run_dir / "metrics.jsonl")
+    updates = read_metrics(run_dir / "updates.jsonl")
     steps = [r for r in records if r["step"] > 0 and r.get("rollout/reward_mean") is not None]
     smooth = _running_mean([r["rollout/reward_mean"] for r in steps])
     peak = max(range(len(smooth)), key=smooth.__getitem__)
@@ -166,7 +187,8 @@ def summarize(run_dir: Path, target: float) -> dict:
         "step_s": statistics.fmean(r["time/step_s"] for r in steps),
         "ratio_first5": _mean(steps[:5], "dwd/ratio"),
         "ratio_last5": _mean(steps[-5:], "dwd/ratio"),
-        "by_k": _by_reuse_index(read_metrics(run_dir / "updates.jsonl")),
+        "by_k": _by_reuse_index(updates),
+        **_head_share(updates),
     }
     row["degrades"] = bool(
         row["reward_last5"] < row["reward_first5"] or row["eval_dense_max"] - row["eval_dense_final"] >= DROP
@@ -218,7 +240,9 @@ def sweep_table(rows: list[dict]) -> str:
     head = (
         "| K | lr | steps | reward 5-step mean: first -> peak (step) -> last | dense eval every 10 steps "
         "| compressed final | degrades | lm_head change k=1 -> k=K | middle change k=1 -> k=K "
-        "| ratio k=1 -> k=K | ratio first -> last 5 steps | s / step |\n" + "|---" * 12 + "|"
+        "| ratio k=1 -> k=K | ratio first -> last 5 steps "
+        "| lm_head share of grad norm, first -> last 5 steps "
+        "| s / step |\n" + "|---" * 13 + "|"
     )
     lines = [head]
     for r in sorted(rows, key=lambda r: (r["lr"], r["reuse"], r["steps"])):
@@ -228,7 +252,9 @@ def sweep_table(rows: list[dict]) -> str:
             f"| {_f(r['eval_compressed_final'])} | {'**yes**' if r['degrades'] else 'no'} "
             f"| {_at_k(r, 'lm_head', '{:.1e}')} | {_at_k(r, 'middle', '{:.1e}')} "
             f"| {_at_k(r, 'ratio', '{:.2f}')} "
-            f"| {_f(r['ratio_first5'], '{:.2f}')} -> {_f(r['ratio_last5'], '{:.2f}')} | {r['step_s']:.1f} |"
+            f"| {_f(r['ratio_first5'], '{:.2f}')} -> {_f(r['ratio_last5'], '{:.2f}')} "
+            f"| {_f(r['head_share_first5'], '{:.2f}')} -> {_f(r['head_share_last5'], '{:.2f}')} "
+            f"| {r['step_s']:.1f} |"
         )
     return "\n".join(lines)
 
