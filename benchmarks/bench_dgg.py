@@ -404,6 +404,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40, help="compare: RL steps of every arm")
     p.add_argument("--tau", type=float, default=0.5, help="compare: DGG's z-score threshold")
     p.add_argument("--rerun", action="store_true", help="train again runs that have a result.json")
+    p.add_argument("--also", type=int, nargs="*", default=[], help="report: more fixed-reuse Ks to list")
     return p.parse_args(argv)
 
 
@@ -431,9 +432,17 @@ def main(argv: list[str]) -> int:
     if sweep:
         plot_sweep(out, sweep, out / "sweep.png")
     if a.mode != "sweep":
-        chosen = [r for r in rows if r["lr"] == a.lr and r["steps"] == a.steps and r["reuse"] in (1, a.reuse)]
-        chosen = [r for r in chosen if r["tau"] in (None, a.tau)]
-        print(f"\n{a.task}: K=1 vs fixed K={a.reuse} vs DGG tau={a.tau}, lr {a.lr:g}, {a.steps} steps\n")
+        fixed = {1, a.reuse, *a.also}
+        chosen = [
+            r
+            for r in rows
+            if r["lr"] == a.lr
+            and r["steps"] == a.steps
+            and (
+                (r["tau"] is None and r["reuse"] in fixed) or (r["tau"] is not None and r["reuse"] == a.reuse)
+            )
+        ]
+        print(f"\n{a.task}: K=1 vs fixed K={a.reuse} vs DGG at every tau run, lr {a.lr:g}, {a.steps} steps\n")
         print(compare_table(chosen, a.target))
         if chosen:
             plot_compare(out, chosen, out / "compare.png")
