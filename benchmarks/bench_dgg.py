@@ -43,6 +43,7 @@ import yaml
 
 EVALS = ("eval/pass1_dense", "eval/pass1_compressed")
 RUN = ["checkpoint.every=0", "checkpoint.resume=false", "telemetry.plot=true", "telemetry.progress=false"]
+TAUS = (0.1, 0.5, 2.0)  # the z thresholds tried; a fixed-reuse run shows what each would gate
 DROP = 0.05  # "degrades": the final dense eval this far below the run's best
 
 
@@ -135,8 +136,15 @@ def _by_reuse_index(updates: list[dict]) -> dict[str, dict[str, float]]:
             "energy": _mean(at_k, "dgg/lm_head_grad_sq"),
             "gated": float(sum(u.get("dgg/gated", 0.0) for u in at_k)),
             "updates": float(len(at_k)),
+            **{f"z_over_{tau:g}": _share(at_k, tau) for tau in TAUS},
         }
     return out
+
+
+def _share(updates: list[dict], tau: float) -> float:
+    """Share of the updates whose z-score exceeds tau: what DGG at tau would gate (k > 1)."""
+    zs = [u["dgg/z"] for u in updates if u.get("dgg/z") is not None]
+    return sum(z > tau for z in zs) / len(zs) if zs else math.nan
 
 
 def _head_share(updates: list[dict]) -> dict[str, float]:
@@ -255,6 +263,33 @@ def sweep_table(rows: list[dict]) -> str:
             f"| {_f(r['ratio_first5'], '{:.2f}')} -> {_f(r['ratio_last5'], '{:.2f}')} "
             f"| {_f(r['head_share_first5'], '{:.2f}')} -> {_f(r['head_share_last5'], '{:.2f}')} "
             f"| {r['step_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def gate_view_table(rows: list[dict]) -> str:
+    """What DGG sees in the fixed-reuse runs (z logged, nothing gated): the lm_head energy at the
+    second and the last pass relative to the first, and the share of updates a tau would gate."""
+    lines = [
+        "| K | lr | energy k=2 / k=1 | energy k=K / k=1 | z > 0.1 / 0.5 / 2 at k=2 "
+        "| z > 0.1 / 0.5 / 2 at k>=3 |\n" + "|---" * 6 + "|"
+    ]
+    for r in sorted(rows, key=lambda r: (r["lr"], r["reuse"])):
+        by_k = r["by_k"]
+        if r["reuse"] < 2 or "2" not in by_k:
+            continue
+        last = by_k[max(by_k, key=int)]
+        late = [u for k, u in by_k.items() if int(k) >= 3]
+        second = " / ".join(f"{by_k['2'][f'z_over_{t:g}']:.2f}" for t in TAUS)
+        late_share = [
+            sum(u[f"z_over_{t:g}"] * u["updates"] for u in late) / max(1.0, sum(u["updates"] for u in late))
+            for t in TAUS
+        ]
+        lines.append(
+            f"| {r['reuse']} | {r['lr']:g} | {by_k['2']['energy'] / by_k['1']['energy']:.2f} "
+            f"| {last['energy'] / by_k['1']['energy']:.2f} "
+            f"| {second} "
+            f"| {' / '.join(f'{v:.2f}' for v in late_share) if late else '-'} |"
         )
     return "\n".join(lines)
 
@@ -431,6 +466,7 @@ def main(argv: list[str]) -> int:
     print(f"\n{a.task}: sweep (seed 0 unless given, fixed reuse)\n{sweep_table(sweep)}")
     if sweep:
         plot_sweep(out, sweep, out / "sweep.png")
+        print(f"\n{a.task}: what DGG sees in those runs (z logged, gate off)\n{gate_view_table(sweep)}")
     if a.mode != "sweep":
         fixed = {1, a.reuse, *a.also}
         chosen = [
