@@ -41,6 +41,8 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.bench_methods import _cell  # 'mean (min-max)' over seeds, "never" counted
+
 EVALS = ("eval/pass1_dense", "eval/pass1_compressed")
 RUN = ["checkpoint.every=0", "checkpoint.resume=false", "telemetry.plot=true", "telemetry.progress=false"]
 TAUS = (0.1, 0.5, 2.0)  # the z thresholds tried; a fixed-reuse run shows what each would gate
@@ -292,17 +294,6 @@ def gate_view_table(rows: list[dict]) -> str:
             f"| {' / '.join(f'{v:.2f}' for v in late_share) if late else '-'} |"
         )
     return "\n".join(lines)
-
-
-def _cell(values: list[float], fmt: str = "{:.3f}") -> str:
-    """'mean (min-max)' over seeds; NaN (never reached) counted, not averaged."""
-    finite = [v for v in values if v == v]
-    if not finite:
-        return "never"
-    text = fmt.format(statistics.fmean(finite))
-    if len(finite) > 1:
-        text += f" ({fmt.format(min(finite))}-{fmt.format(max(finite))})"
-    return text + (f", {len(values) - len(finite)} never" if len(finite) < len(values) else "")
 
 
 def compare_table(rows: list[dict], target: float) -> str:
