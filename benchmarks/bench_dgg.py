@@ -359,9 +359,10 @@ def plot_sweep(out: Path, rows: list[dict], png: Path) -> None:
                 markersize=3,
                 label=f"K={r['reuse']} dense eval",
             )
-            axes[1, col].plot(*_curve(records, "dwd/ratio"), color=color, label=f"K={r['reuse']}")
+            steps, ratio = _curve(records, "dwd/ratio")
+            axes[1, col].plot(steps, _running_mean(ratio), color=color, label=f"K={r['reuse']}")
         axes[0, col].set_title(f"lr {lr:g}: train reward (5-step mean) and greedy eval", fontsize=10)
-        axes[1, col].set_title(f"lr {lr:g}: DWD, lm_head / middle-layer change per update", fontsize=10)
+        axes[1, col].set_title(f"lr {lr:g}: DWD, lm_head / middle-layer change (5-step mean)", fontsize=10)
         for ax in axes[:, col]:
             ax.set_xlabel("RL step (128 rollouts each)")
             ax.grid(alpha=0.3)
@@ -384,7 +385,7 @@ def plot_compare(out: Path, rows: list[dict], png: Path) -> None:
         ("rollout/reward_mean", "train reward (5-step mean) vs rollouts"),
         (EVALS[0], "greedy eval, dense KV"),
         (EVALS[1], "greedy eval, compressed KV"),
-        ("dwd/ratio", "DWD: lm_head / middle-layer change"),
+        ("dwd/ratio", "DWD: lm_head / middle-layer change (5-step mean)"),
     )
     arms: dict[str, list[dict]] = {}
     for r in rows:
@@ -404,6 +405,8 @@ def plot_compare(out: Path, rows: list[dict], png: Path) -> None:
             ys = [statistics.fmean(per_step[s]) for s in xs]
             if key == "rollout/reward_mean":
                 xs, ys = [rollouts[s] for s in xs], _running_mean(ys)
+            elif key == "dwd/ratio":
+                ys = _running_mean(ys)
             ax.plot(xs, ys, marker="o", markersize=2, color=f"C{i}", label=f"{name} ({len(recs)} seeds)")
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("rollouts" if key == "rollout/reward_mean" else "RL step")
