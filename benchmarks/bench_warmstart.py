@@ -113,10 +113,10 @@ KV_SETTINGS = (
 
 
 def engine_reward(
-    model_dir: Path, rows: list[dict], kv, temperature: float, max_new_tokens: int
+    model_dir: Path, rows: list[dict], kv, temperature: float, max_new_tokens: int, reward=None
 ) -> tuple[float, int]:
-    """Mean digit-chain reward of `rows` decoded by the EmbeddedEngine (KV compression `kv`, None =
-    dense; seeded per prompt), and the largest peak KV bytes of a request."""
+    """Mean reward (default: digit chain) of `rows` decoded by the EmbeddedEngine (KV compression
+    `kv`, None = dense; seeded per prompt), and the largest peak KV bytes of a request."""
     from sparserl_mcore.rewards import digit_chain_reward
     from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
     from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
@@ -140,7 +140,8 @@ def engine_reward(
     with torch_threads(1):
         samples = engine.generate(reqs)
     texts = [tok.decode(s.output_ids, skip_special_tokens=True) for s in samples]
-    score = sum(digit_chain_reward(t, r["answer"]) for t, r in zip(texts, rows, strict=True)) / len(rows)
+    reward = reward or digit_chain_reward
+    score = sum(reward(t, r["answer"]) for t, r in zip(texts, rows, strict=True)) / len(rows)
     return score, max(s.kv_stats.peak_kv_bytes for s in samples)
 
 

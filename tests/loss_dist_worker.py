@@ -194,17 +194,48 @@ def full_grads(model, optimizer, runtime, layers_per_stage: int) -> dict[str, to
     return {k: v for d in gathered for k, v in d.items()}
 
 
+def dwd_groups(model) -> dict[str, list[torch.Tensor]]:
+    """Copies of the DWD groups of a single-process model, picked by parameter name: the lm_head
+    (the embedding when tied) and the decoder layers [L//4, L - L//4)."""
+    gpt = model.module
+    n = gpt.config.num_layers
+    head = (
+        "embedding.word_embeddings.weight"
+        if gpt.share_embeddings_and_output_weights
+        else "output_layer.weight"
+    )
+    middle = tuple(f"decoder.layers.{i}." for i in range(n // 4, n - n // 4))
+    params = dict(gpt.named_parameters())
+    return {
+        "lm_head": [params[head].detach().clone()],
+        "middle": [p.detach().clone() for name, p in params.items() if name.startswith(middle)],
+    }
+
+
+def rel_change(before: dict, after: dict) -> dict[str, float]:
+    out = {}
+    for name in before:
+        delta = sum(
+            float((a.double() - b.double()).square().sum())
+            for a, b in zip(after[name], before[name], strict=True)
+        )
+        norm = sum(float(b.double().square().sum()) for b in before[name])
+        out[name] = (delta / norm) ** 0.5
+    return out
+
+
 def run_layout(hf_dir: str, out_file: pathlib.Path, tp: int, pp: int, spike: bool) -> None:
     runtime = initialize(
         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=7
     )
     model, optimizer = build(hf_dir, runtime)
-    layers_per_stage = 2 // runtime.pp_size
+    layers_per_stage = model.module.config.num_layers // runtime.pp_size
     result = {"updates": [], "energies": [], "metrics": []}
 
     # 1. one update (K=1, one minibatch); the reduced grads stay in main_grad until the next update.
     one = dataclasses.replace(UPDATE_CFG, minibatches_per_epoch=1, epochs=1)
     gate = DynamicGradientGate(DGGConfig())
+    before = dwd_groups(model) if runtime.world_size == 1 else None
     res = train_on_batch(
         model,
         optimizer,
@@ -214,6 +245,8 @@ def run_layout(hf_dir: str, out_file: pathlib.Path, tp: int, pp: int, spike: boo
         runtime=runtime,
     )
     result["grads"] = full_grads(model, optimizer, runtime, layers_per_stage)
+    if before is not None:
+        result["dwd_by_hand"] = rel_change(before, dwd_groups(model))
     result["metrics"].append(res.metrics)
     result["updates"] += res.updates
     result["energies"] += [d.energy for d in res.decisions]

@@ -7,7 +7,7 @@ RL update of `loss.megatron_step.train_on_batch`: K=2 epochs x 2 minibatches wit
 job also checks the learner-side sparse sync after every version against a full HF export (see the
 worker's docstring). Here: the DP=2 BF16 weights equal the reference bit for bit after every
 version, the DP-shard branch of `loss.lm_head_grad_energy` gives the single-process energy, and the
-RL update's metrics match.
+RL update's metrics match (the DWD weight change on the DP shards of the fp32 main weights among them).
 """
 
 from __future__ import annotations
@@ -92,6 +92,9 @@ def test_sparse_sync_with_distributed_optimizer_matches_export(runs):
 def test_rl_update_with_dgg_under_distributed_optimizer_matches_single_process(runs):
     ref, got = _result(runs, "ref")["rl_update"], _result(runs, "dist")["rl_update"]
     assert got["metrics"].keys() == ref["metrics"].keys() and got["metrics"]["train/updates"] == 4
+    # the DWD signal (fp32 main weights: the DP shards of the distributed optimizer vs the mixed-
+    # precision optimizer's full fp32 copy) is among the metrics compared below
+    assert ref["metrics"]["dwd/lm_head_rel_change"] > 0 and ref["metrics"]["dwd/middle_rel_change"] > 0
     for key, value in ref["metrics"].items():
         assert math.isclose(got["metrics"][key], value, rel_tol=1e-9, abs_tol=1e-12), key
     assert all(

@@ -5,8 +5,11 @@ runs the same scenario from the same tiny HF checkpoint: Sparse-RL correction wi
 sequence and rejected tokens, PPO with KL, entropy bonus and temperature, 2 micro-batches per
 minibatch, K=2 epochs x 2 minibatches. Compared with the 1-process run: every metric of every
 update, the DGG lm_head energies, and the gradients of five parameters spread over both pipeline
-stages (four with tied embeddings: the embedding's gradient then includes the head's). The PP=2
-run also feeds DGG constructed lm_head spikes.
+stages (four with tied embeddings: the embedding's gradient then includes the head's), and the
+DWD signal (relative weight change of lm_head and of the middle layers, loss/weight_change.py),
+which the reference also computes by hand from the weights. The tied model has 4 layers, so its
+middle half (layers 1-2) spans both PP=2 stages. The PP=2 run also feeds DGG constructed lm_head
+spikes.
 """
 
 import os
@@ -31,7 +34,10 @@ TOL = 1e-5
 def runs(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("loss_dist")
     hf = {  # vocab 100 is padded to 128 (TP=1) / 256 (TP=2) rows
-        tied: make_tiny(TinyModelConfig(vocab=100, seed=3, tie_embeddings=tied), tmp / f"tiny_tied{tied}")
+        tied: make_tiny(
+            TinyModelConfig(vocab=100, seed=3, tie_embeddings=tied, layers=4 if tied else 2),
+            tmp / f"tiny_tied{tied}",
+        )
         for tied in (False, True)
     }
     # The single-process references of both models, one plain process (no torchrun).
@@ -66,6 +72,18 @@ def test_reference_scenario_exercises_every_correction_stage(runs):
     assert first["policy/kl"] > 0 and first["policy/entropy"] > 0
     assert any(u["policy/clip_frac"] > 0 for u in ref["updates"])
     assert len(ref["updates"]) == 5  # 1 + K=2 x 2 minibatches, nothing gated
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_dwd_signal_equals_the_weight_change_computed_by_hand(runs, tied):
+    ref = runs[f"ref_tied{tied}"]
+    first = ref["updates"][0]  # the one-update batch; by hand: full weights before and after it
+    by_hand = ref["dwd_by_hand"]
+    assert 0 < by_hand["lm_head"] < 1 and 0 < by_hand["middle"] < 1
+    assert first["dwd/lm_head_rel_change"] == pytest.approx(by_hand["lm_head"], rel=1e-9)
+    assert first["dwd/middle_rel_change"] == pytest.approx(by_hand["middle"], rel=1e-9)
+    assert first["dwd/ratio"] == pytest.approx(by_hand["lm_head"] / by_hand["middle"], rel=1e-9)
+    assert all("dwd/lm_head_rel_change" in u for u in ref["updates"])  # nothing gated: all applied
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

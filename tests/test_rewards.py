@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from sparserl_mcore.rewards import REWARDS, build_reward, digit_chain_reward, running_sum_reward
+from sparserl_mcore.rewards import (
+    REWARDS,
+    build_reward,
+    digit_chain_reward,
+    running_sum_reward,
+    worked_chain_reward,
+)
 from sparserl_mcore.rewards.math import answers_match, extract_boxed, math_boxed_reward
 
 
@@ -85,10 +91,23 @@ def test_digit_chain_reward_is_the_correct_prefix_share() -> None:
         digit_chain_reward("07", "")
 
 
+def test_worked_chain_reward_counts_whole_steps_before_the_first_wrong_one() -> None:
+    answer = "3+7=0 7+0=7 0+7=7"
+    assert worked_chain_reward(answer, answer) == 1.0
+    assert worked_chain_reward(answer + "junk", answer) == 1.0  # what follows the last step is ignored
+    assert worked_chain_reward("3+7=0 7+0=8 0+8=8", answer) == pytest.approx(1 / 3)
+    assert worked_chain_reward("3+7=0 7+0=7 0+7=", answer) == pytest.approx(2 / 3)  # stopped mid-step
+    assert worked_chain_reward("3+7=07+0=7 0+7=7", answer) == 0.0  # a step needs its separator
+    assert worked_chain_reward("", answer) == 0.0
+    assert build_reward("worked_chain") is worked_chain_reward
+    with pytest.raises(ValueError, match="worked_chain"):
+        worked_chain_reward("0774", "0774")
+
+
 def test_registry_and_import_path_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert set(REWARDS) == {"digit_chain", "math_boxed", "running_sum"}
+    assert set(REWARDS) == {"digit_chain", "math_boxed", "running_sum", "worked_chain"}
     assert build_reward("running_sum")("\n=3", "3") == 1.0
-    with pytest.raises(KeyError, match="digit_chain, math_boxed, running_sum"):
+    with pytest.raises(KeyError, match="digit_chain, math_boxed, running_sum, worked_chain"):
         build_reward("gsm8k")
     (tmp_path / "my_rewards.py").write_text(
         "def length_penalty(completion, answer, *, limit=5):\n"

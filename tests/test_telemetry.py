@@ -16,7 +16,7 @@ from sparserl_mcore.telemetry import (
 )
 from sparserl_mcore.telemetry.console import human_bytes, times
 from sparserl_mcore.telemetry.logger import step_line
-from sparserl_mcore.telemetry.plot import drawable_panels
+from sparserl_mcore.telemetry.plot import GATED, drawable_panels, update_panels
 
 
 def _write_jsonl(path: Path) -> None:
@@ -100,6 +100,45 @@ def test_logger_writes_jsonl_tensorboard_and_plot(tmp_path: Path) -> None:
     assert [r["step"] for r in read_metrics(paths["metrics"])] == [1, 2]  # events are not steps
     assert paths["plot"].is_file()  # only the reward panel has data: one panel
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_per_update_records_go_to_updates_jsonl_and_their_panels(tmp_path: Path) -> None:
+    cfg = TelemetryConfig(dir=str(tmp_path / "run"), progress=False)
+    logger = MetricsLogger(cfg)
+    applied = {"dwd/lm_head_rel_change": 4e-3, "dwd/middle_rel_change": 1e-3, "dwd/ratio": 4.0}
+    step1 = [
+        {"dgg/reuse_index": 1.0, "dgg/gated": 0.0, "dgg/lm_head_grad_norm": 2.0, **applied},
+        {"dgg/reuse_index": 2.0, "dgg/gated": 0.0, "dgg/z": 0.3, "dgg/lm_head_grad_norm": 2.5, **applied},
+    ]
+    step2 = [
+        {"dgg/reuse_index": 1.0, "dgg/gated": 0.0, "dgg/z": -0.2, "dgg/lm_head_grad_norm": 1.5, **applied},
+        {"dgg/reuse_index": 2.0, "dgg/gated": 0.0, "dgg/z": 0.1, "dgg/lm_head_grad_norm": 1.6, **applied},
+        {"dgg/reuse_index": 3.0, "dgg/gated": 1.0, "dgg/z": 2.5, "dgg/lm_head_grad_norm": 9.0},
+    ]
+    for step, updates in ((1, step1), (2, step2)):
+        logger.log({"rollout/reward_mean": 0.1 * step}, step=step)
+        logger.log_updates(updates, step=step)
+    paths = logger.close()
+    rows = read_metrics(tmp_path / "run" / "updates.jsonl")
+    assert [(r["step"], r["update"], r["dgg/reuse_index"]) for r in rows] == [
+        (1, 1, 1),
+        (1, 2, 2),
+        (2, 1, 1),
+        (2, 2, 2),
+        (2, 3, 3),
+    ]
+    assert [r["step"] for r in read_metrics(paths["metrics"])] == [1, 2]  # step records untouched
+    panels = {
+        title: dict((label, data) for data, label in curves) for title, curves, _ in update_panels(rows)
+    }
+    # update i of n in step s sits at s - 1 + i / n; the gated update has no weight change
+    change = panels["DWD: relative weight change per update"]["lm_head"]
+    assert change == ([0.5, 1.0, 1 + 1 / 3, 1 + 2 / 3], [4e-3] * 4)
+    z = panels["DGG: lm_head grad energy z-score"]
+    assert z["z"] == ([1.0, 1 + 1 / 3, 1 + 2 / 3, 2.0], [0.3, -0.2, 0.1, 2.5])
+    assert z[GATED] == ([2.0], [2.5])
+    assert panels["grad norm per update"]["lm_head"][1] == [2.0, 2.5, 1.5, 1.6, 9.0]
+    assert paths["plot"].is_file()
 
 
 def test_disabled_logger_and_progress_do_nothing(tmp_path: Path) -> None:

@@ -12,9 +12,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from sparserl_mcore.config import DataConfig
-from sparserl_mcore.rewards import digit_chain_reward, running_sum_reward
+from sparserl_mcore.rewards import digit_chain_reward, running_sum_reward, worked_chain_reward
 from sparserl_mcore.trainer.data import PromptSampler, load_datasets, read_examples
-from sparserl_mcore.trainer.tasks import DigitChainTask, RunningSumTask, generate, write_splits
+from sparserl_mcore.trainer.tasks import (
+    DigitChainTask,
+    RunningSumTask,
+    WorkedChainTask,
+    generate,
+    write_splits,
+)
 
 
 def _check_steps(prompt: str, solution: str, modulus: int) -> None:
@@ -75,6 +81,31 @@ def test_slipped_demonstrations_err_only_on_carry_steps_at_the_set_rate(slip: fl
     assert sum(r["solution"] != r["answer"] for r in rows) > 0.9 * len(rows)
     with pytest.raises(ValueError, match="carry_slip"):
         DigitChainTask(carry_slip=1.5)
+
+
+def test_worked_chains_show_each_lagged_sum_and_follow_the_digit_chain_draws() -> None:
+    task = WorkedChainTask(steps=10, carry_slip=0.6)
+    chain = DigitChainTask(length=10, lag=2, carry_slip=0.6)
+    for row, same in zip(generate(task, 200, seed=4), generate(chain, 200, seed=4), strict=True):
+        given = row["prompt"].removeprefix("work ")
+        assert given == same["prompt"].removeprefix("chain ")  # same seeds, offsets, slips
+        for text, digits in ((row["answer"], same["answer"]), (row["solution"], same["solution"])):
+            steps = steps_of(text)
+            written = [int(d) for d in given[-2:]] + [c for _, _, c in steps]
+            assert [(a, b) for a, b, _ in steps] == list(zip(written, written[1:], strict=False))[
+                : len(steps)
+            ]
+            assert "".join(str(c) for _, _, c in steps) == digits
+        assert all((a + b) % 10 == c for a, b, c in steps_of(row["answer"]))  # the reward's truth
+        assert len(row["answer"]) == task.completion_tokens() == 59
+        assert worked_chain_reward(row["answer"], row["answer"]) == 1.0
+    with pytest.raises(ValueError, match="length=0"):
+        WorkedChainTask(steps=0)
+
+
+def steps_of(text: str) -> list[tuple[int, ...]]:
+    """(a, b, c) of every `a+b=c` step, parsed here independently of the generator."""
+    return [tuple(int(d) for d in re.fullmatch(r"(\d)\+(\d)=(\d)", s).groups()) for s in text.split(" ")]
 
 
 @pytest.mark.parametrize("task", [RunningSumTask(), RunningSumTask(min_length=3, max_length=20, modulus=7)])

@@ -17,6 +17,8 @@ Defaults and why (the paper gives K = 4 and the tau range, not the window):
   window = 8       two rollout batches of history at K = 4: short enough to follow the drift of g
                    during training, long enough for a usable std.
   statistic = "g"  the energy itself is what spikes at collapse; "dg" reacts to sudden jumps only.
+  weight_change    log the DWD signal per applied update (loss/weight_change.py): on by default,
+                   it costs one copy of lm_head's and the middle layers' owned main weights.
 
 The gate holds plain Python state and is deterministic: ranks that feed it the same all-reduced g
 reach the same decision. The training step still all-reduces the decision (see megatron_step).
@@ -38,6 +40,7 @@ class DGGConfig:
     window: int = 8
     statistic: str = "g"
     eps: float = 1e-12
+    weight_change: bool = True
 
     def __post_init__(self) -> None:
         if self.window < 2:

@@ -38,6 +38,7 @@ from sparserl_mcore.loss.lm_head_grad import leaf_optimizers, lm_head_grad_energ
 from sparserl_mcore.loss.policy import PolicyLossConfig, policy_loss
 from sparserl_mcore.loss.totals import LossTotals, reduce_metrics
 from sparserl_mcore.loss.vocab_parallel import vocab_parallel_logprobs
+from sparserl_mcore.loss.weight_change import WeightChange
 from sparserl_mcore.parallel.forward import forward_only, model_forward, run_schedule
 from sparserl_mcore.parallel.runtime import Runtime
 
@@ -103,9 +104,10 @@ class UpdateBatch:
 class UpdateResult:
     """What one rollout batch did to the model; identical on every rank.
 
-    metrics: correction/* (once per batch), policy/* averaged over the applied updates,
-    train/updates, train/epochs, dgg/gated. updates: per optimizer update (applied or gated):
-    policy/*, dgg/*, train/grad_norm, train/lr.
+    metrics: correction/* (once per batch), policy/* and dwd/* averaged over the applied updates,
+    train/updates, train/epochs, dgg/gated, dgg/z_max (once the gate's window is full).
+    updates: per optimizer update (applied or gated): policy/*, dgg/*, train/grad_norm, train/lr,
+    dwd/* (applied updates, with `dgg.weight_change`: loss/weight_change.py).
     """
 
     metrics: dict[str, float]
@@ -271,9 +273,10 @@ def _correct(batch: UpdateBatch, logp_old: Tensor, cfg: UpdateConfig, runtime: R
 
 
 def _one_update(
-    model, optimizer, data: dict, rows: slice, reuse_index: int, *, cfg, gate, runtime, scheduler
+    model, optimizer, data: dict, rows: slice, reuse_index: int, *, cfg, gate, runtime, scheduler, dwd
 ):
-    """forward_backward over one minibatch, then DGG between prepare_grads and the step."""
+    """forward_backward over one minibatch, then DGG between prepare_grads and the step; `dwd`
+    (a WeightChange or None) measures what an applied step did to lm_head and the middle layers."""
     model.zero_grad_buffer()
     optimizer.zero_grad()
     micro_batches = _micro_batches(data, rows, cfg.micro_batch_size)
@@ -297,7 +300,11 @@ def _one_update(
     record = {**decision.as_metrics(), "train/found_inf": float(found_inf)}
     if not decision.gate and not found_inf:
         record["train/grad_norm"] = _clip_and_norm(optimizer)
+        if dwd is not None:
+            dwd.before_step()
         optimizer.step_with_ready_grads()
+        if dwd is not None:
+            record.update(dwd.after_step())
         if scheduler is not None:
             scheduler.step(1)
         gate.update(decision)
@@ -344,12 +351,31 @@ def train_on_batch(
         assert logp_old is not None, "the last stage computes pi_old"
         data["weights"], data["mask"], correction_metrics = _correct(batch, logp_old, cfg, runtime)
     per_minibatch = batch.tokens_BT.shape[0] // cfg.minibatches_per_epoch
+    dwd = None
+    if gate.cfg.weight_change:
+        dwd = WeightChange(
+            model,
+            optimizer,
+            is_last_stage=runtime.is_last_stage,
+            tp_group=runtime.groups.tp,
+            dp_group=runtime.groups.dp,
+            group=runtime.learner_group,
+        )
     updates, decisions = [], []
     for k in range(1, cfg.epochs + 1):
         for j in range(cfg.minibatches_per_epoch):
             rows = slice(j * per_minibatch, (j + 1) * per_minibatch)
             record, decision = _one_update(
-                model, optimizer, data, rows, k, cfg=cfg, gate=gate, runtime=runtime, scheduler=scheduler
+                model,
+                optimizer,
+                data,
+                rows,
+                k,
+                cfg=cfg,
+                gate=gate,
+                runtime=runtime,
+                scheduler=scheduler,
+                dwd=dwd,
             )
             updates.append(record)
             decisions.append(decision)
@@ -385,10 +411,12 @@ def _summary(
 ) -> dict[str, float]:
     applied = [u for u, d in zip(updates, decisions, strict=True) if not d.gate and not u["train/found_inf"]]
     pool = applied or updates
-    policy = {k: sum(u[k] for u in pool) / len(pool) for k in pool[0] if k.startswith("policy/")}
+    means = {k: sum(u[k] for u in pool) / len(pool) for k in pool[0] if k.startswith(("policy/", "dwd/"))}
+    zs = [d.z for d in decisions if d.z is not None]
     return {
         **correction,
-        **policy,
+        **means,
+        **({"dgg/z_max": max(zs)} if zs else {}),
         "train/updates": float(len(applied)),
         "train/epochs": float(decisions[-1].reuse_index),
         "dgg/gated": float(decisions[-1].gate),

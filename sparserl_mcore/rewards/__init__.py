@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sparserl_mcore.rewards.math import math_boxed_reward
-from sparserl_mcore.rewards.synthetic import digit_chain_reward, running_sum_reward
+from sparserl_mcore.rewards.synthetic import digit_chain_reward, running_sum_reward, worked_chain_reward
 
 RewardFn = Callable[[str, str], float]
 
@@ -23,6 +23,7 @@ REWARDS: dict[str, Callable[..., float]] = {
     "digit_chain": digit_chain_reward,
     "math_boxed": math_boxed_reward,
     "running_sum": running_sum_reward,
+    "worked_chain": worked_chain_reward,
 }
 
 
@@ -67,4 +68,5 @@ __all__ = [
     "digit_chain_reward",
     "math_boxed_reward",
     "running_sum_reward",
+    "worked_chain_reward",
 ]

@@ -7,6 +7,9 @@ digit_chain: the share of the reference chain the completion reproduces before i
 digit. Partial credit on purpose: with exact match a 40-digit chain sampled at T=1 is almost never
 all right, so most GRPO groups would have zero variance; the correct-prefix share still ranks a
 group's samples, and only an all-correct chain earns 1.0.
+
+worked_chain: the same, counted in worked steps `a+b=c` (trainer/tasks.py WorkedChainTask): the
+share of the reference's steps the completion writes exactly, in order, before its first wrong one.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 
 ANSWER_MARK = "\n="
 _FINAL = re.compile(r"\n=(-?\d+)(?!\d)")
+_STEP = re.compile(r"\d\+\d=\d")
 
 
 def parse_final_answer(completion: str) -> int | None:
@@ -43,3 +47,19 @@ def digit_chain_reward(completion: str, answer: str) -> float:
             break
         matched += 1
     return matched / len(answer)
+
+
+def worked_chain_reward(completion: str, answer: str) -> float:
+    """Share of the reference's space-separated steps `a+b=c` that `completion` writes exactly (each
+    with the space after it, but the last) before its first wrong step, in [0, 1]. What follows the
+    last step (EOS, junk) is ignored, as in `digit_chain_reward`."""
+    steps = answer.split(" ")
+    if not all(_STEP.fullmatch(step) for step in steps):
+        raise ValueError(f"worked_chain reward: reference answer {answer!r} is not steps like '3+7=0 7+0=7'")
+    matched = pos = 0
+    for i, step in enumerate(steps):
+        end = pos + len(step) + (i < len(steps) - 1)  # the step and the space after it
+        if completion[pos:end] != answer[pos:end]:
+            break
+        matched, pos = matched + 1, end
+    return matched / len(steps)

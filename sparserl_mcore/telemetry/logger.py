@@ -11,12 +11,18 @@ interrupted run logged after it (`sinks.JsonlSink`); without it the file starts 
     logger = MetricsLogger(cfg.telemetry, run_config=to_dict(cfg))
     logger.log({"rollout/reward_mean": 0.4, ...}, step=3)
     logger.event("engine_failed", {"url": url, "retried": 12})
+    logger.log_updates([{"dwd/lm_head_rel_change": 2e-3, "dgg/z": 0.4, ...}, ...], step=3)
     paths = logger.close()        # {"metrics": .../metrics.jsonl, "plot": .../summary.png}
+
+Per-optimizer-update records (the DWD / DGG signal: weight change of lm_head and the middle
+layers, lm_head gradient energy and z-score, reuse index, gate decision) go to updates.jsonl
+only, one line per update with its step and index in the step: TensorBoard and W&B plot against
+the step, and their step-level means are in the step record.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +103,16 @@ class MetricsLogger:
         if cfg.wandb_project:
             self._sinks.append(WandbSink(cfg.wandb_project, cfg.wandb_run_name, run_config or {}, self.dir))
         self._gpu = GpuMonitor(device_index, enabled=cfg.gpu_stats)
+        self._updates: JsonlSink | None = None  # updates.jsonl, opened at the first update
+
+    def log_updates(self, updates: Sequence[Mapping[str, float]], *, step: int) -> None:
+        """One updates.jsonl line per optimizer update of `step`: {"step", "update" (1-based), ...}."""
+        if not self.enabled or not updates:
+            return
+        if self._updates is None:
+            self._updates = JsonlSink(self.dir / "updates.jsonl")
+        for index, record in enumerate(updates, 1):
+            self._updates.write(step, {"update": float(index), **{k: float(v) for k, v in record.items()}})
 
     def log(self, metrics: Mapping[str, float], *, step: int) -> dict[str, float]:
         """Write one step's metrics (plus GPU stats) to every sink; returns what was written."""
@@ -126,6 +142,9 @@ class MetricsLogger:
         for sink in self._sinks:
             sink.close()
         self._sinks = []
+        if self._updates is not None:
+            self._updates.close()
+            self._updates = None
         paths = {"metrics": self.path}
         if self.cfg.plot and self.path.is_file() and self.path.stat().st_size:
             paths["plot"] = plot_metrics(self.path, self.dir / "summary.png")

@@ -349,6 +349,7 @@ class Trainer:
         routing = moe_routing.collect(learner.model, rt)  # None for a dense policy
         if routing is not None and rt.rank == 0:
             moe_routing.append_table(self.cfg.telemetry.dir, self.state.step + 1, routing)
+        p.telemetry.log_updates(result.updates, step=self.state.step + 1)  # DWD/DGG per update
         skipped = sum(u.get("train/found_inf", 0.0) > 0 for u in result.updates)
         if skipped:
             self.state.skipped_updates += skipped

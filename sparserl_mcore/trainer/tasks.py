@@ -9,6 +9,9 @@ slip on carry steps (`carry_slip`), while the `answer` the reward checks is alwa
 warm-started policy then knows the format and most of the rule but is wrong on one sub-case of
 it, which RL can fix for every prompt at once.
 
+`WorkedChainTask`: the same chain with its work shown, `a+b=c` per digit: a six-times longer
+answer, mostly copied tokens around the one sum that decides each step (a CoT-shaped trace).
+
 `RunningSumTask`: labelled running sums, whose every step copies a prompt digit; any compression
 that evicts the prompt destroys the answer (measured in docs/benchmarks.md, "Warm start").
 
@@ -165,7 +168,61 @@ class DigitChainTask:
         return self.length
 
 
-Task = RunningSumTask | DigitChainTask
+WORK_PREFIX = "work "
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkedChainTask:
+    """The lag-2 digit chain with its work shown: each step is written `a+b=c` (the two previous
+    digits, then their sum mod 10), steps separated by a space::
+
+        prompt:     "work 37"                   (seeds 3 7; offset 0, as DigitChainTask)
+        completion: "3+7=0 7+0=7 0+7=7 7+7=4"   (4 steps; then EOS)
+
+    The answer is six tokens per chain digit (6 * steps - 1), five of them copies of a token at
+    most six positions back, one the sum that decides the step: a long, CoT-shaped trace whose
+    every token a recent-window KV cache still sees. Prompts, offsets and carry slips are those of
+    `DigitChainTask(length=steps, lag=2, ...)` (same draws for the same seed); the demonstration
+    (`solution`) writes the slipped chain, the `answer` the reward (`worked_chain_reward`: share of
+    steps right before the first wrong one) checks is the true one.
+    """
+
+    steps: int = 12
+    max_offset: int = 4
+    carry_slip: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.chain_task()  # validates steps, max_offset and carry_slip
+
+    def chain_task(self) -> DigitChainTask:
+        return DigitChainTask(
+            length=self.steps, lag=2, max_offset=self.max_offset, carry_slip=self.carry_slip
+        )
+
+    @staticmethod
+    def worked(given: str, digits: str) -> str:
+        """`digits` continuing the chain after `given` (>= 2 digits), written as steps `a+b=c`."""
+        seq = given[-2:] + digits
+        return " ".join(f"{seq[i]}+{seq[i + 1]}={seq[i + 2]}" for i in range(len(digits)))
+
+    def sample(self, rng: random.Random) -> dict[str, str]:
+        row = self.chain_task().sample(rng)
+        given = row["prompt"].removeprefix(CHAIN_PREFIX)
+        return {
+            "prompt": WORK_PREFIX + given,
+            "answer": self.worked(given, row["answer"]),
+            "solution": self.worked(given, row["solution"]),
+        }
+
+    def completion_tokens(self) -> int:
+        """Tokens of the tiny tokenizer in a reference completion, EOS excluded."""
+        return 6 * self.steps - 1
+
+
+Task = RunningSumTask | DigitChainTask | WorkedChainTask
+# The second task of the DGG study (benchmarks/bench_dgg.py): the demo's chains, 12 worked steps
+# (a 71-token answer), the same 60% carry slip in the demonstrations.
+WORKED_TASK = WorkedChainTask(steps=12, carry_slip=0.6)
 # The demo's task: 8-12-token prompts, 24-digit answers; 60% of the demonstrations' carry steps slip.
 DEMO_TASK = DigitChainTask(length=24, lag=2, carry_slip=0.6)
 
