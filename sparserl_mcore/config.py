@@ -5,7 +5,8 @@ their own config classes, reused here rather than redefined (one owner per conce
 `parallel` is the runtime's `ParallelConfig`, `rollout.kv` the serve engineer's
 `KVCompressionConfig`, `rollout.sampling` the engine's `SamplingParams`, `loss.correction`,
 `loss.policy` and `dgg` the loss engineer's `CorrectionConfig`, `PolicyLossConfig` and
-`DGGConfig`, `sync.codec` the sync engineer's `CodecConfig`.
+`DGGConfig`, `sync.codec` the sync engineer's `CodecConfig`, `diloco` the islands' `DiLoCoConfig`
+(used when `parallel.islands > 1`).
 
 Everything is validated while the config is built, before any process group or model exists:
 an unknown key names itself and lists the allowed keys; a bad value names the key and the allowed
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 import yaml
 
 # Component configs owned elsewhere, reused here as sections.
+from sparserl_mcore.diloco.config import DiLoCoConfig
 from sparserl_mcore.loss.correction import CorrectionConfig
 from sparserl_mcore.loss.dgg import DGGConfig
 from sparserl_mcore.loss.policy import PolicyLossConfig
@@ -537,6 +539,7 @@ class RunConfig:
     telemetry: TelemetryConfig = dataclasses.field(default_factory=TelemetryConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    diloco: DiLoCoConfig = dataclasses.field(default_factory=DiLoCoConfig)
 
     def __post_init__(self) -> None:
         rollout_seqs = self.train.prompts_per_step * self.rollout.group_size

@@ -98,7 +98,7 @@ def export_hf(
 
     dtype = dtype or str(spec.params_dtype).removeprefix("torch.")
     weight_map = {}
-    if rt.dp_rank == 0:  # data-parallel replicas hold the same weights
+    if rt.replica_rank == 0:  # data-parallel replicas (and DiLoCo islands, once agreed) hold the same weights
         weight_map = export_hf_weights(
             model,
             layout_for(spec),

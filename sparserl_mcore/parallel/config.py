@@ -22,7 +22,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Tensor / pipeline / context parallel sizes; data parallel is what remains of the world."""
+    """Tensor / pipeline / context parallel sizes; data parallel is what remains of the world.
+
+    islands: how many groups of whole data-parallel replicas train apart (DiLoCo islands: nodes,
+    racks or sites joined by slow links). Inside an island TP / PP / CP / DP work as with one;
+    across islands only the outer sync of `sparserl_mcore.diloco` travels, every
+    `diloco.inner_steps` optimizer steps. 1 (the default): one island, plain data parallelism.
+    """
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -31,9 +37,11 @@ class ParallelConfig:
     # None for both: the balanced split of `balanced_stage_layers` (equal stages when they divide).
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
+    islands: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+        for name in (*names, "islands"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an integer >= 1")
@@ -63,6 +71,13 @@ class ParallelConfig:
                 f"world size {world_size} is not divisible by TP*PP*CP = {tp}*{pp}*{cp} = "
                 f"{self.model_parallel_size}; launch a multiple of {self.model_parallel_size} ranks "
                 "or change tensor/pipeline/context_model_parallel_size"
+            )
+        replicas = world_size // self.model_parallel_size
+        if replicas % self.islands:
+            raise ValueError(
+                f"islands={self.islands} does not divide the {replicas} data-parallel replicas of "
+                f"world size {world_size} (TP*PP*CP = {self.model_parallel_size}); launch a multiple "
+                f"of {self.islands * self.model_parallel_size} ranks or change parallel.islands"
             )
 
     def validate_model(self, *, num_layers: int, num_heads: int, num_kv_heads: int) -> None:

@@ -217,9 +217,11 @@ class ShardSyncer:
         return self.rank == self.groups.stage_source
 
     def _owned(self, name: str) -> torch.Tensor:
-        """int16 view of the owned slice of a param, on the param's device."""
+        """int16 view of the owned slice of a param, on the param's device. A tensor of exactly
+        end - start elements is the slice itself (a compact source, e.g. DiLoCo's agreed weights)."""
         start, end = self.owned[name]
-        return self.params[name].detach().view(-1)[start:end].view(torch.int16)
+        flat = self.params[name].detach().view(-1)
+        return (flat if flat.numel() == end - start else flat[start:end]).view(torch.int16)
 
     def _changed(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(owned-slice positions, old and new uint16 bits) that differ from the snapshot; updates it."""

@@ -47,6 +47,8 @@ class LoopState:
     skipped_updates: int = 0  # non-finite loss/gradient updates dropped
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
     dgg: dict[str, Any] = dataclasses.field(default_factory=dict)
+    diloco: dict[str, Any] = dataclasses.field(default_factory=dict)  # outer-step counters (islands)
+    synced_inner: float = 0.0  # islands: inner steps taken when the engines' anchor was made
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +166,7 @@ class Trainer:
         timer, started = _Timer(), time.perf_counter()
         prompts = p.data.next_prompts(cfg.train.prompts_per_step)
         self.progress.rollouts(len(prompts) * cfg.rollout.group_size)
+        lag = self._policy_lag()
         with timer("rollout"):
             samples, rewards = generate_and_score(
                 p.pool,
@@ -182,6 +185,7 @@ class Trainer:
             normalize_std=cfg.loss.advantage_std_normalize,
         )
         metrics = rollout_metrics(samples, batch, p.kv_bytes_per_token)
+        metrics.update(lag)
         if cfg.train.filter_zero_variance_groups:
             batch = batch.select(informative_rows(batch.rewards_B, cfg.rollout.group_size))
         batch, updates_per_epoch = self._trim(batch)
@@ -189,7 +193,9 @@ class Trainer:
         if batch.size:
             with timer("update"):
                 metrics.update(self.update(batch, updates_per_epoch))
-            self._weights_changed |= metrics["train/updates"] > 0
+            self._weights_changed |= metrics["train/updates"] > 0 and p.learner.outer is None
+        if p.learner.outer is not None:
+            metrics.update(self._outer_steps(closing=step == cfg.train.steps))
         if step % cfg.sync.every == 0 and self._weights_changed:  # skipped/gated-only: version kept
             self.progress.phase("sync")
             with timer("sync"):
@@ -211,11 +217,38 @@ class Trainer:
                 pool.close()
 
     # -- pieces ---------------------------------------------------------------------------------
+    def _policy_lag(self) -> dict[str, float]:
+        """Islands: applied inner steps since the anchor the engines hold (what the rollout's tokens
+        lag the islands' local weights by); nothing without islands (the engines are current)."""
+        outer = self.parts.learner.outer
+        if outer is None:
+            return {}
+        return {"rollout/policy_lag_updates": outer.totals["inner_steps"] - self.state.synced_inner}
+
+    def _outer_steps(self, *, closing: bool) -> dict[str, float]:
+        """Islands: the outer steps this RL step made (one more, closing the last round, at the
+        run's last step, so the final weights are agreed ones); each logged as an event."""
+        outer = self.parts.learner.outer
+        if closing and outer.inner:
+            outer.step()
+        records = outer.pop_records()
+        for record in records:
+            self.parts.telemetry.event("diloco_outer_step", {"step": self.state.step + 1, **record})
+        self._weights_changed |= bool(records)
+        return outer.summary(records)
+
     def sync_weights(self, version: int) -> dict[str, float]:
         p = self.parts
         metrics = p.syncer.sync([p.pool, p.dense_pool], version=version)
         self.state.sync_version, self._weights_changed = version, False
+        self._engines_hold_anchor()
         return metrics
+
+    def _engines_hold_anchor(self) -> None:
+        """Islands: the engines now hold the latest anchor; remember how many inner steps made it."""
+        outer = self.parts.learner.outer
+        if outer is not None:
+            self.state.synced_inner = outer.totals["inner_steps"] - outer.inner
 
     def _log_eval(self) -> None:
         """An eval row at the current step, if an eval is configured (no empty rows)."""
@@ -231,7 +264,7 @@ class Trainer:
         """Drop trailing rows so the batch splits into whole micro-batches on every DP rank and into
         optimizer updates of about train.global_batch_size sequences (zero-variance filtering makes
         the size vary). Returns the batch and its optimizer updates per epoch."""
-        step = self.cfg.train.micro_batch_size * self.runtime.dp_size
+        step = self.cfg.train.micro_batch_size * self.runtime.replicas
         updates = max(1, round(batch.size / self.cfg.train.global_batch_size))
         keep = batch.size // (step * updates) * step * updates
         if keep == 0:
@@ -242,7 +275,7 @@ class Trainer:
         """pi_ref recompute (KL on), then up to K epochs with DGG (pi_old is recomputed inside)."""
         p, rt = self.parts, self.runtime
         learner = p.learner
-        rows = torch.arange(batch.size).tensor_split(rt.dp_size)[rt.dp_rank]
+        rows = torch.arange(batch.size).tensor_split(rt.replicas)[rt.replica_rank]
         local = batch.select(rows)
         logp_ref = None
         if p.ref is not None:
@@ -304,6 +337,7 @@ class Trainer:
             self.sync_weights(self.state.step)
         self.state.data = p.data.state_dict()
         self.state.dgg = p.learner.dgg_state()
+        self.state.diloco = p.learner.outer.state_dict() if p.learner.outer is not None else {}
         record = {
             "config": to_dict(self.cfg),
             "world_size": self.runtime.world_size,
@@ -322,6 +356,17 @@ class Trainer:
             loop_state=dataclasses.asdict(self.state),
             record=record,
             keep=self.cfg.checkpoint.keep_last,
+            islands=self._island_state(),
+        )
+
+    def _island_state(self) -> checkpoint.IslandState | None:
+        """What the checkpoint saves per island (islands only)."""
+        rt, outer = self.runtime, self.parts.learner.outer
+        if outer is None:
+            return None
+        position = rt.rank % (rt.world_size // rt.islands)
+        return checkpoint.IslandState(
+            island=rt.island, position=position, dp_cp_group=rt.groups.dp_cp, outer=outer
         )
 
     def resume(self) -> None:
@@ -336,8 +381,11 @@ class Trainer:
                 layout=self.layout,
                 seed=self.cfg.train.seed,
                 pp_rank=self.runtime.pp_rank,
+                islands=self._island_state(),
             )
             self.state = LoopState(**loop)
+            if p.learner.outer is not None:
+                p.learner.outer.load_state_dict(self.state.diloco)
             p.data.load_state_dict(self.state.data)
             p.learner.load_dgg_state(self.state.dgg)
             saved = read_saved_run(path).layout
@@ -352,6 +400,7 @@ class Trainer:
                 },
             )
         p.syncer.full_sync([p.pool, p.dense_pool], version=self.state.sync_version)
+        self._engines_hold_anchor()
 
     def _summary(
         self, code: int, ckpt: Path | None, *, hf: Path | None = None, message: str = ""
