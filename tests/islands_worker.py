@@ -10,7 +10,9 @@ its own `parallel.initialize`, same processes):
   forced open) for ROUNDS outer steps of H inner steps; before each outer step every island exports
   its local weights (HF, fp32: exactly its masters), after it the anchor: WORK/tp2/<run>/island<i>/
   {local,anchor}<k>. The test recomputes every outer step from those locals with its own
-  single-process DiLoCo / PULSELoCo on the unsharded (HF) tensors.
+  single-process DiLoCo / PULSELoCo on the unsharded (HF) tensors. Then (dense, pulse) rank 2
+  alone shifts an anchor element and one more outer step runs: WORK/tp2/stats<rank>.json holds
+  what each rank raised.
 - `average`: 2 islands x DP 2, bf16 params + FP32 masters sharded by the distributed optimizer
   (each island's params split between its two DP ranks), Adam, dense, outer lr 1, momentum 0:
   WORK/average.pt holds the start masters, then per step each island's masters before the outer
@@ -154,10 +156,25 @@ def phase_tp2(plan: dict, work: pathlib.Path) -> None:
                 record = optimizer.outer.step()
                 export(gpt, layout, rt, here / f"anchor{k}")
                 stats.setdefault(run, []).append(record)
-        if rt.rank == 0:
-            (work / "tp2" / "stats.json").write_text(json.dumps(stats))
+            if run != "open":
+                stats[f"diverged_{run}_rank{rt.rank}"] = diverge(optimizer.outer, rt)
+        (work / "tp2" / f"stats{rt.rank}.json").write_text(json.dumps(stats))
     finally:
         shutdown()
+
+
+def diverge(outer, rt) -> str | None:
+    """Rank 2 (island 1) alone moves one anchor element off; the next outer step must stop every
+    rank with the same one-line IslandsDiverged."""
+    from sparserl_mcore.diloco.outer import IslandsDiverged
+
+    if rt.rank == 2:
+        outer.anchor[0] += 0.25
+    try:
+        outer.step()
+    except IslandsDiverged as exc:
+        return str(exc)
+    return None
 
 
 def phase_average(plan: dict, work: pathlib.Path) -> None:
@@ -169,6 +186,12 @@ def phase_average(plan: dict, work: pathlib.Path) -> None:
 
     rt = initialize(ParallelConfig(islands=2), seed=0)
     try:
+        ranks = dist.get_process_group_ranks
+        mine = [2 * rt.island, 2 * rt.island + 1]
+        assert ranks(rt.groups.dp) == ranks(rt.groups.dp_cp) == ranks(rt.groups.tp_dp_cp) == mine
+        assert ranks(rt.island_group) == mine
+        assert ranks(rt.cross_island_group) == [rt.rank % 2, rt.rank % 2 + 2]
+        assert (rt.replicas, rt.replica_rank) == (4, rt.rank)
         _, _, ddp, _, inner, _ = build(plan["hf_dir"], rt, params="bf16", sgd=False)
         cfg = DiLoCoConfig(mode="dense", inner_steps=10**6, outer_lr=1.0, outer_momentum=0.0)
         optimizer = with_islands(inner, ddp, cfg, rt)
@@ -199,6 +222,12 @@ def phase_sgd(plan: dict, work: pathlib.Path, name: str) -> None:
         ParallelConfig(tensor_model_parallel_size=2, islands=2 if name == "islands" else 1), seed=0
     )
     try:
+        if name == "ddp":  # one island: megatron's own groups, exactly as before islands existed
+            from megatron.core import parallel_state
+
+            assert rt.groups.dp is parallel_state.get_data_parallel_group()
+            assert rt.cross_island_group is None and rt.island_group is rt.learner_group
+            assert (rt.replicas, rt.replica_rank) == (rt.dp_size, rt.dp_rank) == (2, rt.rank // 2)
         # fp32: with bf16 weights the two runs' last-bit differences would flip BF16 cells and part
         _, _, ddp, _, inner, _ = build(plan["hf_dir"], rt, params="fp32", sgd=True)
         optimizer, shards = inner, MainShards(inner, ddp)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -220,7 +221,7 @@ def test_tp2_outer_steps_equal_a_single_process_reference_bitwise(work, mode):
 
 
 def test_pulse_with_the_gate_forced_open_equals_dense_bitwise(work):
-    stats = json.loads((work / "tp2" / "stats.json").read_text())
+    stats = json.loads((work / "tp2" / "stats0.json").read_text())
     for k in range(1, ROUNDS + 1):
         dense, opened = (_state(work / "tp2" / run / "island0" / f"anchor{k}") for run in ("dense", "open"))
         assert all(torch.equal(dense[n].view(torch.int32), opened[n].view(torch.int32)) for n in dense), k
@@ -229,6 +230,24 @@ def test_pulse_with_the_gate_forced_open_equals_dense_bitwise(work):
     assert all(r["diloco/density"] == 1.0 for r in stats["open"])
     assert all(0.0 < r["diloco/density"] < 1.0 for r in stats["pulse"])
     assert all(r["diloco/bytes_per_entry"] < 12 for r in stats["pulse"])
+
+
+@pytest.mark.parametrize(
+    ("mode", "pattern"),
+    [
+        ("dense", r"islands diverged after outer step 3: the FP32 anchor of \S+ differs between rank 0 "
+         r"\(island 0\) and rank 2 \(island 1\)"),
+        ("pulse", r"islands diverged at outer step 3: rank [02] \(island [01]\) cannot use the payload of "
+         r"rank [02] \(island [01]\): payload was coded against other anchor bits \(islands out of step\)"),
+    ],
+)  # fmt: skip
+def test_a_diverged_island_stops_every_rank_with_one_line_naming_the_tensor_and_ranks(work, mode, pattern):
+    found = [
+        json.loads((work / "tp2" / f"stats{r}.json").read_text())[f"diverged_{mode}_rank{r}"]
+        for r in range(4)
+    ]
+    assert len(set(found)) == 1 and found[0] is not None and "\n" not in found[0], found
+    assert re.fullmatch(pattern, found[0]), found[0]
 
 
 def _ulps_off(got: torch.Tensor, want: torch.Tensor, *scales: torch.Tensor) -> float:

@@ -114,11 +114,12 @@ class OuterStep:
         delta = self.shards.read()
         torch.sub(self.anchor, delta, out=delta)
         delta_sq = float(delta.double().square().sum())
+        problem = None  # a payload this rank could not decode: reported with the hash check
         if self.residual is None:
             dist.all_reduce(delta, group=self.cross)
             total, sent, size = delta, self.anchor.numel(), 4 * self.anchor.numel()
         else:
-            total, sent, size = self._pulse_exchange(delta)
+            total, sent, size, problem = self._pulse_exchange(delta)
         total.div_(self.islands)
         self._outer_sgd(total)
         self.shards.write(self.anchor)
@@ -127,25 +128,35 @@ class OuterStep:
         self.outer_steps += 1
         residual_sq = float(self.residual.double().square().sum()) if self.residual is not None else 0.0
         local = [sent, self.anchor.numel(), size, residual_sq, delta_sq]
-        record = self._verify(self._digests(), f"after outer step {self.outer_steps}", local)
+        record = self._verify(self._digests(), f"after outer step {self.outer_steps}", local, problem)
         self.records.append(record)
         return record
 
-    def _pulse_exchange(self, delta: Tensor) -> tuple[Tensor, int, int]:
-        """(sum over islands of the sent entries, this rank's sent count, its payload bytes)."""
+    def _pulse_exchange(self, delta: Tensor) -> tuple[Tensor, int, int, str | None]:
+        """(sum over islands of the sent entries, this rank's sent count, its payload bytes, why a
+        payload could not be decoded). A bad payload must not end this rank alone (the others
+        would wait in the next collective): it is reported by `_verify` on every rank."""
         assert self.residual is not None
         idx, values = self.gate(self.anchor, delta, self.residual)
         base = bf16_bits(self.anchor).cpu().numpy().view(np.uint16)
         blob = payload.encode(idx.cpu().numpy(), values.cpu().numpy(), base, level=self.cfg.zstd_level)
         blobs = all_gather_bytes(blob, self.cross, self.device)
-        total = delta.zero_()
+        total, problem = delta.zero_(), None
         for island, theirs in enumerate(blobs):  # island order: the same sum on every island
             if island == self.island:
                 total.index_add_(0, idx, values)
-            else:
+                continue
+            try:
                 i, v = payload.decode(theirs, base)
-                total.index_add_(0, torch.from_numpy(i).to(self.device), torch.from_numpy(v).to(self.device))
-        return total, int(idx.numel()), len(blob)
+            except payload.PayloadError as exc:
+                problem = problem or (
+                    f"islands diverged at outer step {self.outer_steps + 1}: rank {dist.get_rank()} "
+                    f"(island {self.island}) cannot use the payload of rank {self.cross_ranks[island]} "
+                    f"(island {island}): {exc}"
+                )
+                continue
+            total.index_add_(0, torch.from_numpy(i).to(self.device), torch.from_numpy(v).to(self.device))
+        return total, int(idx.numel()), len(blob), problem
 
     def _outer_sgd(self, grad: Tensor) -> None:
         """torch.optim.SGD's arithmetic (momentum, dampening 0, Nesterov) on the anchor."""
@@ -178,22 +189,19 @@ class OuterStep:
         return labels, torch.tensor(values, dtype=torch.int64)
 
     def _verify(
-        self, digests: tuple[list[str], Tensor], when: str, local: list[float] | None = None
+        self,
+        digests: tuple[list[str], Tensor],
+        when: str,
+        local: list[float] | None = None,
+        problem: str | None = None,
     ) -> dict[str, float]:
-        """Collective: raise IslandsDiverged on every rank if any cross-island group disagrees;
-        returns the outer step's metrics summed over every rank of every island."""
+        """Collective: raise IslandsDiverged on every rank if any cross-island group disagrees (or
+        a rank reports `problem`); returns the outer step's metrics summed over every rank of every
+        island."""
         labels, mine = digests
         seen = [torch.zeros_like(mine, device=self.device) for _ in self.cross_ranks]
         dist.all_gather(seen, mine.to(self.device), group=self.cross)
-        problem = None
-        for i, theirs in enumerate(seen[1:], start=1):
-            differ = (theirs.cpu() != seen[0].cpu()).nonzero()
-            if differ.numel():
-                problem = (
-                    f"islands diverged {when}: {labels[int(differ[0])]} differs between rank "
-                    f"{self.cross_ranks[0]} (island 0) and rank {self.cross_ranks[i]} (island {i})"
-                )
-                break
+        problem = problem or self._first_difference(labels, [s.cpu() for s in seen], when)
         sums = torch.tensor([float(problem is not None), *(local or [0.0] * 5)], dtype=torch.float64)
         sums = sums.to(self.device)
         dist.all_reduce(sums, group=self.learner)
@@ -202,6 +210,17 @@ class OuterStep:
             dist.all_gather_object(found, problem, group=self.learner)
             raise IslandsDiverged(next(p for p in found if p))
         return self._record(sums.tolist()[1:])
+
+    def _first_difference(self, labels: list[str], seen: list[Tensor], when: str) -> str | None:
+        """One line naming the first tensor whose hash differs from island 0's, and the ranks."""
+        for i, theirs in enumerate(seen[1:], start=1):
+            differ = (theirs != seen[0]).nonzero()
+            if differ.numel():
+                return (
+                    f"islands diverged {when}: {labels[int(differ[0])]} differs between rank "
+                    f"{self.cross_ranks[0]} (island 0) and rank {self.cross_ranks[i]} (island {i})"
+                )
+        return None
 
     def _record(self, sums: list[float]) -> dict[str, float]:
         sent, numel, size, residual_sq, delta_sq = sums

@@ -233,7 +233,9 @@ class Trainer:
             outer.step()
         records = outer.pop_records()
         for record in records:
-            self.parts.telemetry.event("diloco_outer_step", {"step": self.state.step + 1, **record})
+            self.parts.telemetry.event(
+                "diloco_outer_step", {"step": self.state.step + 1, **record}, show=False
+            )
         self._weights_changed |= bool(records)
         return outer.summary(records)
 
