@@ -98,9 +98,9 @@ class SyncGroups:
 def build_sync_groups(runtime: Runtime) -> SyncGroups:
     """Collective over all learner ranks: find each stage's source rank and group the sources."""
     coords: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(
-        coords, (runtime.rank, runtime.pp_rank, runtime.tp_rank, runtime.dp_rank, runtime.cp_rank)
-    )
+    # the replica of the whole job (with DiLoCo islands dp_rank is the island's own)
+    dp = getattr(runtime, "replica_rank", runtime.dp_rank)
+    dist.all_gather_object(coords, (runtime.rank, runtime.pp_rank, runtime.tp_rank, dp, runtime.cp_rank))
     sources = tuple(sorted((pp, rank) for rank, pp, tp, dp, cp in coords if tp == dp == cp == 0))
     source_ranks = tuple(rank for _, rank in sources)
     group = dist.new_group(list(source_ranks))
