@@ -42,6 +42,8 @@ def test_islands_train_resume_bit_identically_and_refuse_another_island_count(tm
     # rollouts come from the last agreed weights: steps 2 and 3 start 1 and 2 updates behind
     assert [r["rollout/policy_lag_updates"] for r in steps] == [0, 1, 2, 0]
     assert steps[-1]["diloco/inner_since_outer"] == 0  # the last step closed the round
+    placed = next(r for r in rows if r.get("event") == "islands")
+    assert placed["island 0"].startswith("ranks 0-0 on ") and placed["island 1"].startswith("ranks 1-1 on ")
 
     resumed = _from_step2(tmp_path, hf, "resumed", ISLANDS)
     launch_local([TRAIN, "--config", str(resumed)], 2, env=env, timeout=300)

@@ -14,12 +14,15 @@ rank knows (samples, rewards, engine failures, eval scores) reaches the others b
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sparserl_mcore import parallel
 from sparserl_mcore.config import RunConfig, to_dict
@@ -132,6 +135,7 @@ class Trainer:
                 return self._fit(stop)
 
     def _fit(self, stop: StopRequest) -> RunSummary:
+        self._log_islands()
         self.resume()
         self._first_step = self.state.step
         self.progress.step_done(self.state.step)
@@ -217,6 +221,24 @@ class Trainer:
                 pool.close()
 
     # -- pieces ---------------------------------------------------------------------------------
+    def _log_islands(self) -> None:
+        """Islands: which nodes each island runs on (Slurm's node name, else the host name)."""
+        rt = self.runtime
+        if rt.islands == 1:
+            return
+        here = (rt.island, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        everyone: list[Any] = [None] * rt.world_size
+        dist.all_gather_object(everyone, here, group=rt.learner_group)
+        nodes = {i: sorted({node for island, node in everyone if island == i}) for i in range(rt.islands)}
+        size = rt.world_size // rt.islands
+        self.parts.telemetry.event(
+            "islands",
+            {
+                f"island {i}": f"ranks {i * size}-{(i + 1) * size - 1} on {', '.join(n)}"
+                for i, n in nodes.items()
+            },
+        )
+
     def _policy_lag(self) -> dict[str, float]:
         """Islands: applied inner steps since the anchor the engines hold (what the rollout's tokens
         lag the islands' local weights by); nothing without islands (the engines are current)."""
