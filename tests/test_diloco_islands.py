@@ -135,6 +135,27 @@ def test_payload_of_nothing_sent(shard):
     assert got_idx.size == got_values.size == 0
 
 
+# -- config ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("parallel.islands=0", "parallel: islands=0: must be an integer >= 1"),
+        ("diloco.inner_steps=0", "diloco: inner_steps=0: must be an integer >= 1"),
+        ("diloco.mode=sparse", "diloco.mode: 'sparse' is not allowed; allowed values: pulse, dense"),
+        ("diloco.outer_momentum=1.0", "diloco: outer_momentum=1.0: must be in [0, 1)"),
+        ("diloco.zstd_level=0", "diloco: zstd_level=0: must be 1..22"),
+    ],
+)
+def test_bad_island_settings_are_refused_naming_the_key(override, message):
+    from sparserl_mcore.config import ConfigError, load_config_text
+
+    base = "model: {hf_path: m}\ndata: {train_path: t}\n"
+    assert load_config_text(base).parallel.islands == 1  # default: one island, as before
+    with pytest.raises(ConfigError) as refused:
+        load_config_text(base, [override])
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
 # -- layouts that cannot resume -----------------------------------------------------------------------
 def _layout(**kw) -> RunLayout:
     base = dict(
