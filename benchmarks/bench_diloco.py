@@ -3,6 +3,7 @@
     python -m benchmarks.bench_diloco [--tasks demo running_sum] [--seeds 0 1 2] [--hs 1 4 8]
         [--steps N] [--out runs/diloco]
     python -m benchmarks.bench_diloco --lr-sweep 1e-4 1e-5 1e-6 [--steps 10] [--out runs/diloco-lr]
+    python -m benchmarks.bench_diloco --outer 1.0:0.0 [--seeds 0] [--hs 1 8] [--out runs/diloco-outer]
 
 Every run is `sparserl train --nproc 2` of examples/demo.yaml as `sparserl demo --seed S` configures
 it, from that seed's warm start, with DGG off (so every run makes exactly the same number of inner
@@ -27,6 +28,8 @@ behind the islands (rollouts come from agreed weights only), the final greedy ev
 own, on its final agreed weights) and the train reward.
 --lr-sweep runs only pulse-H8 on the demo task, seed 0, at each Adam learning rate given: the gate
 density depends on how far an update moves a weight relative to its BF16 cell (bytes, not evals).
+--outer runs only dense DiLoCo on the demo task at other outer SGD settings (lr:momentum, e.g.
+1.0:0.0, plain averaging of the islands' weights), for --seeds and --hs.
 Writes OUT/results.json (kept after every run; a rerun skips finished runs) and prints the tables.
 Results: docs/benchmarks.md, "DiLoCo islands".
 """
@@ -62,6 +65,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: examples/demo.yaml)")
     p.add_argument(
         "--lr-sweep", type=float, nargs="*", default=[], help="only pulse-H8 runs at these Adam lrs"
+    )
+    p.add_argument(
+        "--outer", nargs="*", default=[], metavar="LR:M", help="only DiLoCo runs at these outer lr:m"
     )
     p.add_argument("--out", default="runs/diloco", help="work directory (warm starts, runs, results)")
     return p.parse_args(argv)
@@ -245,12 +251,41 @@ def _plan(a: argparse.Namespace) -> list[tuple[str, int, str, list[str], int | N
         return [
             ("demo", 0, f"pulse-H8-lr{lr:g}", [*pulse, f"optimizer.lr={lr}"], a.steps) for lr in a.lr_sweep
         ]
+    if a.outer:
+        return [
+            ("demo", seed, f"{arm}-outer-lr{lr:g}-m{m:g}", [*overrides, *_outer(lr, m)], a.steps)
+            for lr, m in (_outer_spec(spec) for spec in a.outer)
+            for seed in a.seeds
+            for arm, overrides in arms(a.hs).items()
+            if arm.startswith("diloco")
+        ]
     return [
         (task, seed, arm, overrides, a.steps or STEPS[task])
         for task in a.tasks
         for seed in a.seeds
         for arm, overrides in arms(a.hs).items()
     ]
+
+
+def _outer_spec(spec: str) -> tuple[float, float]:
+    lr, _, momentum = spec.partition(":")
+    return float(lr), float(momentum or 0)
+
+
+def _outer(lr: float, momentum: float) -> list[str]:
+    return [f"diloco.outer_lr={lr}", f"diloco.outer_momentum={momentum}"]
+
+
+def print_outer(results: dict, a: argparse.Namespace) -> None:
+    print("\n| arm | final greedy eval, dense KV | compressed KV | reward last 5 | inner steps |")
+    print("|---|---|---|---|---|")
+    for arm in sorted({arm for _, _, arm, _, _ in _plan(a)}):
+        runs = [results["demo"][str(s)][arm] for s in a.seeds if arm in results["demo"].get(str(s), {})]
+        evals = [_cell([r[f"final_eval/pass1_{k}"] for r in runs]) for k in ("dense", "compressed")]
+        steps = statistics.fmean(r["inner_steps"] for r in runs)
+        print(
+            f"| {arm} | {evals[0]} | {evals[1]} | {_cell([r['reward_last5'] for r in runs])} | {steps:.0f} |"
+        )
 
 
 def print_lr_sweep(results: dict, lrs: list[float]) -> None:
@@ -282,6 +317,8 @@ def main(argv: list[str]) -> int:
         results_path.write_text(json.dumps(results, indent=1))
     if a.lr_sweep:
         print_lr_sweep(results, a.lr_sweep)
+    elif a.outer:
+        print_outer(results, a)
     else:
         missed = [m for task in a.tasks for m in print_tables(results, task, a.seeds, a.hs)]
         print("\n".join(["goals missed:", *missed]) if missed else "every goal met")
