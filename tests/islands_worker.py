@@ -259,11 +259,10 @@ def phase_resume(plan: dict, work: pathlib.Path) -> None:
     )  # fmt: skip
     root = work / "resume"
     batches = torch.tensor(plan["batches"][rt.island])
-    cfg = DiLoCoConfig(mode="pulse", inner_steps=H)
 
-    def learner():
+    def learner(mode: str = "pulse"):
         _, _, ddp, _, inner, scheduler = build(plan["hf_dir"], rt, params="bf16", sgd=False)
-        optimizer = with_islands(inner, ddp, cfg, rt)
+        optimizer = with_islands(inner, ddp, DiLoCoConfig(mode=mode, inner_steps=H), rt)
         ids = checkpoint.IslandState(
             island=rt.island, position=rt.rank % 2, dp_cp_group=rt.groups.dp_cp, outer=optimizer.outer
         )
@@ -308,6 +307,21 @@ def phase_resume(plan: dict, work: pathlib.Path) -> None:
         torch.save(
             {"straight": straight, "resumed": resumed, "rng_restored": same}, root / f"rank{rt.rank}.pt"
         )
+        # a dense-mode checkpoint (no residual saved) resumes in pulse mode: the residual starts at 0
+        ddp, optimizer, scheduler, ids = learner("dense")
+        train(ddp, optimizer, scheduler, range(3))
+        dense = checkpoint.save_checkpoint(
+            root / "ckpt_dense", 3, model=ddp, optimizer=optimizer, scheduler=scheduler,
+            loop_state={"diloco": optimizer.outer.state_dict()}, record=record, islands=ids,
+        )  # fmt: skip
+        anchor = optimizer.outer.anchor.clone()
+        ddp, optimizer, scheduler, ids = learner("pulse")
+        optimizer.outer.residual.fill_(1.0)
+        checkpoint.load_checkpoint(
+            dense, model=ddp, optimizer=optimizer, scheduler=scheduler, layout=layout, seed=0,
+            pp_rank=0, islands=ids,
+        )  # fmt: skip
+        assert torch.equal(optimizer.outer.anchor, anchor) and not optimizer.outer.residual.any()
     finally:
         shutdown()
 

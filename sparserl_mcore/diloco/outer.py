@@ -96,21 +96,22 @@ class OuterStep:
         self.inner = 0  # applied inner steps since the last outer step
         self.outer_steps = 0
         self.totals = {"payload_bytes": 0.0, "dense_bytes": 0.0, "sent": 0.0, "inner_steps": 0.0}
-        self.records: list[dict[str, float]] = []  # one per outer step, until `pop_metrics`
+        self.records: list[dict[str, float]] = []  # one per outer step, until `pop_records`
         self._check_layout()
         self._verify(self._digests(), "at the start (every island must load the same weights)")
 
     # -- the step ----------------------------------------------------------------------------
     def after_inner_step(self) -> None:
-        """Count one applied inner update; the H-th runs the outer step."""
+        """Count one applied inner update; the H-th runs the outer step (at once, if a resume with
+        a smaller H finds the round already longer)."""
         self.inner += 1
         self.totals["inner_steps"] += 1
-        if self.inner == self.cfg.inner_steps:
+        if self.inner >= self.cfg.inner_steps:
             self.step()
 
     @torch.no_grad()
     def step(self) -> dict[str, float]:
-        """One outer step now (collective); returns its metrics (also kept for `pop_metrics`)."""
+        """One outer step now (collective); returns its metrics (also kept for `pop_records`)."""
         delta = self.shards.read()
         torch.sub(self.anchor, delta, out=delta)
         delta_sq = float(delta.double().square().sum())
@@ -279,10 +280,14 @@ class OuterStep:
         return out
 
     def load_sharded(self, state: dict[str, Tensor]) -> None:
+        """The loaded parts of `sharded_state_dict`; a residual or momentum the checkpoint lacks
+        (saved in dense mode, or without momentum) starts at zero."""
         for name in ("anchor", "momentum", "residual"):
             mine = getattr(self, name)
-            if mine is not None:
+            if mine is not None and name in state:
                 mine.copy_(state[name])
+            elif mine is not None:
+                mine.zero_()
 
     def state_dict(self) -> dict[str, float | int]:
         """The counters (equal on every rank): the common part of a checkpoint."""

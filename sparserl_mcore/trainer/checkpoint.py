@@ -78,8 +78,15 @@ class IslandState:
 
 
 def _sharded_state(
-    model: torch.nn.Module, optimizer: Any, *, is_loading: bool, islands: IslandState | None = None
+    model: torch.nn.Module,
+    optimizer: Any,
+    *,
+    is_loading: bool,
+    islands: IslandState | None = None,
+    saved_keys: set[str] | None = None,
 ) -> dict[str, Any]:
+    """What a checkpoint holds of model and optimizer (and with islands, of the outer step; when
+    loading, only the outer-state keys in `saved_keys`: a dense-mode checkpoint has no residual)."""
     if islands is None:
         model_sd = unwrap_model(model).sharded_state_dict()
     else:
@@ -88,7 +95,8 @@ def _sharded_state(
     state = {"model": model_sd, "optimizer": optim_sd}
     if islands is not None:
         add_prefix_for_sharding(state, f"island{islands.island}.")
-        state["diloco"] = islands.outer.sharded_state_dict(islands.position)
+        outer = islands.outer.sharded_state_dict(islands.position)
+        state["diloco"] = {k: t for k, t in outer.items() if saved_keys is None or t.key in saved_keys}
     return state
 
 
@@ -221,7 +229,8 @@ def load_checkpoint(
     problem = check_resumable(saved, layout)
     if problem:
         raise ValueError(problem)
-    template = _sharded_state(model, optimizer, is_loading=True, islands=islands)
+    saved_keys = set(dist_checkpointing.load_tensors_metadata(str(path))) if islands is not None else None
+    template = _sharded_state(model, optimizer, is_loading=True, islands=islands, saved_keys=saved_keys)
     state = dist_checkpointing.load(template, str(path))
     unwrap_model(model).load_state_dict(state["model"])
     load_optimizer_state(optimizer, state["optimizer"])
