@@ -6,7 +6,8 @@ their own config classes, reused here rather than redefined (one owner per conce
 included), `model.moe` the model provider's `MoEConfig`, `rollout.kv` the serve engineer's
 `KVCompressionConfig`, `rollout.sampling` the engine's `SamplingParams`, `loss.correction`,
 `loss.policy` and `dgg` the loss engineer's `CorrectionConfig`, `PolicyLossConfig` and
-`DGGConfig`, `sync.codec` the sync engineer's `CodecConfig`.
+`DGGConfig`, `sync.codec` the sync engineer's `CodecConfig`, `diloco` the islands' `DiLoCoConfig`
+(used when `parallel.islands > 1`).
 
 Everything is validated while the config is built, before any process group or model exists:
 an unknown key names itself and lists the allowed keys; a bad value names the key and the allowed
@@ -33,6 +34,7 @@ import yaml
 
 # Component configs owned elsewhere, reused here as sections.
 from model_providers.moe_config import MoEConfig
+from sparserl_mcore.diloco.config import DiLoCoConfig
 from sparserl_mcore.loss.correction import CorrectionConfig
 from sparserl_mcore.loss.dgg import DGGConfig
 from sparserl_mcore.loss.policy import PolicyLossConfig
@@ -650,6 +652,7 @@ class RunConfig:
     telemetry: TelemetryConfig = dataclasses.field(default_factory=TelemetryConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    diloco: DiLoCoConfig = dataclasses.field(default_factory=DiLoCoConfig)
 
     def __post_init__(self) -> None:
         rollout_seqs = self.train.prompts_per_step * self.rollout.group_size
@@ -683,6 +686,11 @@ class RunConfig:
             raise ValueError(
                 f"train.async.mode={mode} with loss.correction.mode=off: stale samples need the behavior "
                 "correction (pi_old / pi_sampler per token); set loss.correction.mode to tis or sparse_rl"
+            )
+        if self.parallel.islands > 1:
+            raise ValueError(
+                f"train.async.mode={mode} with parallel.islands={self.parallel.islands}: asynchronous "
+                "rollouts and DiLoCo islands are not combined yet; use one of them"
             )
 
 

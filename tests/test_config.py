@@ -157,6 +157,14 @@ def test_remote_engine_urls_from_an_override() -> None:
             ["loss.correction.mode=off", "behavior correction"],
         ),
         (["train.async_.mode=off"], ["unknown key train.async_", "async"]),
+        (
+            ["train.async.mode=one_step", "loss.correction.mode=tis", "parallel.islands=2"],
+            ["train.async.mode=one_step with parallel.islands=2", "not combined yet"],
+        ),
+        (
+            ["parallel.islands=2", "parallel.expert_model_parallel_size=2"],
+            ["islands=2 with expert_model_parallel_size=2", "not combined yet"],
+        ),
     ],
 )
 def test_errors_name_the_key_and_the_allowed_values(overrides: list[str], expected: list[str]) -> None:

@@ -61,6 +61,12 @@ def _train(cfg: pathlib.Path, *overrides: str, nproc: str = "2") -> list[str]:
             "dataset /nonexistent/train.jsonl does not exist",
         ),
         (("train.prompts_per_step=1", "train.global_batch_size=8"), "4", "cannot fill one micro-batch"),
+        (("parallel.islands=3",), "4", "islands=3 does not divide the 2 data-parallel replicas"),
+        (
+            ("parallel.islands=2", "optimizer.distributed=false"),
+            "8",
+            "islands=2 with optimizer.distributed=false and 2 data-parallel replicas per island",
+        ),
     ],
 )
 def test_train_refuses_before_any_rank_starts(assets, capsys, overrides, nproc, message):

@@ -163,3 +163,29 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(cluster, ti
     assert resumed == [saved]
     assert _steps(root, "preempt") == [1, 2, 3, 4, 5]  # each step once: none lost, none repeated
     assert "requeueing job" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+
+
+def test_islands_job_puts_each_island_on_its_own_node(cluster, tiny):
+    """parallel.islands=2 over 2 learner nodes x 2 ranks: the static rendezvous makes node n1
+    island 0 (ranks 0-1) and n2 island 1 (ranks 2-3); the job trains with outer steps."""
+    root, hf = tiny
+    islands = {"tensor_model_parallel_size": 1, "islands": 2}
+    cfg = write_config(
+        root,
+        hf,
+        "islands",
+        train={"steps": 2, "global_batch_size": 32},
+        eval=NO_EVAL,
+        parallel=islands,
+        diloco={"inner_steps": 2},
+    )
+    job_id, run_dir = _submit(cluster, root, cfg, "--learner-nodes", "2")
+    info = _wait_job(cluster, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), _diagnose(run_dir)
+    rows = metrics(root, "islands")
+    placed = [r for r in rows if r.get("event") == "islands"]
+    assert (
+        placed and placed[0]["island 0"] == "ranks 0-1 on n1" and placed[0]["island 1"] == "ranks 2-3 on n2"
+    )
+    assert _steps(root, "islands") == [1, 2]
+    assert [r["diloco/outer_step"] for r in rows if r.get("event") == "diloco_outer_step"] == [1, 2]

@@ -31,6 +31,8 @@ EXAMPLES = {
     "--rollout-nodes 2",
     "slurm/qwen3-30b-a3b.sbatch": "--config examples/qwen3-30b-a3b-math.yaml --learner-nodes 2 "
     "--rollout-nodes 2 --rollout-server sglang",
+    "slurm/islands.sbatch": "--config examples/qwen2.5-7b-math.yaml --learner-nodes 4 --rollout-nodes 2 "
+    "parallel.islands=2 diloco.inner_steps=8",
 }
 
 
@@ -66,6 +68,7 @@ LAYOUTS = {
     "disaggregated-cpu": "--learner-nodes 1 --rollout-nodes 1 --gpus-per-node 0 --ranks-per-node 2",
     "partition-time-sglang": "--learner-nodes 1 --rollout-nodes 1 --gpus-per-node 4 --partition h100 "
     "--time 2-00:00:00 --stop-before 1800 --rollout-server sglang rollout.kv.method=none",
+    "islands-cpu": "--learner-nodes 2 --gpus-per-node 0 --ranks-per-node 2 parallel.islands=2",
 }
 
 
@@ -155,6 +158,14 @@ REFUSED = {
         "--learner-nodes 1 --gpus-per-node 4 parallel.expert_model_parallel_size=8",
         "world size 4 is not divisible by ETP*EP*PP = 2*8*1 = 16",
     ),
+    "islands-dp": (
+        "--learner-nodes 1 --gpus-per-node 4 parallel.islands=3",
+        "islands=3 does not divide the 2 data-parallel replicas",
+    ),
+    "island-across-nodes": (
+        "--learner-nodes 3 --gpus-per-node 2 parallel.islands=2 parallel.tensor_model_parallel_size=1",
+        "an island of 3 ranks would straddle nodes",
+    ),
 }
 
 
@@ -168,6 +179,31 @@ def test_layouts_that_cannot_work_are_refused_in_one_line(tiny, name, capsys):
     assert err.count("\n") == 1 and err.startswith("sparserl slurm: "), err
     assert message in err, err
     assert not (root / "refused" / "metrics").exists()  # nothing written
+
+
+def _wrapper(script: str) -> str:
+    """The inner `bash -c '...'` every learner node runs torchrun through."""
+    line = next(ln for ln in script.splitlines() if "bash -c '" in ln)
+    return line.split("bash -c '", 1)[1].rsplit("'", 1)[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "backend", "node_rank"), [("islands-cpu", "static", "1"), ("colocated-cpu", "c10d", "")]
+)
+def test_islands_take_their_node_rank_from_the_learner_node_list(tiny, name, backend, node_rank):
+    """DiLoCo islands are blocks of consecutive ranks, so node ranks must follow the node list
+    (static rendezvous, --node-rank from SLURM_NODEID); other jobs keep c10d."""
+    script = _render(*tiny, LAYOUTS[name])
+    assert f"RDZV_BACKEND={backend}" in script
+    assert ("# Islands: 2, learner nodes [0], [1]; DiLoCo outer sync between them only." in script) == (
+        backend == "static"
+    )
+    env = {"PATH": "/usr/bin:/bin", "RDZV_BACKEND": backend, "SLURM_NODEID": "1"}
+    proc = subprocess.run(
+        ["bash", "-c", _wrapper(script), "torchrun-agent", "bash", "-c", 'echo "${PET_NODE_RANK-}"'],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert proc.stdout.strip() == node_rank
 
 
 def test_dry_run_writes_the_script_and_the_config_snapshot_atomically(tiny, capsys):

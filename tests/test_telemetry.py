@@ -80,6 +80,8 @@ def test_step_lines_are_short_and_human() -> None:
     assert step_line(0, {"eval/pass1_compressed": 0.0625, "eval/pass1_dense": 0.5}) == (
         "step 0  eval 0.062 compressed KV / 0.500 dense KV"
     )
+    outer = {"diloco/payload_bytes": 90_000.0, "diloco/dense_bytes": 1_118_720.0}  # DiLoCo islands
+    assert step_line(4, outer) == "step 4  outer 90.0 KB (12x less)"
     timed = {"time/rollout_s": 1.0, "time/update_s": 3.1, "time/step_s": 4.6}
     assert step_line(3, timed) == "step 3  4.6 s"  # the step's wall time, not the phases summed again
     assert human_bytes(999) == "999 B" and human_bytes(1.5e6) == "1.5 MB" and human_bytes(250_000) == "250 KB"
@@ -92,10 +94,16 @@ def test_logger_writes_jsonl_tensorboard_and_plot(tmp_path: Path) -> None:
     written = logger.log({"rollout/reward_mean": 0.25, "policy/kl": float("nan")}, step=1)
     assert written["rollout/reward_mean"] == 0.25 and not any(k.startswith("gpu/") for k in written)
     logger.event("nonfinite_step", {"step": 1, "path": tmp_path})
+    logger.event("diloco_outer_step", {"step": 1}, show=False)  # the JSONL only
     logger.log({"rollout/reward_mean": 0.5}, step=2)
     paths = logger.close()
     records = [json.loads(line) for line in paths["metrics"].read_text().splitlines()]
-    assert [(r.get("event"), r.get("step")) for r in records] == [(None, 1), ("nonfinite_step", 1), (None, 2)]
+    assert [(r.get("event"), r.get("step")) for r in records] == [
+        (None, 1),
+        ("nonfinite_step", 1),
+        ("diloco_outer_step", 1),
+        (None, 2),
+    ]
     assert records[0]["policy/kl"] is None and records[1]["path"] == str(tmp_path)
     assert [r["step"] for r in read_metrics(paths["metrics"])] == [1, 2]  # events are not steps
     assert paths["plot"].is_file()  # only the reward panel has data: one panel

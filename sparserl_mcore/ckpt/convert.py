@@ -99,8 +99,9 @@ def export_hf(
     from sparserl_mcore.ckpt.layout import layout_for
 
     dtype = dtype or str(spec.params_dtype).removeprefix("torch.")
-    # data-parallel replicas hold the same weights: one copy of the dense ones (dp_rank 0) and one
-    # of the experts (expert-dp rank 0; with expert parallelism the experts of other dp ranks)
+    # data-parallel replicas (and DiLoCo islands, once agreed) hold the same weights: one copy of
+    # the dense ones (replica 0) and one of the experts (expert-dp rank 0; with expert parallelism
+    # the experts of other dp ranks; islands and EP are not combined)
     weight_map = export_hf_weights(
         model,
         layout_for(spec),
@@ -110,7 +111,7 @@ def export_hf(
         tp_group=rt.groups.tp,
         ep_rank=rt.ep_rank,
         expert_group=rt.groups.tp_ep if spec.hf.moe is not None else None,
-        dense=rt.dp_rank == 0,
+        dense=rt.replica_rank == 0,
         experts=spec.hf.moe is not None and rt.expert_dp_rank == 0,
         dtype=getattr(torch, dtype),
         max_shard_bytes=max_shard_bytes,

@@ -32,6 +32,11 @@ class ParallelConfig:
     (ETP; None: the same as TP) ranks, and the expert data-parallel size is what remains, so the
     world must divide by both TP x PP x CP and ETP x EP x PP. `moe_token_dispatcher_type` is how
     tokens reach their experts' ranks (megatron's all-to-all or all-gather dispatcher).
+
+    islands: how many groups of whole data-parallel replicas train apart (DiLoCo islands: nodes,
+    racks or sites joined by slow links). Inside an island TP / PP / CP / DP work as with one;
+    across islands only the outer sync of `sparserl_mcore.diloco` travels, every
+    `diloco.inner_steps` optimizer steps. 1 (the default): one island, plain data parallelism.
     """
 
     tensor_model_parallel_size: int = 1
@@ -44,6 +49,7 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
     moe_token_dispatcher_type: str = "alltoall"
+    islands: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -51,6 +57,7 @@ class ParallelConfig:
             "pipeline_model_parallel_size",
             "context_parallel_size",
             "expert_model_parallel_size",
+            "islands",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -62,6 +69,11 @@ class ParallelConfig:
             raise ValueError(
                 f"expert_tensor_parallel_size={etp} does not divide tensor_model_parallel_size="
                 f"{self.tensor_model_parallel_size}; use a divisor of it (null: equal to TP)"
+            )
+        if self.islands > 1 and self.expert_model_parallel_size > 1:
+            raise ValueError(
+                f"islands={self.islands} with expert_model_parallel_size={self.expert_model_parallel_size}: "
+                "DiLoCo islands and expert parallelism are not combined yet; use one of them"
             )
         if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
             raise ValueError(
@@ -120,6 +132,13 @@ class ParallelConfig:
                 f"world size {world_size} is not divisible by ETP*EP*PP = {etp}*{ep}*{pp} = "
                 f"{self.expert_model_parallel_ranks} (megatron's expert grid); launch a multiple of "
                 f"{self.expert_model_parallel_ranks} ranks or change expert_model_parallel_size"
+            )
+        replicas = world_size // self.model_parallel_size
+        if replicas % self.islands:
+            raise ValueError(
+                f"islands={self.islands} does not divide the {replicas} data-parallel replicas of "
+                f"world size {world_size} (TP*PP*CP = {self.model_parallel_size}); launch a multiple "
+                f"of {self.islands * self.model_parallel_size} ranks or change parallel.islands"
             )
 
     def validate_model(

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from sparserl_mcore.parallel import cpu_mode
+from sparserl_mcore.parallel import cpu_mode, islands
 from sparserl_mcore.parallel.config import LaunchEnv, ParallelConfig, launch_env
 
 
@@ -56,6 +56,23 @@ class Runtime:
     etp_size: int = 1
     expert_dp_rank: int = 0
     expert_dp_size: int = 1
+    # DiLoCo islands (`parallel/islands.py`): with islands > 1, `groups` and dp_rank / dp_size are
+    # the island's own; `island_group` holds this island's ranks, `cross_island_group` this rank's
+    # counterparts in every island (None with one island).
+    islands: int = 1
+    island: int = 0
+    island_group: dist.ProcessGroup | None = None
+    cross_island_group: dist.ProcessGroup | None = None
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas of the whole job (every island's): the rollout batch splits over them."""
+        return self.islands * self.dp_size
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's data-parallel replica in the whole job (island-major)."""
+        return self.island * self.dp_size + self.dp_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -126,6 +143,8 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
         cpu_mode.enable()
     try:
         _init_process_group(launch, backend, device)
+        # islands: data parallel outermost, so an island is a contiguous block of ranks
+        order = {"order": islands.ISLAND_ORDER} if cfg.islands > 1 else {}
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
@@ -133,6 +152,7 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
             expert_model_parallel_size=cfg.expert_model_parallel_size,
             expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
             create_gloo_process_groups=use_cuda,
+            **order,
         )
         seed_everything(seed, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
         return _describe(launch, device, cfg)
@@ -144,7 +164,35 @@ def initialize(cfg: ParallelConfig, *, seed: int = 1234, backend: str | None = N
 def _describe(launch: LaunchEnv, device: torch.device, cfg: ParallelConfig) -> Runtime:
     world = dist.group.WORLD
     assert world is not None, "torch.distributed is initialised before the runtime is described"
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    if cfg.islands > 1:
+        split = islands.split_groups(
+            groups, rank=launch.rank, world_size=launch.world_size, islands=cfg.islands
+        )
+        return Runtime(
+            **_coordinates(launch, device, cfg),
+            dp_rank=split.groups.dp.rank(),
+            dp_size=split.groups.dp.size(),
+            groups=split.groups,
+            learner_group=world,
+            islands=cfg.islands,
+            island=split.island,
+            island_group=split.island_group,
+            cross_island_group=split.cross_island,
+        )
     return Runtime(
+        **_coordinates(launch, device, cfg),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        groups=groups,
+        learner_group=world,
+        island_group=world,
+    )
+
+
+def _coordinates(launch: LaunchEnv, device: torch.device, cfg: ParallelConfig) -> dict:
+    """The Runtime fields that do not depend on islands."""
+    return dict(
         rank=launch.rank,
         world_size=launch.world_size,
         local_rank=launch.local_rank,
@@ -155,12 +203,8 @@ def _describe(launch: LaunchEnv, device: torch.device, cfg: ParallelConfig) -> R
         tp_size=cfg.tensor_model_parallel_size,
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         pp_size=cfg.pipeline_model_parallel_size,
-        dp_rank=parallel_state.get_data_parallel_rank(),
-        dp_size=parallel_state.get_data_parallel_world_size(),
         cp_rank=parallel_state.get_context_parallel_rank(),
         cp_size=cfg.context_parallel_size,
-        groups=ProcessGroupCollection.use_mpu_process_groups(),
-        learner_group=world,
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
         ep_size=cfg.expert_model_parallel_size,
         etp_rank=parallel_state.get_expert_tensor_parallel_rank(),

@@ -128,12 +128,33 @@ def _check_learners(cfg: RunConfig, layout: SlurmLayout) -> None:
         par.validate_world(world)
     except ValueError as exc:
         raise LayoutError(f"{layout.learner_nodes} learner nodes x {n} {unit}: {exc}") from None
+    _check_islands(par.islands, layout)
     dp = world // par.model_parallel_size
     per_update = cfg.train.micro_batch_size * dp
     if cfg.train.global_batch_size % per_update:
         raise LayoutError(
             f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
             f"train.micro_batch_size x DP = {cfg.train.micro_batch_size} x {dp} = {per_update}"
+        )
+
+
+def island_nodes(islands: int, layout: SlurmLayout) -> int:
+    """Learner nodes per island (0: several islands share each node)."""
+    per_island = layout.learner_ranks // islands
+    return per_island // layout.ranks_per_node if per_island >= layout.ranks_per_node else 0
+
+
+def _check_islands(islands: int, layout: SlurmLayout) -> None:
+    """DiLoCo islands are blocks of consecutive ranks: each must be whole nodes (the slow links run
+    between node groups), or lie inside one node."""
+    if islands == 1:
+        return
+    per_island, n = layout.learner_ranks // islands, layout.ranks_per_node
+    if per_island % n and n % per_island:
+        raise LayoutError(
+            f"parallel.islands={islands} over {layout.learner_nodes} learner nodes x {n} ranks: an "
+            f"island of {per_island} ranks would straddle nodes; make the learner nodes a multiple "
+            f"of the islands (whole nodes per island)"
         )
 
 

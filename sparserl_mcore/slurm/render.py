@@ -10,7 +10,10 @@ What the job does, in order:
      script waits until it lists every server; the learners send /generate to it
      (`rollout.router_url`) and weights to each server;
   3. one srun step runs one torchrun per learner node, rendezvous (c10d) on the first learner node,
-     one log file per node under <run dir>/logs/;
+     one log file per node under <run dir>/logs/; with DiLoCo islands (`parallel.islands`) the
+     rendezvous is static and each node's rank is its place in the learner node list, so island i
+     is the i-th group of (learner nodes / islands) consecutive learner nodes (the slow links run
+     between groups; only the outer sync crosses them);
   4. USR1 (sent `STOP_BEFORE_S` seconds before the time limit) and TERM reaching this shell are
      passed to the learner step; the ranks checkpoint at their next step boundary and exit 0
      (trainer/preemption.py); after a USR1 stop the job requeues itself and resumes there.
@@ -23,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 from sparserl_mcore.config import RunConfig
 from sparserl_mcore.sglang.launch import ROUTER_MODULE
-from sparserl_mcore.slurm.layout import SlurmLayout
+from sparserl_mcore.slurm.layout import SlurmLayout, island_nodes
 
 SERVE_TOKEN_ENV = "SPARSERL_SERVE_TOKEN"
 
@@ -105,6 +108,8 @@ def _header(cfg: RunConfig, layout: SlurmLayout, command: str) -> str:
             f"PP={par.pipeline_model_parallel_size}, expert DP={edp}, "
             f"{par.moe_token_dispatcher_type} dispatcher."
         )
+    if par.islands > 1:
+        lines.append(f"# Islands: {_island_summary(par.islands, layout)}.")
     lines.append(f"# Rollouts: {_rollout_summary(cfg, layout)}.")
     lines += [
         f"# Stops: USR1 {layout.stop_before_s} s before the time limit, or TERM: the trainer "
@@ -112,6 +117,15 @@ def _header(cfg: RunConfig, layout: SlurmLayout, command: str) -> str:
         "# step boundary and exits 0; after USR1 the job requeues itself and resumes there.",
     ]
     return "\n".join(lines)
+
+
+def _island_summary(islands: int, layout: SlurmLayout) -> str:
+    k = island_nodes(islands, layout)
+    if k == 0:
+        per_node = islands // layout.learner_nodes
+        return f"{islands} of {layout.learner_ranks // islands} ranks, {per_node} per node"
+    groups = ", ".join(f"[{i * k}-{i * k + k - 1}]" if k > 1 else f"[{i}]" for i in range(islands))
+    return f"{islands}, learner nodes {groups}; DiLoCo outer sync between them only"
 
 
 def _rollout_summary(cfg: RunConfig, layout: SlurmLayout) -> str:
@@ -157,6 +171,8 @@ def _values(cfg: RunConfig, layout: SlurmLayout, run_dir: str, config_path: str)
         "ROLLOUT_NODES": layout.rollout_nodes,
         "RANKS_PER_NODE": layout.ranks_per_node,
         "STOP_BEFORE_S": layout.stop_before_s,
+        # islands: node ranks must follow the learner node list (static rendezvous, see _LEARNERS)
+        "RDZV_BACKEND": "static" if cfg.parallel.islands > 1 else "c10d",
     }
     if layout.rollout_nodes:
         values |= {
@@ -309,12 +325,16 @@ def _rollouts() -> str:
 _LEARNERS = r"""STATUS=0
 if [ -z "$STOP_SIGNAL" ]; then
     echo "sparserl job: learners on ${LEARNERS[*]}, rendezvous $MASTER_ADDR:$MASTER_PORT, logs in $LOGS"
-    # shellcheck disable=SC2016  # $@ is expanded by the inner bash, on the node
+    # Static rendezvous (DiLoCo islands): each node's rank is SLURM_NODEID, its place in the learner
+    # node list, set on the node as torchrun's --node-rank (PET_NODE_RANK).
+    export RDZV_BACKEND
+    # shellcheck disable=SC2016  # $@, RDZV_BACKEND and SLURM_NODEID are expanded on the node
     srun --nodes="$LEARNER_NODES" --nodelist="$(join "${LEARNERS[@]}")" --ntasks-per-node=1 \
         --ntasks="$LEARNER_NODES" --kill-on-bad-exit=1 --open-mode=append --output="$LOGS/learner-%N.log" \
-        bash -c 'trap "" USR1; exec "$@"' torchrun-agent \
+        bash -c 'trap "" USR1; [ "$RDZV_BACKEND" = c10d ] || export PET_NODE_RANK=$SLURM_NODEID; exec "$@"' \
+        torchrun-agent \
         torchrun --nnodes="$LEARNER_NODES" --nproc-per-node="$RANKS_PER_NODE" \
-        --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
+        --rdzv-backend="$RDZV_BACKEND" --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
         --max-restarts=0 --shutdown-timeout="$STOP_BEFORE_S" \
         --module sparserl_mcore.launch.train --config "$CONFIG" "${TOPOLOGY[@]}" &
     LEARNER_PID=$!

@@ -150,9 +150,10 @@ def _check_entry(entry: dict, i: int) -> _Entry:
     return _Entry(name, dtype, shape, nnz, dense, cuts, sizes, tuple(runs), digest)
 
 
-def _decode_indices(
+def decode_gaps(
     planes: np.ndarray, gap_width: int, escapes: bytes, width: int, numel: int, name: str
 ) -> np.ndarray:
+    """Sorted indices < `numel` from `encode_gaps`'s streams; PatchError naming `name` if malformed."""
     nnz = planes.size // gap_width
     steps = planes[:nnz].astype(np.int64)
     if gap_width == 2:
@@ -231,7 +232,7 @@ def decode_patch(data: bytes) -> DecodedPatch:
             if g + nnz * gap_width > gaps_all.size or e + n_escape * width > len(escapes_all):
                 raise PatchError(f"tensor {entry.name!r}: index streams end early")
             ranks.append(
-                _decode_indices(
+                decode_gaps(
                     gaps_all[g : g + nnz * gap_width],
                     gap_width,
                     bytes(escapes_all[e : e + n_escape * width]),

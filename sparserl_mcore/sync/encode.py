@@ -28,8 +28,10 @@ from sparserl_mcore.sync.patch_format import (
 )
 
 
-def _encode_indices(indices: np.ndarray) -> tuple[bytes, int, bytes, int, int]:
-    """(gap planes, gap width, escape bytes, escape width, escape count) of sorted flat indices."""
+def encode_gaps(indices: np.ndarray) -> tuple[bytes, int, bytes, int, int]:
+    """(gap planes, gap width, escape bytes, escape width, escape count) of sorted flat indices.
+
+    Also the index coding of `sparserl_mcore.diloco.payload` (sparse pseudo-gradients)."""
     gaps = np.empty(indices.size, np.int64)
     gaps[:1] = indices[:1]
     np.subtract(indices[1:], indices[:-1], out=gaps[1:])
@@ -72,7 +74,7 @@ def _encode_positions(
     fields: dict = {"cuts": list(cuts), "class_sizes": sizes, "runs": []}
     planes, escapes = [], []
     for r in ranks:
-        gap_planes, gap_width, esc, width, n_escape = _encode_indices(r)
+        gap_planes, gap_width, esc, width, n_escape = encode_gaps(r)
         planes.append(gap_planes)
         escapes.append(esc if n_escape else b"")
         fields["runs"].append([int(r.size), gap_width, width, n_escape])

@@ -127,9 +127,9 @@ class SyncGroups:
 def build_sync_groups(runtime: Runtime) -> SyncGroups:
     """Collective over all learner ranks: find each stage's source rank and group the sources."""
     coords: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(
-        coords, (runtime.rank, runtime.pp_rank, runtime.tp_rank, runtime.dp_rank, runtime.cp_rank)
-    )
+    # the replica of the whole job (with DiLoCo islands dp_rank is the island's own)
+    dp = getattr(runtime, "replica_rank", runtime.dp_rank)
+    dist.all_gather_object(coords, (runtime.rank, runtime.pp_rank, runtime.tp_rank, dp, runtime.cp_rank))
     sources = tuple(sorted((pp, rank) for rank, pp, tp, dp, cp in coords if tp == dp == cp == 0))
     source_ranks = tuple(rank for _, rank in sources)
     group = dist.new_group(list(source_ranks))
@@ -250,9 +250,11 @@ class ShardSyncer:
         return self.rank == self.groups.stage_source
 
     def _owned(self, name: str) -> torch.Tensor:
-        """int16 view of the owned slice of a param, on the param's device."""
+        """int16 view of the owned slice of a param, on the param's device. A tensor of exactly
+        end - start elements is the slice itself (a compact source, e.g. DiLoCo's agreed weights)."""
         start, end = self.owned[name]
-        return self.params[name].detach().view(-1)[start:end].view(torch.int16)
+        flat = self.params[name].detach().view(-1)
+        return (flat if flat.numel() == end - start else flat[start:end]).view(torch.int16)
 
     def _changed(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(owned-slice positions, old and new uint16 bits) that differ from the snapshot; updates it."""

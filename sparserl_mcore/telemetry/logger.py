@@ -44,8 +44,8 @@ def _saving(record: Mapping[str, float], used: str, dense: str, label: str) -> s
 
 
 def step_line(step: int, record: Mapping[str, float]) -> str:
-    """The one console line of a step: reward, eval (on eval steps), KV and sync bytes against
-    dense, DGG gates and vetoed sequences when there were any, wall time."""
+    """The one console line of a step: reward, eval (on eval steps), KV, sync and (islands) outer-step
+    bytes against dense, DGG gates and vetoed sequences when there were any, wall time."""
     parts = [f"step {step}"]
     if "rollout/reward_mean" in record:
         parts.append(f"reward {record['rollout/reward_mean']:.3f}")
@@ -59,6 +59,7 @@ def step_line(step: int, record: Mapping[str, float]) -> str:
     for used, dense, label in (
         ("rollout/peak_kv_bytes", "rollout/dense_kv_bytes", "KV"),
         ("sync/patch_bytes", "sync/dense_bytes", "sync"),
+        ("diloco/payload_bytes", "diloco/dense_bytes", "outer"),  # DiLoCo islands' outer steps
     ):
         saving = _saving(record, used, dense, label)
         if saving:
@@ -126,12 +127,15 @@ class MetricsLogger:
             self.console.print(step_line(step, record), highlight=False, soft_wrap=True)
         return record
 
-    def event(self, kind: str, fields: Mapping[str, Any]) -> None:
-        """Record a discrete event (JSONL line with "event": kind) and show it."""
+    def event(self, kind: str, fields: Mapping[str, Any], *, show: bool = True) -> None:
+        """Record a discrete event (JSONL line with "event": kind) and show it (unless `show` is
+        false: routine records, e.g. each DiLoCo outer step, stay out of the console)."""
         if not self.enabled:
             return
         plain = {k: _plain(v) for k, v in fields.items()}
         self._jsonl.event(kind, plain)
+        if not show:
+            return
         detail = escape(", ".join(f"{k}={v}" for k, v in plain.items()))
         self.console.print(f"[yellow]{kind.replace('_', ' ')}[/]: {detail}", soft_wrap=True)
 

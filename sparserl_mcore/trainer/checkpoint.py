@@ -17,6 +17,12 @@ space), so a checkpoint taken at one TP/PP/DP layout and params dtype loads at a
 cannot change is refused before loading (`run_layout.resume_problem`). At the same layout every
 rank gets its RNG streams back (a bit-identical continuation); at another they are re-seeded from
 (seed, step), since no rank of the new layout plays an old rank's role.
+
+With DiLoCo islands (`IslandState`) each island's model and inner optimizer differ between outer
+steps, so they are saved under `island<i>.` keys (replicas counted inside the island), and beside
+them the outer state (`diloco.outer.OuterStep.sharded_state_dict`): the anchor and outer momentum
+once (island 0's), each island's residual; its counters ride in the loop state. Such a
+checkpoint resumes at the layout it was saved at (`run_layout.resume_problem`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import os
 import random
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -61,10 +69,39 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
-def _sharded_state(model: torch.nn.Module, optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
-    model_sd = unwrap_model(model).sharded_state_dict()
+@dataclass(frozen=True)
+class IslandState:
+    """This rank's island (DiLoCo) as the checkpoint needs it: which island, its place in it, the
+    island's data-parallel group (replica ids of the per-island model and optimizer state) and
+    the outer step whose state is saved beside them."""
+
+    island: int
+    position: int  # rank inside the island: the key of its outer-state shard
+    dp_cp_group: dist.ProcessGroup
+    outer: Any  # diloco.outer.OuterStep
+
+
+def _sharded_state(
+    model: torch.nn.Module,
+    optimizer: Any,
+    *,
+    is_loading: bool,
+    islands: IslandState | None = None,
+    saved_keys: set[str] | None = None,
+) -> dict[str, Any]:
+    """What a checkpoint holds of model and optimizer (and with islands, of the outer step; when
+    loading, only the outer-state keys in `saved_keys`: a dense-mode checkpoint has no residual)."""
+    if islands is None:
+        model_sd = unwrap_model(model).sharded_state_dict()
+    else:
+        model_sd = unwrap_model(model).sharded_state_dict(metadata={"dp_cp_group": islands.dp_cp_group})
     optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_META)
-    return {"model": model_sd, "optimizer": optim_sd}
+    state = {"model": model_sd, "optimizer": optim_sd}
+    if islands is not None:
+        add_prefix_for_sharding(state, f"island{islands.island}.")
+        outer = islands.outer.sharded_state_dict(islands.position)
+        state["diloco"] = {k: t for k, t in outer.items() if saved_keys is None or t.key in saved_keys}
+    return state
 
 
 def _materialize_adam_state(optimizer: Any) -> None:
@@ -156,10 +193,12 @@ def save_checkpoint(
     loop_state: dict[str, Any],
     record: dict[str, Any],
     keep: int = 2,
+    islands: IslandState | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the final directory once it is complete.
 
-    `record`: config, world_size, data and layout of `run_record.write_record` (rank 0 writes it)."""
+    `record`: config, world_size, data and layout of `run_record.write_record` (rank 0 writes it).
+    `islands`: this rank's DiLoCo island (per-island model / optimizer keys, the outer state)."""
     root = Path(root)
     rank = dist.get_rank()
     final, tmp = _step_dir(root, step), _tmp_dir(root, step)
@@ -169,7 +208,7 @@ def save_checkpoint(
         tmp.mkdir()
     dist.barrier()
     _materialize_adam_state(optimizer)
-    state = _sharded_state(model, optimizer, is_loading=False)
+    state = _sharded_state(model, optimizer, is_loading=False, islands=islands)
     state["scheduler"] = scheduler.state_dict()
     state["loop"] = dict(loop_state)
     dist_checkpointing.save(state, str(tmp))
@@ -204,8 +243,10 @@ def load_checkpoint(
     layout: RunLayout,
     seed: int,
     pp_rank: int,
+    islands: IslandState | None = None,
 ) -> tuple[dict[str, Any], bool]:
-    """Collective: restore model, optimizer and scheduler (resharded to `layout` if it differs).
+    """Collective: restore model, optimizer and scheduler (resharded to `layout` if it differs),
+    and with `islands` this island's model / optimizer and the outer state.
 
     Returns the loop state and whether each rank's RNG streams were restored (same layout);
     otherwise they are re-seeded from (`seed`, saved step), identically on every rerun.
@@ -214,10 +255,13 @@ def load_checkpoint(
     problem = check_resumable(saved, layout)
     if problem:
         raise ValueError(problem)
-    template = _sharded_state(model, optimizer, is_loading=True)
+    saved_keys = set(dist_checkpointing.load_tensors_metadata(str(path))) if islands is not None else None
+    template = _sharded_state(model, optimizer, is_loading=True, islands=islands, saved_keys=saved_keys)
     state = dist_checkpointing.load(template, str(path))
     unwrap_model(model).load_state_dict(state["model"])
     load_optimizer_state(optimizer, state["optimizer"])
+    if islands is not None:
+        islands.outer.load_sharded(state["diloco"])
     scheduler.load_state_dict(state["scheduler"])
     if saved.layout is None or saved.layout.same_ranks(layout):
         _load_rng(rng_file(path, dist.get_rank()))

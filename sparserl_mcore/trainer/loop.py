@@ -20,12 +20,15 @@ rank knows (samples, rewards, engine failures, eval scores) reaches the others b
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sparserl_mcore import parallel
 from sparserl_mcore.config import RunConfig, to_dict
@@ -57,6 +60,8 @@ class LoopState:
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
     dgg: dict[str, Any] = dataclasses.field(default_factory=dict)
     versions: list[int] = dataclasses.field(default_factory=list)  # published, see trainer/versions.py
+    diloco: dict[str, Any] = dataclasses.field(default_factory=dict)  # outer-step counters (islands)
+    synced_inner: float = 0.0  # islands: inner steps taken when the engines' anchor was made
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +166,7 @@ class Trainer:
                 return self._fit(stop)
 
     def _fit(self, stop: StopRequest) -> RunSummary:
+        self._log_islands()
         self.resume()
         self._first_step = self.state.step
         self.progress.step_done(self.state.step)
@@ -198,6 +204,7 @@ class Trainer:
             self.progress.phase("rollouts (generated ahead)")
         else:
             self.progress.rollouts(cfg.train.prompts_per_step * cfg.rollout.group_size)
+        lag = self._policy_lag()
         with timer("rollout"):  # asynchronous: how long the learner waited for the batch
             produced = self.producer.take(step)
         samples = produced.samples
@@ -210,6 +217,7 @@ class Trainer:
         metrics = rollout_metrics(samples, batch, p.kv_bytes_per_token)
         if self.producer.ahead:
             metrics["rollout/generate_s"] = produced.generate_s
+        metrics.update(lag)
         if cfg.train.filter_zero_variance_groups:
             batch = batch.select(informative_rows(batch.rewards_B, cfg.rollout.group_size))
         batch, updates_per_epoch = self._trim(batch)
@@ -217,7 +225,9 @@ class Trainer:
         if batch.size:
             with timer("update"):
                 metrics.update(self.update(batch, updates_per_epoch))
-            self._weights_changed |= metrics["train/updates"] > 0
+            self._weights_changed |= metrics["train/updates"] > 0 and p.learner.outer is None
+        if p.learner.outer is not None:
+            metrics.update(self._outer_steps(closing=step == cfg.train.steps))
         if step % cfg.sync.every == 0 and self._weights_changed:  # skipped/gated-only: version kept
             self.progress.phase("sync")
             with timer("sync"):
@@ -274,6 +284,46 @@ class Trainer:
             except Exception as exc:  # noqa: BLE001 - stopping anyway; the engine's answer is late
                 self.parts.telemetry.event("abort_failed", {"engine": name, "reason": str(exc)})
 
+    def _log_islands(self) -> None:
+        """Islands: which nodes each island runs on (Slurm's node name, else the host name)."""
+        rt = self.runtime
+        if rt.islands == 1:
+            return
+        here = (rt.island, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        everyone: list[Any] = [None] * rt.world_size
+        dist.all_gather_object(everyone, here, group=rt.learner_group)
+        nodes = {i: sorted({node for island, node in everyone if island == i}) for i in range(rt.islands)}
+        size = rt.world_size // rt.islands
+        self.parts.telemetry.event(
+            "islands",
+            {
+                f"island {i}": f"ranks {i * size}-{(i + 1) * size - 1} on {', '.join(n)}"
+                for i, n in nodes.items()
+            },
+        )
+
+    def _policy_lag(self) -> dict[str, float]:
+        """Islands: applied inner steps since the anchor the engines hold (what the rollout's tokens
+        lag the islands' local weights by); nothing without islands (the engines are current)."""
+        outer = self.parts.learner.outer
+        if outer is None:
+            return {}
+        return {"rollout/policy_lag_updates": outer.totals["inner_steps"] - self.state.synced_inner}
+
+    def _outer_steps(self, *, closing: bool) -> dict[str, float]:
+        """Islands: the outer steps this RL step made (one more, closing the last round, at the
+        run's last step, so the final weights are agreed ones); each logged as an event."""
+        outer = self.parts.learner.outer
+        if closing and outer.inner:
+            outer.step()
+        records = outer.pop_records()
+        for record in records:
+            self.parts.telemetry.event(
+                "diloco_outer_step", {"step": self.state.step + 1, **record}, show=False
+            )
+        self._weights_changed |= bool(records)
+        return outer.summary(records)
+
     def sync_weights(self, version: int) -> dict[str, float]:
         """Collective: publish the learner's weights as `version`. one_step mode first waits for the
         batch being generated (its samples keep one version); in_flight lands between decode steps."""
@@ -287,7 +337,14 @@ class Trainer:
         self.state.sync_version, self._weights_changed = version, False
         self.versions.publish(version)
         self.state.versions = self.versions.state_dict()
+        self._engines_hold_anchor()
         return metrics
+
+    def _engines_hold_anchor(self) -> None:
+        """Islands: the engines now hold the latest anchor; remember how many inner steps made it."""
+        outer = self.parts.learner.outer
+        if outer is not None:
+            self.state.synced_inner = outer.totals["inner_steps"] - outer.inner
 
     def _log_eval(self) -> None:
         """An eval row at the current step, if an eval is configured (no empty rows)."""
@@ -303,7 +360,7 @@ class Trainer:
         """Drop trailing rows so the batch splits into whole micro-batches on every DP rank and into
         optimizer updates of about train.global_batch_size sequences (zero-variance filtering makes
         the size vary). Returns the batch and its optimizer updates per epoch."""
-        step = self.cfg.train.micro_batch_size * self.runtime.dp_size
+        step = self.cfg.train.micro_batch_size * self.runtime.replicas
         updates = max(1, round(batch.size / self.cfg.train.global_batch_size))
         keep = batch.size // (step * updates) * step * updates
         if keep == 0:
@@ -314,7 +371,7 @@ class Trainer:
         """pi_ref recompute (KL on), then up to K epochs with DGG (pi_old is recomputed inside)."""
         p, rt = self.parts, self.runtime
         learner = p.learner
-        rows = torch.arange(batch.size).tensor_split(rt.dp_size)[rt.dp_rank]
+        rows = torch.arange(batch.size).tensor_split(rt.replicas)[rt.replica_rank]
         local = batch.select(rows)
         asynchronous = learner.update_cfg.max_staleness is not None
         logp_ref = None
@@ -383,6 +440,7 @@ class Trainer:
         # batches generated ahead are regenerated on resume: record the position before them
         self.state.data = self.producer.resume_data_state() or p.data.state_dict()
         self.state.dgg = p.learner.dgg_state()
+        self.state.diloco = p.learner.outer.state_dict() if p.learner.outer is not None else {}
         record = {
             "config": to_dict(self.cfg),
             "world_size": self.runtime.world_size,
@@ -401,6 +459,17 @@ class Trainer:
             loop_state=dataclasses.asdict(self.state),
             record=record,
             keep=self.cfg.checkpoint.keep_last,
+            islands=self._island_state(),
+        )
+
+    def _island_state(self) -> checkpoint.IslandState | None:
+        """What the checkpoint saves per island (islands only)."""
+        rt, outer = self.runtime, self.parts.learner.outer
+        if outer is None:
+            return None
+        position = rt.rank % (rt.world_size // rt.islands)
+        return checkpoint.IslandState(
+            island=rt.island, position=position, dp_cp_group=rt.groups.dp_cp, outer=outer
         )
 
     def resume(self) -> None:
@@ -415,9 +484,12 @@ class Trainer:
                 layout=self.layout,
                 seed=self.cfg.train.seed,
                 pp_rank=self.runtime.pp_rank,
+                islands=self._island_state(),
             )
             self.state = LoopState(**loop)
             self.versions = PolicyVersions(self.state.versions or [self.state.sync_version])
+            if p.learner.outer is not None:
+                p.learner.outer.load_state_dict(self.state.diloco)
             p.data.load_state_dict(self.state.data)
             p.learner.load_dgg_state(self.state.dgg)
             saved = read_saved_run(path).layout
@@ -432,6 +504,7 @@ class Trainer:
                 },
             )
         p.syncer.full_sync([p.pool, p.dense_pool], version=self.state.sync_version)
+        self._engines_hold_anchor()
 
     def _summary(
         self,

@@ -172,6 +172,14 @@ def _check_model(cfg: RunConfig, world_size: int) -> None:
             raise PreflightError(
                 f"model.ref_path {cfg.model.ref_path}: not the policy's architecture ({diff} differ)"
             )
+    dp = world_size // cfg.parallel.model_parallel_size
+    islands = cfg.parallel.islands
+    if islands > 1 and not cfg.optimizer.distributed and dp > islands:
+        raise PreflightError(
+            f"parallel.islands={islands} with optimizer.distributed=false and {dp // islands} data-parallel "
+            "replicas per island: each replica would exchange the same master weights across islands; "
+            "set optimizer.distributed=true (or one replica per island)"
+        )
     _check_sampling(cfg, vocab_size=hf.vocab_size, context=hf.max_position_embeddings)
 
 

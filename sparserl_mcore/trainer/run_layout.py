@@ -8,7 +8,9 @@ are stored in model space, `fully_reshardable`); what cannot change is checked h
 rank loads anything, and refused in one line naming the saved and the requested layout:
 - the optimizer kind: the replicated and the distributed optimizer store their state differently;
 - the padded vocabulary: it is part of the embedding's global shape, so a resumed learner keeps
-  the saved one (`vocab_multiple`), which the new TP size must divide.
+  the saved one (`vocab_multiple`), which the new TP size must divide;
+- DiLoCo islands: the island count, and with islands any part of the layout (each island's
+  model and optimizer, the anchor, residual and momentum are stored per island and per shard).
 Pure Python (no torch): the CLI checks before launching any rank.
 """
 
@@ -33,6 +35,7 @@ class RunLayout:
     distributed_optimizer: bool
     padded_vocab_size: int | None = None  # None: not built yet (a requested layout)
     expert_model_parallel_size: int = 1  # MoE: experts are stored by global index, so EP reshards
+    islands: int = 1  # DiLoCo islands (parallel.islands); records without it had one
 
     @property
     def data_parallel_size(self) -> int:
@@ -45,7 +48,7 @@ class RunLayout:
         return (
             f"TP={self.tensor_model_parallel_size} PP={self.pipeline_model_parallel_size} "
             f"CP={self.context_parallel_size} DP={self.data_parallel_size} {ep}{self.params_dtype} "
-            f"{opt} optimizer"
+            f"{opt} optimizer" + (f" islands={self.islands}" if self.islands > 1 else "")
         )
 
     def same_ranks(self, other: RunLayout) -> bool:
@@ -85,6 +88,7 @@ def requested_layout(cfg: Any, world_size: int, padded_vocab_size: int | None = 
         distributed_optimizer=cfg.optimizer.distributed,
         padded_vocab_size=padded_vocab_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
+        islands=par.islands,
     )
 
 
@@ -106,6 +110,18 @@ def resume_problem(saved: RunLayout | None, requested: RunLayout, *, same_world_
         want = str(saved.distributed_optimizer).lower()
         return (
             f"cannot resume: {change}; the optimizer state formats differ (set optimizer.distributed={want})"
+        )
+    if saved.islands != requested.islands:
+        return (
+            f"cannot resume: {change}; the checkpoint holds {saved.islands} island(s)' state and "
+            f"parallel.islands={requested.islands} (set parallel.islands={saved.islands})"
+        )
+    if saved.islands > 1 and not (
+        saved.same_ranks(requested) and saved.params_dtype == requested.params_dtype
+    ):
+        return (
+            f"cannot resume: {change}; with DiLoCo islands the per-island model, optimizer and outer "
+            "state are stored per shard: resume at the saved layout"
         )
     padded, tp = saved.padded_vocab_size, requested.tensor_model_parallel_size
     if padded is not None and padded % tp:

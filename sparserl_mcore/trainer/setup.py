@@ -19,6 +19,8 @@ from sparserl_mcore.ckpt.convert import save_hf
 from sparserl_mcore.ckpt.hf_io import load_hf_weights
 from sparserl_mcore.ckpt.layout import layout_for
 from sparserl_mcore.config import RunConfig, to_dict
+from sparserl_mcore.diloco.agreed import AgreedWeights
+from sparserl_mcore.diloco.optimizer import with_islands
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.loss.dgg import DynamicGradientGate
 from sparserl_mcore.rewards import build_reward
@@ -57,6 +59,7 @@ class Learner:
     layout: Any
     gate: DynamicGradientGate
     update_cfg: megatron_step.UpdateConfig
+    outer: Any = None  # diloco.outer.OuterStep with parallel.islands > 1 (its optimizer drives it)
 
     def dgg_state(self) -> dict:
         return self.gate.state_dict()
@@ -91,6 +94,10 @@ def build_learner(cfg: RunConfig, runtime: Any, *, padded_vocab_size: int | None
     )
     ddp = learner_lib.wrap_ddp(model, spec, runtime, distributed_optimizer=cfg.optimizer.distributed)
     optimizer, scheduler = learner_lib.build_optimizer(ddp, cfg.optimizer, spec, runtime)
+    outer = None
+    if runtime.islands > 1:  # the outer step rides on the optimizer step the update already makes
+        optimizer = with_islands(optimizer, ddp, cfg.diloco, runtime)
+        outer = optimizer.outer
     return Learner(
         model=ddp,
         optimizer=optimizer,
@@ -99,6 +106,7 @@ def build_learner(cfg: RunConfig, runtime: Any, *, padded_vocab_size: int | None
         layout=layout,
         gate=DynamicGradientGate(cfg.dgg),
         update_cfg=update_config(cfg, spec.vocab_size),
+        outer=outer,
     )
 
 
@@ -233,6 +241,8 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         timeout_s=cfg.rollout.request_timeout_s,
         broadcast=broadcast_config(cfg, runtime) if remote else None,
         in_flight=cfg.train.async_.mode == "in_flight",
+        # islands: engines only ever get the agreed weights (island 0's ranks send them)
+        agreed=AgreedWeights(learner.outer, sender=runtime.island == 0) if learner.outer else None,
     )
     evaluator = Evaluator(
         cfg.eval,

@@ -85,6 +85,7 @@ class WeightSyncer:
         timeout_s: float = 600.0,
         broadcast: DenseSyncConfig | None = None,
         in_flight: bool = False,
+        agreed: Any = None,
     ):
         self.layout, self.runtime, self.codec = layout, runtime, codec
         self.in_flight = in_flight
@@ -93,7 +94,12 @@ class WeightSyncer:
         self._groups = build_sync_groups(runtime)
         core = unwrap_model(model)
         self._shadow = _Bf16Shadow(core) if next(core.parameters()).dtype == torch.float32 else None
-        self._diffed = self._shadow if self._shadow is not None else core
+        # DiLoCo islands: the engines get the weights every island agreed on (bf16 of the anchor),
+        # never an island's local ones (`diloco.agreed.AgreedWeights`, with its own owned ranges)
+        self._agreed = agreed
+        if agreed is not None:
+            self._shadow = None
+        self._diffed = agreed if agreed is not None else self._shadow if self._shadow is not None else core
         self._shards: ShardSyncer | None = None
         self._meta = ModelMeta(dtype_name(torch.bfloat16), layout.hf_shapes)
         self._dense_bytes = 2 * self._meta.numel
@@ -123,12 +129,13 @@ class WeightSyncer:
 
     def _new_shard_syncer(self, version: int) -> ShardSyncer:
         """Snapshot of the current weights as `version` (after a full sync, or a resume)."""
-        if self._shadow is not None:
-            self._shadow.refresh()
+        self._refresh()
         rt = self.runtime
         # every DP rank holds the same weights after a step: each diffs an even share of every param
-        # (of every routed expert: over the expert data-parallel ranks)
-        owned = runtime_ranges(self._diffed, self.layout, rt)
+        # (of every routed expert: over the expert data-parallel ranks); islands: the agreed weights
+        owned = (
+            self._agreed.ranges if self._agreed is not None else runtime_ranges(self._diffed, self.layout, rt)
+        )
         return ShardSyncer(
             self._diffed,
             self.layout,
@@ -141,6 +148,12 @@ class WeightSyncer:
             # the snapshot lives where the weights do: on a GPU only changed pairs leave the device
             config=ShardSyncConfig(codec=self.codec, snapshot="host" if rt.cpu else "device", mirror=False),
         )
+
+    def _refresh(self) -> None:
+        """Bring the diffed copy (BF16 shadow of an fp32 learner, or the agreed weights) up to date."""
+        for source in (self._shadow, self._agreed):
+            if source is not None:
+                source.refresh()
 
     def _encoder(self, version: int, base_version: int | None) -> Encode:
         """(changes, fragment) -> a fragment of `version` (base None: a full fragment)."""
@@ -177,8 +190,7 @@ class WeightSyncer:
     def sync(self, pools: list[EnginePool | None], *, version: int) -> dict[str, float]:
         """Collective: this version's fragments, one per learner rank, applied by every engine."""
         assert self._shards is not None, "full_sync must run first"
-        if self._shadow is not None:
-            self._shadow.refresh()
+        self._refresh()
         base = self._shards.version
         if version <= base:
             raise ValueError(f"version {version} must be newer than the last synced {base}")
