@@ -296,3 +296,22 @@ def test_sigkill_of_sparserl_convert_then_the_next_writer_clears_its_temp(tmp_pa
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name], "the killed writer's temp dir"
     make_tiny(TinyModelConfig(arch="qwen2"), out)  # the next writer of the same output
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_killed_tree_leaves_its_root_exit_status_to_popen():
+    """The launcher's kill (its grace timer's thread) must not reap torchrun: the main thread's
+    `Popen.wait` would then read exit code 0, and a stopped launch would pass as a clean one."""
+    from sparserl_mcore.parallel.launch import _kill_tree
+
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                              "time.sleep(60)"])  # fmt: skip
+    try:
+        wait_until(lambda: psutil.Process(child.pid).children(), timeout=30, what="the grandchild")
+        grandchild = psutil.Process(child.pid).children()[0]
+        _kill_tree(child.pid)
+        assert not grandchild.is_running() or grandchild.status() == psutil.STATUS_ZOMBIE
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()

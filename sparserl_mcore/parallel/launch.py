@@ -81,16 +81,20 @@ def torchrun_command(
 
 
 def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants, and wait for them to go."""
+    """SIGKILL a child process and all its descendants, and wait for the descendants to go.
+
+    The child itself is left for its `Popen` to reap: waiting on it here (psutil reaps a child it
+    waits for) would race the `Popen.wait` of another thread, which then reads the lost status as
+    exit code 0 and a killed launch as a clean one."""
     try:
         root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
+        descendants = root.children(recursive=True)
     except psutil.NoSuchProcess:
         return
-    for proc in procs:
+    for proc in [*descendants, root]:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-    psutil.wait_procs(procs, timeout=30)
+    psutil.wait_procs(descendants, timeout=30)
 
 
 def _child_env(env: Mapping[str, str] | None) -> dict[str, str]:
