@@ -109,19 +109,10 @@ def _prepare(args: argparse.Namespace) -> tuple[list[str], int]:
         argv += ["--max-shard-bytes", str(parse_size(args.max_shard_size))]
         if args.hf_config_dir:
             argv += ["--hf-config-dir", str(args.hf_config_dir)]
-    argv += layout_argv(par)
+    argv += par.rank_flags()
     if args.dtype:
         argv += ["--dtype", args.dtype]
     return argv, par.min_world_size
-
-
-def layout_argv(par: ParallelConfig) -> list[str]:
-    """The rank entries' layout flags (`launch.convert`, `launch.verify`) for `par`."""
-    argv = ["--tp", str(par.tensor_model_parallel_size), "--pp", str(par.pipeline_model_parallel_size)]
-    argv += ["--ep", str(par.expert_model_parallel_size)]
-    if par.expert_tensor_parallel_size is not None:
-        argv += ["--etp", str(par.expert_tensor_parallel_size)]
-    return argv
 
 
 def _launch(argv: list[str], nproc: int, args: argparse.Namespace) -> None:

@@ -68,7 +68,6 @@ def preflight(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from sparserl_mcore.ckpt.cli import layout_argv
     from sparserl_mcore.parallel.launch import run_ranks
 
     try:
@@ -86,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         "--mcore-dir",
         str(args.mcore_dir),
     ]
-    argv += [*layout_argv(par), "--result", str(result_path)]
+    argv += [*par.rank_flags(), "--result", str(result_path)]
     env = {"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None
     ranks = run_ranks(argv, par.min_world_size, log_dir=logs, env=env, timeout=args.timeout)
     if ranks.returncode:

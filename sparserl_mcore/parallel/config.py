@@ -141,6 +141,15 @@ class ParallelConfig:
                 f"of {self.islands * self.model_parallel_size} ranks or change parallel.islands"
             )
 
+    def rank_flags(self) -> list[str]:
+        """This layout as the flags of the conversion and verification rank entries
+        (`launch.convert`, `launch.verify`): --tp, --pp, --ep and, when set, --etp."""
+        flags = ["--tp", str(self.tensor_model_parallel_size), "--pp", str(self.pipeline_model_parallel_size)]
+        flags += ["--ep", str(self.expert_model_parallel_size)]
+        if self.expert_tensor_parallel_size is not None:
+            flags += ["--etp", str(self.expert_tensor_parallel_size)]
+        return flags
+
     def validate_model(
         self,
         *,
