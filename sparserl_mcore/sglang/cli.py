@@ -85,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)
+        check_model(cfg)  # the user's input first, then what this machine lacks
         check_startable(cfg)
-        check_model(cfg)
     except ValueError as exc:
         print(f"sparserl sglang-serve: error: {exc}", file=sys.stderr)
         return 2
