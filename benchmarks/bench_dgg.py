@@ -3,7 +3,7 @@
     python -m benchmarks.bench_dgg sweep   [--task demo|worked] [--runs K:LR:STEPS ...] [--seed S]
     python -m benchmarks.bench_dgg compare [--task demo|worked] --reuse K --lr LR --steps N --tau T
                                            [--seeds 0 1 2] [--arms k1 fixed dgg]
-    python -m benchmarks.bench_dgg report  [--task demo|worked]      # tables + PNGs from what ran
+    python -m benchmarks.bench_dgg report  [--task demo|worked] [--seeds S ...]  # tables + PNGs from what ran
     python -m benchmarks bench_dgg                                  # = compare at the defaults below
 
 Every run is `sparserl train --nproc 2` of examples/demo.yaml as `sparserl demo --seed S` sets it
@@ -24,7 +24,9 @@ change per update and their ratio, at the first and the last pass over a batch) 
 ratio's mean over the first and the last 5 steps), lm_head's share of the gradient norm (first and
 last 5 steps), wall s / step. A run "degrades" when it ends
 below where it started (last-5 reward under the first-5) or its final dense eval is >= 0.05 under
-its best. Prints markdown tables; writes OUT/<task>/{sweep,compare}.png. Results: docs/benchmarks.md,
+its best. Prints markdown tables (the sweep, what the gate sees in it, the compare means over seeds,
+and every arm x seed with the runs that are missing or never finished named as such); writes
+OUT/<task>/{sweep,compare}.png. Results: docs/benchmarks.md,
 "DGG: what batch reuse and the gate do".
 """
 
@@ -296,10 +298,55 @@ def gate_view_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _k1_finals(rows: list[dict]) -> dict[int, float]:
+    """Per seed: the final dense eval of its K=1 run, the bar every arm is measured against."""
+    return {r["seed"]: r["eval_dense_final"] for r in rows if r["reuse"] == 1 and r["tau"] is None}
+
+
+def _rollouts_to(r: dict, bar: float) -> float:
+    """Rollouts until the first eval (after step 0) at which the run's dense eval reached `bar`."""
+    hit = next((s for s, v in r["evals"][EVALS[0]] if s > 0 and v >= bar), None)
+    return hit * r["rollouts"] / r["steps"] if hit is not None else math.nan
+
+
+def _missing(out: Path, seed: int, name: str, steps: int) -> str:
+    """Why a cell has no result: never started, or stopped before it wrote result.json."""
+    from sparserl_mcore.telemetry import read_metrics
+
+    metrics = out / "runs" / f"s{seed}-{name}" / "metrics.jsonl"
+    if not metrics.is_file():
+        return "not run"
+    last = max((r["step"] for r in read_metrics(metrics)), default=0)
+    return f"unfinished: stopped at step {last} of {steps}, no result"
+
+
+def per_seed_table(out: Path, rows: list[dict], names: list[str], seeds: list[int], steps: int) -> str:
+    """Every arm x seed, the missing ones named: the pairs behind compare_table's means."""
+    k1 = _k1_finals(rows)
+    done = {(r["seed"], run_name(r["reuse"], r["lr"], r["steps"], r["tau"])): r for r in rows}
+    lines = [
+        "| arm | seed | dense eval every 10 steps | compressed final | rollouts to K=1's final dense eval "
+        "| degrades | updates / gates |\n" + "|---" * 7 + "|"
+    ]
+    for name in names:
+        for seed in seeds:
+            r = done.get((seed, name))
+            if r is None:
+                lines.append(f"| {name} | {seed} | {_missing(out, seed, name, steps)} | | | | |")
+                continue
+            to_k1 = _rollouts_to(r, k1.get(seed, math.inf))
+            lines.append(
+                f"| {name} | {seed} | {_evals(r)} | {_f(r['eval_compressed_final'])} "
+                f"| {'never' if to_k1 != to_k1 else f'{to_k1:.0f}'} | {'**yes**' if r['degrades'] else 'no'} "
+                f"| {r['updates']:.0f} / {r['gates']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def compare_table(rows: list[dict], target: float) -> str:
     """Per arm, mean (min-max) over seeds; 'rollouts to K=1's final eval': the first eval step at which
     the run's dense eval reached the same seed's K=1 run's final dense eval."""
-    k1 = {r["seed"]: r["eval_dense_final"] for r in rows if r["reuse"] == 1 and r["tau"] is None}
+    k1 = _k1_finals(rows)
     lines = [
         "| arm | seeds | final eval dense | final eval compressed | best dense eval | reward last 5 "
         f"| rollouts to reward {target} | rollouts to K=1's final dense eval | degrades | updates / gates "
@@ -310,13 +357,7 @@ def compare_table(rows: list[dict], target: float) -> str:
         arms.setdefault(run_name(r["reuse"], r["lr"], r["steps"], r["tau"]), []).append(r)
     for name, runs in sorted(arms.items(), key=lambda kv: (kv[1][0]["reuse"], kv[1][0]["tau"] is not None)):
         col = {k: [r[k] for r in runs] for k in runs[0] if not isinstance(runs[0][k], dict)}
-        to_k1 = []
-        for r in runs:
-            per_step = r["rollouts"] / r["steps"]
-            hit = next(
-                (s for s, v in r["evals"][EVALS[0]] if s > 0 and v >= k1.get(r["seed"], math.inf)), None
-            )
-            to_k1.append(hit * per_step if hit is not None else math.nan)
+        to_k1 = [_rollouts_to(r, k1.get(r["seed"], math.inf)) for r in runs]
         lines.append(
             f"| {name} | {', '.join(str(s) for s in col['seed'])} | {_cell(col['eval_dense_final'])} "
             f"| {_cell(col['eval_compressed_final'])} | {_cell(col['eval_dense_max'])} "
@@ -367,6 +408,8 @@ def plot_sweep(out: Path, rows: list[dict], png: Path) -> None:
             ax.set_xlabel("RL step (128 rollouts each)")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
+    seeds = ", ".join(str(s) for s in sorted({r["seed"] for r in rows}))
+    fig.suptitle(f"{out.name} task: fixed reuse sweep, seed {seeds}")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
@@ -413,9 +456,37 @@ def plot_compare(out: Path, rows: list[dict], png: Path) -> None:
             ax.grid(alpha=0.3)
     for ax in axes:
         ax.legend(fontsize=7)
+    fig.suptitle(f"{out.name} task: K=1 vs fixed reuse vs DGG, mean over seeds per arm")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
+
+
+def report_compare(out: Path, rows: list[dict], a: argparse.Namespace) -> None:
+    """The compare tables and PNG at --reuse/--lr/--steps: every tau run and the --also Ks, means over
+    seeds (report: only --seeds when given), then every arm x seed with the missing runs named."""
+    fixed = {1, a.reuse, *a.also}
+    chosen = [
+        r
+        for r in rows
+        if r["lr"] == a.lr
+        and r["steps"] == a.steps
+        and ((r["tau"] is None and r["reuse"] in fixed) or (r["tau"] is not None and r["reuse"] == a.reuse))
+        and (a.mode != "report" or a.seeds is None or r["seed"] in a.seeds)
+    ]
+    print(f"\n{a.task}: K=1 vs fixed K={a.reuse} vs DGG at every tau run, lr {a.lr:g}, {a.steps} steps\n")
+    print(compare_table(chosen, a.target))
+    expected = {"k1": (1, None), "fixed": (a.reuse, None), "dgg": (a.reuse, a.tau)}
+    arms = sorted(
+        {expected[arm] for arm in a.arms} | {(r["reuse"], r["tau"]) for r in chosen},
+        key=lambda arm: (arm[0], arm[1] is not None, arm[1] or 0.0),
+    )
+    seeds = sorted({*(a.seeds or []), *(r["seed"] for r in chosen)})
+    names = [run_name(reuse, a.lr, a.steps, tau) for reuse, tau in arms]
+    print(f"\n{a.task}: per seed, every arm named above or run (the missing ones say why)\n")
+    print(per_seed_table(out, chosen, names, seeds, a.steps))
+    if chosen:
+        plot_compare(out, chosen, out / "compare.png")
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -426,7 +497,13 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=0.3, help="5-step mean reward for 'rollouts to target'")
     p.add_argument("--runs", nargs="+", default=SWEEP, help="sweep: K:LR:STEPS per run, in order")
     p.add_argument("--seed", type=int, default=0, help="sweep: the seed")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="compare: the seeds")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="compare: the seeds to run (default 0 1 2); report: only these seeds (default: every seed run)",
+    )
     p.add_argument("--arms", nargs="+", default=["k1", "fixed", "dgg"], choices=["k1", "fixed", "dgg"])
     p.add_argument("--reuse", type=int, default=16, help="compare: K of the fixed and DGG arms")
     p.add_argument("--lr", type=float, default=3e-4, help="compare: Adam lr of every arm")
@@ -450,7 +527,7 @@ def main(argv: list[str]) -> int:
             run_and_record(out, a.task, a.seed, int(reuse), float(lr), int(steps), None, a.target, a.rerun)
     elif a.mode == "compare":
         arms = {"k1": (1, None), "fixed": (a.reuse, None), "dgg": (a.reuse, a.tau)}
-        for seed in a.seeds:
+        for seed in a.seeds or [0, 1, 2]:
             prepare(out, a.task, seed)
             for arm in a.arms:
                 reuse, tau = arms[arm]
@@ -462,20 +539,7 @@ def main(argv: list[str]) -> int:
         plot_sweep(out, sweep, out / "sweep.png")
         print(f"\n{a.task}: what DGG sees in those runs (z logged, gate off)\n{gate_view_table(sweep)}")
     if a.mode != "sweep":
-        fixed = {1, a.reuse, *a.also}
-        chosen = [
-            r
-            for r in rows
-            if r["lr"] == a.lr
-            and r["steps"] == a.steps
-            and (
-                (r["tau"] is None and r["reuse"] in fixed) or (r["tau"] is not None and r["reuse"] == a.reuse)
-            )
-        ]
-        print(f"\n{a.task}: K=1 vs fixed K={a.reuse} vs DGG at every tau run, lr {a.lr:g}, {a.steps} steps\n")
-        print(compare_table(chosen, a.target))
-        if chosen:
-            plot_compare(out, chosen, out / "compare.png")
+        report_compare(out, rows, a)
     print(f"results: {out / 'runs'}/*/result.json; plots: {out}/{{sweep,compare}}.png")
     return 0
 

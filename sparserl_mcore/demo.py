@@ -8,9 +8,10 @@
 3. GRPO with TP=2 over 2 gloo processes (torchrun) as configured by examples/demo.yaml, the one
    source of the run's settings: StreamingLLM-compressed rollouts with a KV budget under the
    generation length, full Sparse-RL correction, K=4 batch reuse (DGG's lm_head signal and the DWD
-   weight change logged per update, its gate off: at this K and lr gating only cost eval, see
-   docs/benchmarks.md "DGG"), sparse weight sync every step, greedy eval on held-out prompts
-   under dense and compressed KV;
+   weight change logged per update, its gate off: at this K and lr fixed reuse does not degrade and
+   gating only cost eval, docs/benchmarks.md "Methods study"; where DGG helps and what it costs:
+   "DGG" there), sparse weight sync every step, greedy eval on held-out prompts under dense and
+   compressed KV;
 4. the trainer's summary with the paths it wrote (metrics, plot, checkpoint, HF export), and a
    table of what happened: start -> end of reward and both evals, what compression and sparse
    sync saved against dense, DGG gates, vetoed sequences.
