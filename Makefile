@@ -11,9 +11,11 @@ TORCH  := torch==2.13.0
 # xgrammar without its declared triton dependency). sgl_kernel, triton and torchvision are CPU
 # stand-ins (sparserl_mcore/sglang/cpu_stubs.py).
 SGLANG := sglang==0.5.23 sglang-router==0.3.2 xgrammar==0.2.7
-SGLANG_CPU_DEPS := orjson pybase64 requests msgspec pyzmq ipython aiohttp apache-tvm-ffi==0.1.11 \
-	dill sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf openai==2.8.0 partial_json_parser \
-	setproctitle einops uvloop==0.23.0 python-multipart==0.0.34 jsonschema==4.26.0 soundfile==0.13.1
+SGLANG_CPU_DEPS := orjson==3.13.0 pybase64==1.5.1 requests==2.34.2 msgspec==0.22.0 pyzmq==27.3.0 \
+	ipython==9.18.1 aiohttp==3.14.5 apache-tvm-ffi==0.1.11 dill==0.4.1 sentencepiece==0.2.1 \
+	compressed-tensors==0.18.0 gguf==0.19.0 openai==2.8.0 partial_json_parser==0.2.1.1.post7 \
+	setproctitle==1.3.8 einops==0.8.2 uvloop==0.23.0 python-multipart==0.0.34 jsonschema==4.26.0 \
+	soundfile==0.13.1
 
 .PHONY: setup test demo bench lint slurm-test apt-shellcheck gpu-wheels gpu-check
 
