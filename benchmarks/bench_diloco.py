@@ -4,10 +4,11 @@
         [--steps N] [--out runs/diloco]
     python -m benchmarks.bench_diloco --lr-sweep 1e-4 1e-5 1e-6 [--steps 10] [--out runs/diloco-lr]
     python -m benchmarks.bench_diloco --outer 1.0:0.0 [--seeds 0] [--hs 1 8] [--out runs/diloco-outer]
+    python -m benchmarks.bench_diloco --report [any of the above]   # tables from OUT/results.json only
 
 Every run is `sparserl train --nproc 2` of examples/demo.yaml as `sparserl demo --seed S` configures
-it, from that seed's warm start, with DGG off (so every run makes exactly the same number of inner
-optimizer steps: 8 per RL step) and evals at the start and the end only. Arms:
+it, from that seed's warm start, with DGG off (no update is gated) and evals at the start and the end
+only. Arms:
   ddp        one island, TP=1 x DP=2: megatron's gradient all-reduce every optimizer step
   diloco-H   2 islands of one rank (parallel.islands=2), diloco.mode=dense, inner_steps H
   pulse-H    2 islands, diloco.mode=pulse (PULSELoCo), inner_steps H
@@ -22,7 +23,11 @@ links between them; both replicas / islands summed):
   DiLoCo    the run's `diloco/total_dense_bytes`: 4 B x N x 2 islands x outer steps
   PULSELoCo the run's `diloco/total_payload_bytes`: the coded payloads, as sent
 N = elements each island exchanges (the outer step's owned FP32 ranges; vocabulary padding
-included, as in megatron's gradient buffer). Also per run: gate density per outer step
+included, as in megatron's gradient buffer). The columns "DiLoCo / this" and "DDP / this" divide
+what DiLoCo and DDP send for the run's own outer and inner steps (its `dense_bytes`, and
+4 B x N x 2 x its inner steps) by what the run sent: the arms do not make equal inner steps, since
+an RL step whose zero-variance filtering keeps <= 80 of 128 sequences makes 1 optimizer update per
+epoch instead of 2 (trainer/loop.py `_trim`). Also per run: gate density per outer step
 (`diloco_outer_step` events), bytes per sent entry (the authors send 12), the rollouts' policy lag
 behind the islands (rollouts come from agreed weights only), the final greedy evals (the run's
 own, on its final agreed weights) and the train reward.
@@ -30,7 +35,8 @@ own, on its final agreed weights) and the train reward.
 density depends on how far an update moves a weight relative to its BF16 cell (bytes, not evals).
 --outer runs only dense DiLoCo on the demo task at other outer SGD settings (lr:momentum, e.g.
 1.0:0.0, plain averaging of the islands' weights), for --seeds and --hs.
-Writes OUT/results.json (kept after every run; a rerun skips finished runs) and prints the tables.
+Writes OUT/results.json (kept after every run; a rerun skips finished runs) and prints the tables;
+--report runs nothing and prints them from OUT/results.json, naming the (task, seed, arm) missing.
 Results: docs/benchmarks.md, "DiLoCo islands".
 """
 
@@ -70,6 +76,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
         "--outer", nargs="*", default=[], metavar="LR:M", help="only DiLoCo runs at these outer lr:m"
     )
     p.add_argument("--out", default="runs/diloco", help="work directory (warm starts, runs, results)")
+    p.add_argument("--report", action="store_true", help="run nothing: the tables of OUT/results.json")
     return p.parse_args(argv)
 
 
@@ -163,6 +170,13 @@ def trainer_bytes(arm: str, row: dict, elements: float) -> float:
     return row["dense_bytes"] if arm.startswith("diloco") else row["payload_bytes"]
 
 
+def _ratios(arm: str, row: dict, elements: float) -> tuple[float | None, float]:
+    """(DiLoCo's bytes, DDP's bytes) over this run's bytes, at the run's own outer and inner steps."""
+    sent = trainer_bytes(arm, row, elements)
+    dense = row["dense_bytes"] / sent if arm.startswith("pulse") else None
+    return dense, 4.0 * elements * 2 * row["inner_steps"] / sent
+
+
 def _cell(values: list[float], fmt: str = "{:.3f}") -> str:
     if not values:
         return "-"
@@ -175,28 +189,31 @@ def _eval_key(runs: list[dict]) -> str:
 
 
 COLUMNS = (
-    "arm", "final greedy eval", "final eval, compressed KV", "reward last 5", "inner / outer steps",
-    "trainer-to-trainer bytes", "vs DiLoCo", "vs DDP", "gate density per outer step",
+    "arm", "seeds", "final greedy eval", "final eval, compressed KV", "reward last 5", "inner / outer steps",
+    "trainer-to-trainer bytes", "DiLoCo / this", "DDP / this", "gate density per outer step",
     "bytes / sent entry", "rollout lag (updates)",
 )  # fmt: skip
 
 
-def _row(arm: str, runs: list[dict], key: str, sent: float, dense: float | None, ddp: float) -> list[str]:
+def _row(arm: str, seeds: list[str], runs: list[dict], key: str, elements: float) -> list[str]:
     from sparserl_mcore.telemetry.console import human_bytes
 
     mean = statistics.fmean
+    ratios = [_ratios(arm, r, elements) for r in runs]
     density = [d for r in runs for d in r.get("density", [])]
     compressed = [r["final_eval/pass1_compressed"] for r in runs if key != "eval/pass1_compressed"]
-    steps = f"{mean(r['inner_steps'] for r in runs):.0f} / {mean(r.get('outer_steps', 0) for r in runs):.0f}"
+    outer = f"{mean(r['outer_steps'] for r in runs):.0f}" if arm != "ddp" else "-"
+    steps = f"{mean(r['inner_steps'] for r in runs):.0f} / {outer}"
     return [
         arm,
+        ", ".join(seeds),
         _cell([r[f"final_{key}"] for r in runs]),
         _cell(compressed),
         _cell([r["reward_last5"] for r in runs]),
         steps,
-        human_bytes(sent),
-        f"{dense / sent:.1f}x" if dense else "-",
-        f"{ddp / sent:.1f}x",
+        human_bytes(mean(trainer_bytes(arm, r, elements) for r in runs)),
+        _cell([d for d, _ in ratios if d is not None], "{:.1f}x") if arm.startswith("pulse") else "-",
+        _cell([d for _, d in ratios], "{:.1f}x"),
         _cell(density) if density else "-",
         _cell([r["bytes_per_entry"] for r in runs], "{:.2f}") if arm.startswith("pulse") else "-",
         _cell([r["policy_lag"] for r in runs], "{:.2f}") if "policy_lag" in runs[0] else "-",
@@ -204,39 +221,48 @@ def _row(arm: str, runs: list[dict], key: str, sent: float, dense: float | None,
 
 
 def print_tables(results: dict, task: str, seeds: list[int], hs: list[int]) -> list[str]:
-    """The task's table (markdown); returns the lines of goals missed."""
-    got = results[task]
-    per_arm = {arm: [got[str(s)][arm] for s in seeds if arm in got.get(str(s), {})] for arm in arms(hs)}
-    elements = statistics.fmean(r["elements"] for runs in per_arm.values() for r in runs if "elements" in r)
-    sent = {
-        arm: statistics.fmean(trainer_bytes(arm, r, elements) for r in runs)
-        for arm, runs in per_arm.items()
-        if runs
-    }
-    print(f"\n{task}: seeds {', '.join(map(str, seeds))}; mean (min-max); N = {elements:,.0f} per island")
+    """The task's table (markdown); returns the lines of goals missed or not measured."""
+    got = results.get(task, {})
+    have = {arm: [str(s) for s in seeds if arm in got.get(str(s), {})] for arm in arms(hs)}
+    absent = {s: [arm for arm, found in have.items() if str(s) not in found] for s in seeds}
+    if any(absent.values()):
+        lost = [
+            f"seed {s} " + (", ".join(a) if len(a) < len(have) else "(every arm)")
+            for s, a in absent.items()
+            if a
+        ]
+        print(f"\n{task}: not in the results: {'; '.join(lost)}")
+    elements = [got[s][arm]["elements"] for arm, found in have.items() for s in found if arm != "ddp"]
+    if not elements:
+        return [f"{task}: no island run, nothing measured"]
+    n = statistics.fmean(elements)
+    print(f"\n{task}: mean (min-max) over the seeds listed; N = {n:,.0f} per island")
     print("| " + " | ".join(COLUMNS) + " |\n" + "|---" * len(COLUMNS) + "|")
-    key, missed = _eval_key(per_arm["ddp"]), []
+    per_arm = {arm: [got[s][arm] for s in found] for arm, found in have.items()}
+    key = _eval_key(per_arm["ddp"])
     for arm, runs in per_arm.items():
-        if not runs:
-            continue
-        dense = sent.get(arm.replace("pulse", "diloco")) if arm != "ddp" else None
-        print("| " + " | ".join(_row(arm, runs, key, sent[arm], dense, sent["ddp"])) + " |")
-        if arm == f"pulse-H{max(hs)}":
-            missed += _goals(task, arm, runs, per_arm, dense, sent["ddp"], sent[arm], key)
-    return missed
+        if runs:
+            print("| " + " | ".join(_row(arm, have[arm], runs, key, n)) + " |")
+    top = f"pulse-H{max(hs)}"
+    return _goals(task, top, per_arm, key, n) if per_arm[top] else [f"{task} {top}: not run"]
 
 
-def _goals(task, arm, runs, per_arm, dense, ddp_bytes, sent, key) -> list[str]:
-    """The issue's goals at the largest H: >= 17x fewer bytes than DiLoCo, >= 100x fewer than DDP,
-    the mean final eval inside DiLoCo's seed spread."""
-    missed = []
-    if dense and dense / sent < 17:
-        missed.append(f"{task} {arm}: {dense / sent:.1f}x fewer bytes than DiLoCo (goal >= 17x)")
-    if ddp_bytes / sent < 100:
-        missed.append(f"{task} {arm}: {ddp_bytes / sent:.1f}x fewer bytes than DDP (goal >= 100x)")
+def _goals(task: str, arm: str, per_arm: dict[str, list[dict]], key: str, elements: float) -> list[str]:
+    """The issue's goals at the largest H: >= 17x fewer bytes than DiLoCo, >= 100x fewer than DDP
+    (mean ratio over the seeds, at equal steps), the mean final eval inside DiLoCo's seed spread."""
+    runs, missed = per_arm[arm], []
+    ratios = [_ratios(arm, r, elements) for r in runs]
+    dense = statistics.fmean(d for d, _ in ratios if d is not None)
+    ddp = statistics.fmean(d for _, d in ratios)
+    if dense < 17:
+        missed.append(f"{task} {arm}: {dense:.1f}x fewer bytes than DiLoCo (goal >= 17x)")
+    if ddp < 100:
+        missed.append(f"{task} {arm}: {ddp:.1f}x fewer bytes than DDP (goal >= 100x)")
     spread = [r[f"final_{key}"] for r in per_arm[arm.replace("pulse", "diloco")]]
     mean = statistics.fmean(r[f"final_{key}"] for r in runs)
-    if spread and not min(spread) <= mean <= max(spread):
+    if not spread:
+        missed.append(f"{task} {arm}: no {arm.replace('pulse', 'diloco')} run, eval goal not measured")
+    elif not min(spread) <= mean <= max(spread):
         low, high = min(spread), max(spread)
         missed.append(
             f"{task} {arm}: mean final eval {mean:.3f} outside DiLoCo's seed spread {low:.3f}-{high:.3f}"
@@ -289,14 +315,24 @@ def print_outer(results: dict, a: argparse.Namespace) -> None:
 
 
 def print_lr_sweep(results: dict, lrs: list[float]) -> None:
-    print("\n| Adam lr | gate density (mean over outer steps) | vs DiLoCo bytes | bytes / sent entry |")
-    print("|---|---|---|---|")
+    print(
+        "\n| Adam lr | inner / outer steps | gate density per outer step | DiLoCo / this | DDP / this "
+        "| bytes / sent entry | greedy eval, dense KV: start -> final | compressed KV: final "
+        "| reward first 5 -> last 5 |"
+    )
+    print("|---" * 9 + "|")
     for lr in lrs:
-        row = results["demo"]["0"][f"pulse-H8-lr{lr:g}"]
-        ratio = row["dense_bytes"] / row["payload_bytes"]
+        row = results.get("demo", {}).get("0", {}).get(f"pulse-H8-lr{lr:g}")
+        if row is None:
+            print(f"| {lr:g} | not in the results |" + " |" * 7)
+            continue
+        dense, ddp = _ratios("pulse", row, row["elements"])
         print(
-            f"| {lr:g} | {statistics.fmean(row['density']):.4f} | {ratio:.1f}x "
-            f"| {row['bytes_per_entry']:.2f} |"
+            f"| {lr:g} | {row['inner_steps']:.0f} / {row['outer_steps']} | {_cell(row['density'], '{:.2f}')} "
+            f"| {dense:.1f}x | {ddp:.1f}x | {row['bytes_per_entry']:.2f} "
+            f"| {row['start_eval/pass1_dense']:.3f} -> {row['final_eval/pass1_dense']:.3f} "
+            f"| {row['final_eval/pass1_compressed']:.3f} "
+            f"| {row['reward_first5']:.3f} -> {row['reward_last5']:.3f} |"
         )
 
 
@@ -308,7 +344,7 @@ def main(argv: list[str]) -> int:
     out = Path(a.out).resolve()
     results_path = out / "results.json"
     results: dict = json.loads(results_path.read_text()) if results_path.is_file() else {}
-    for task, seed, arm, overrides, steps in _plan(a):
+    for task, seed, arm, overrides, steps in [] if a.report else _plan(a):
         if arm in results.get(task, {}).get(str(seed), {}):
             continue
         print(f"=== {task}, seed {seed}, {arm}", flush=True)
@@ -321,7 +357,7 @@ def main(argv: list[str]) -> int:
         print_outer(results, a)
     else:
         missed = [m for task in a.tasks for m in print_tables(results, task, a.seeds, a.hs)]
-        print("\n".join(["goals missed:", *missed]) if missed else "every goal met")
+        print("\n".join(["goals missed or not measured:", *missed]) if missed else "every goal met")
     print(f"results: {results_path}")
     return 0
 
