@@ -18,9 +18,10 @@ SGLang's where this module adapts (read in the 0.5.23 wheel, file: symbol):
   of its own: our plugin adds `sparserl_kv` (`kv_report`), read into the sample's `KVStats`; a
   server without our plugin gives zero `KVStats`.
 - `extra_key` (`GenerateReqInput.extra_key`, part of the radix cache's key, forwarded by
-  sglang-router 0.3.2 too): in-flight updates set it to the weight version, so a request never
-  matches prefix KV that requests of an older version cached (SGLang cannot flush while requests
-  run in place).
+  sglang-router 0.3.2 too): in-flight updates set it per run and weight version (`prefix_key`), so
+  a request never matches prefix KV that requests of an older version cached (SGLang cannot flush
+  while requests run in place), nor KV another run cached under the same version number on a
+  server that outlived it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ def sampling_json(params: SamplingParams) -> dict[str, Any]:
     if params.seed is not None:
         out["sampling_seed"] = params.seed
     return out
+
+
+def prefix_key(run: str, version: int) -> str:
+    """The `extra_key` of the requests one trainer run (`run`: drawn once per run) makes while the
+    workers hold `version`."""
+    return f"weight-version:{run}:{version}"
 
 
 def generate_body(requests: Sequence[GenerateRequest], extra_key: str | None = None) -> dict[str, Any]:

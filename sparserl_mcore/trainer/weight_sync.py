@@ -29,12 +29,14 @@ holds exactly bf16(learner) and a resumed run continues from the same engine wei
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from sparserl_mcore.sglang import wire
 from sparserl_mcore.sglang.dense_sync import DenseSyncConfig
 from sparserl_mcore.sglang.trainer_sync import Encode, SGLangBroadcast, SGLangDelivery, full_sync_pieces
 from sparserl_mcore.sync.codec import CodecConfig
@@ -90,6 +92,7 @@ class WeightSyncer:
         self.layout, self.runtime, self.codec = layout, runtime, codec
         self.in_flight = in_flight
         self._pauses: dict[str, float] = {}  # engine -> ms it stood still for the last delivery
+        self._run_key = uuid.uuid4().hex[:12]  # this run's part of SGLang prefix-cache keys (host)
         self._on_event = on_event
         self._groups = build_sync_groups(runtime)
         core = unwrap_model(model)
@@ -179,13 +182,15 @@ class WeightSyncer:
 
     def _key_prefixes(self, pools: list[EnginePool | None], version: int) -> None:
         """In-flight updates into SGLang (no flush while requests run in place): the host's SGLang
-        clients key later requests' prefix cache by this version (`SGLangWorker.prefix_key`)."""
+        clients key later requests' prefix cache by this run and version (`SGLangWorker.prefix_key`):
+        the run's nonce keeps a resumed or later run from matching KV an earlier run cached under the
+        same version number (its full sync does not flush either)."""
         if not self.in_flight or self._sglang is None:
             return
         for pool in pools:
             for engine in pool.live.values() if pool is not None else ():
                 if hasattr(engine, "prefix_key"):
-                    engine.prefix_key = f"weight-version:{version}"
+                    engine.prefix_key = wire.prefix_key(self._run_key, version)
 
     def sync(self, pools: list[EnginePool | None], *, version: int) -> dict[str, float]:
         """Collective: this version's fragments, one per learner rank, applied by every engine."""
