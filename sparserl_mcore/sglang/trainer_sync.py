@@ -4,24 +4,27 @@ SGLang has no `/update_weights_from_patch`; a fragment reaches our loader throug
 `/update_weights_from_tensor`, which SGLang 0.5.23 accepts only inside a begin/end weight-update
 session (`SchedulerWeightUpdaterManager.update_weights_from_tensor`). So one sync is, per worker:
 
-1. the host rank: `/server_info` (the worker's TP size, first time only), `/pause_generation`
-   {"mode": "retract"}, `/begin_weight_update` (a session left open by a trainer that died
-   mid-sync is ended first); the outcome (and TP sizes) reach every rank in one broadcast, so no
-   rank sends before the session is open;
+1. the host rank: `/server_info` (the worker's TP size, first time only; broadcast to every rank);
 2. every learner rank: its own changes split per SGLang TP rank (`split_by_receiver` with
-   `SGLangLayout`), one fragment each, in ONE `send_fragments` call (fragment = (learner rank,
-   learner ranks): the worker's ledger moves to the version when every rank's has landed); a full
-   sync is cut into `full_sync_pieces` such calls per rank (fragment = (rank * pieces + piece,
-   ranks * pieces)), so no request body holds more than about `FULL_CHUNK_ELEMENTS`;
-3. the failures of all ranks are gathered (so the host closes the session only after every rank
+   `SGLangLayout`), one fragment each, encoded BEFORE the pause (fragment = (learner rank,
+   learner ranks): the worker's ledger moves to the version when every rank's has landed), so
+   the pause below holds only the HTTP calls and the loader's writes; a full sync is cut into
+   `full_sync_pieces` pieces per rank (fragment = (rank * pieces + piece, ranks * pieces)), the
+   first encoded before the pause and each other one as it is sent, so no request body holds
+   more than about `FULL_CHUNK_ELEMENTS`;
+3. the host rank: `/pause_generation` {"mode": "retract"}, `/begin_weight_update` (a session left
+   open by a trainer that died mid-sync is ended first); the outcome reaches every rank in one
+   broadcast, so no rank sends before the session is open; then every rank POSTs each piece's
+   fragments in ONE `send_fragments` call per worker;
+4. the failures of all ranks are gathered (so the host closes the session only after every rank
    has sent), then the host: `/end_weight_update`, `/flush_cache`, `/continue_generation`, for
    every worker whose session it opened, failed or not (a worker must never stay paused).
 
 In-flight updates (`in_flight`, asynchronous RL) pause `{"mode": "in_place"}` instead: running
 requests keep their KV and continue under the new version (SGLang records the version change per
 request: `meta_info.weight_versions`), and there is no flush (0.5.23 refuses one while requests
-hold pages); requests carry the version as `extra_key` instead (`SGLangWorker.prefix_key`). The
-host times each bracket, pause to continue: `pause_ms`.
+hold pages); requests carry the run and version as `extra_key` instead (`SGLangWorker.prefix_key`).
+The host times each bracket, pause to continue: `pause_ms`.
 
 Collective over the default group (the learner ranks); every rank returns the same failure map.
 A full sync is the same path with every owned element (`overwrite`, base None), which a worker
@@ -130,58 +133,88 @@ class SGLangDelivery:
         targets = [u for u in self.workers if only is None or u in only]
         if not targets:
             return {}
-        host = dist.get_rank() == self._host_rank
-        opened: list[str] = []
-        failed: dict[str, str] = {}
-        paused_at: dict[str, float] = {}
         self.pause_ms = {}
-        if host:
-            for url in targets:
-                try:
-                    paused_at[url] = time.perf_counter()
-                    self._open(url)
-                    opened.append(url)
-                except Exception as exc:  # noqa: BLE001 - this worker is reported, the others go on
-                    failed[url] = f"opening the update session: {_reason(exc)}"
-        box: list[Any] = [(failed, self._tp)]
-        dist.broadcast_object_list(box, src=self._host_rank)  # nobody sends before the sessions are open
-        failed, tp = box[0]
-        self._tp.update(tp)
-        mine: dict[str, str] = {}
+        failed = self._share_sizes(targets)
         rank, world = dist.get_rank(), dist.get_world_size()
-        for piece, share in enumerate(split_even(changes, pieces)):
-            fragment = (rank * pieces + piece, world * pieces)
-            by_tp: dict[tuple[int, int], list[bytes]] = {}  # this piece's fragments per SGLang layout
-            for url in targets:
+        shares = split_even(changes, pieces)
+        mine: dict[str, str] = {}  # workers this rank could not serve
+        live = [u for u in targets if u not in failed]
+        # the first piece (all of a sparse patch) is encoded before the workers pause
+        by_tp = self._encode(shares[0], (rank * pieces, world * pieces), live, encode, mine)
+        opened, paused_at = self._open_all(live, failed)
+        for piece in range(pieces):
+            if piece:
+                fragment = (rank * pieces + piece, world * pieces)
+                by_tp = self._encode(shares[piece], fragment, live, encode, mine)
+            for url in live:
                 if url in failed or url in mine:
                     continue
                 try:
-                    size = self._tp[url]
-                    if size not in by_tp:
-                        per_rank = split_by_receiver(share, self._layout(size))
-                        by_tp[size] = [encode(c, fragment) for c in per_rank]
-                    self.workers[url].send_fragments(by_tp[size], version)
+                    self.workers[url].send_fragments(by_tp[self._tp[url]], version)
                 except Exception as exc:  # noqa: BLE001 - reported below; the learner carries on
                     mine[url] = _reason(exc)
         everyone: list[dict[str, str] | None] = [None] * world
         dist.all_gather_object(everyone, mine)  # every rank has sent before the host closes
         for part in everyone:
             failed.update(part or {})
-        if host:
-            for url in opened:
-                problem = self._close(url)
-                self.pause_ms[url] = (time.perf_counter() - paused_at[url]) * 1e3
-                if problem and url not in failed:
-                    failed[url] = problem
-        box = [failed]
+        for url in opened:
+            problem = self._close(url)
+            self.pause_ms[url] = (time.perf_counter() - paused_at[url]) * 1e3
+            if problem and url not in failed:
+                failed[url] = problem
+        box: list[Any] = [failed]
         dist.broadcast_object_list(box, src=self._host_rank)
         return dict(box[0])
 
-    def _open(self, url: str) -> None:
-        worker = self.workers[url]
-        if url not in self._tp:
-            self._tp[url] = worker.layout_sizes()
-        worker.open_update_session("in_place" if self.in_flight else "retract")
+    def _share_sizes(self, targets: list[str]) -> dict[str, str]:
+        """Collective: the host asks each new worker's (TP, EP) sizes (`/server_info`); every rank
+        learns them and the workers that could not be asked."""
+        failed: dict[str, str] = {}
+        if dist.get_rank() == self._host_rank:
+            for url in targets:
+                try:
+                    if url not in self._tp:
+                        self._tp[url] = self.workers[url].layout_sizes()
+                except Exception as exc:  # noqa: BLE001 - this worker is reported, the others go on
+                    failed[url] = f"reading its layout (/server_info): {_reason(exc)}"
+        box: list[Any] = [(failed, self._tp)]
+        dist.broadcast_object_list(box, src=self._host_rank)
+        failed, tp = box[0]
+        self._tp.update(tp)
+        return dict(failed)
+
+    def _encode(
+        self, share: Sequence[Change], fragment: tuple[int, int], urls: list[str], encode: Encode,
+        mine: dict[str, str],
+    ) -> dict[tuple[int, int], list[bytes]]:  # fmt: skip
+        """`share` split per SGLang TP rank and encoded, once per distinct worker layout among
+        `urls`; a layout that fails marks its workers in `mine`."""
+        out: dict[tuple[int, int], list[bytes]] = {}
+        for size in sorted({self._tp[u] for u in urls if u not in mine}):
+            try:
+                out[size] = [encode(c, fragment) for c in split_by_receiver(share, self._layout(size))]
+            except Exception as exc:  # noqa: BLE001 - reported like a failed send
+                mine.update({u: _reason(exc) for u in urls if self._tp[u] == size})
+        return out
+
+    def _open_all(self, live: list[str], failed: dict[str, str]) -> tuple[list[str], dict[str, float]]:
+        """Collective: the host pauses each worker and opens its session; every rank learns which
+        failed (added to `failed`), so no rank sends before the sessions are open. (opened, when
+        each was paused), both empty on the other ranks."""
+        opened, paused_at, problems = [], {}, {}
+        if dist.get_rank() == self._host_rank:
+            mode = "in_place" if self.in_flight else "retract"
+            for url in live:
+                try:
+                    paused_at[url] = time.perf_counter()
+                    self.workers[url].open_update_session(mode)
+                    opened.append(url)
+                except Exception as exc:  # noqa: BLE001 - this worker is reported, the others go on
+                    problems[url] = f"opening the update session: {_reason(exc)}"
+        box: list[Any] = [problems]
+        dist.broadcast_object_list(box, src=self._host_rank)
+        failed.update(box[0])
+        return opened, paused_at
 
     def _close(self, url: str) -> str:
         try:
