@@ -253,11 +253,14 @@ def test_a_run_that_starts_over_says_it_replaces_the_old_metrics(assets):
 
 class _Front(http.server.BaseHTTPRequestHandler):
     """GET /server_info as SGLang answers it (a JSON object of its settings, tp_size among them)
-    on the "sglang" server, 404 (no such route, as `sparserl serve`) on the other."""
+    on the "sglang" servers (its overlap scheduler on, SGLang's default, or off), 404 (no such
+    route, as `sparserl serve`) on the other."""
 
     def do_GET(self) -> None:
-        sglang = self.server.kind == "sglang"  # type: ignore[attr-defined]
-        body = json.dumps({"tp_size": 2, "version": "0.5.23"}).encode() if sglang else b"{}"
+        kind = self.server.kind  # type: ignore[attr-defined]
+        sglang = kind.startswith("sglang")
+        info = {"tp_size": 2, "version": "0.5.23", "disable_overlap_schedule": kind == "sglang_no_overlap"}
+        body = json.dumps(info).encode() if sglang else b"{}"
         self.send_response(200 if sglang and self.path == "/server_info" else 404)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -271,7 +274,7 @@ class _Front(http.server.BaseHTTPRequestHandler):
 def fronts():
     urls = {}
     servers = []
-    for kind in ("sglang", "sparserl"):
+    for kind in ("sglang", "sglang_no_overlap", "sparserl"):
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Front)
         server.kind = kind  # type: ignore[attr-defined]
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -314,3 +317,16 @@ def test_remote_servers_of_the_other_kind_are_refused(assets, capsys, fronts, sa
         ],
     )
     check_run(ok, world_size=2)
+
+
+def test_in_flight_refuses_sglang_workers_that_run_the_overlap_scheduler(assets, capsys, fronts):
+    root, hf = assets
+    cfg = _config(root, hf, "overlap")
+    remote = ["rollout.engine=remote", "rollout.server=sglang", "loss.correction.mode=sparse_rl"]
+    both = f"rollout.urls=[{fronts['sglang_no_overlap']},{fronts['sglang']}]"
+    err = _refused(capsys, *_train(cfg, *remote, both, "train.async.mode=in_flight"))
+    assert re.search(rf"{fronts['sglang']} runs SGLang's overlap scheduler.*--disable-overlap-schedule", err)
+    # without it, or with one version per sample (one_step), the run goes ahead
+    quiet = f"rollout.urls=[{fronts['sglang_no_overlap']}]"
+    check_run(load_config(cfg, [*remote, quiet, "train.async.mode=in_flight"]), world_size=2)
+    check_run(load_config(cfg, [*remote, both, "train.async.mode=one_step"]), world_size=2)

@@ -261,6 +261,20 @@ def weight_routes_refuse(url: str, token: str | None, *, timeout: float = 5.0) -
     return answer.status_code if answer.status_code in (401, 403) else None
 
 
+def _server_info(url: str, token: str | None, timeout: float) -> tuple[int | None, Any]:
+    """(HTTP status, JSON body or None) of one GET /server_info; (None, None) when unreachable."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        answer = httpx.get(url.rstrip("/") + "/server_info", headers=headers, timeout=timeout)
+    except httpx.HTTPError:
+        return None, None
+    try:
+        body = answer.json() if answer.status_code == 200 else None
+    except ValueError:
+        body = None
+    return answer.status_code, body
+
+
 def server_kind(url: str, token: str | None = None, *, timeout: float = 5.0) -> str | None:
     """ "sglang" or "sparserl" from one GET /server_info, None when the server does not say.
 
@@ -268,17 +282,20 @@ def server_kind(url: str, token: str | None = None, *, timeout: float = 5.0) -> 
     has no such route (404). Anything else (unreachable, still starting, a proxy's error) is
     left to the run itself: a dead server leaves the pool at its first call.
     """
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        answer = httpx.get(url.rstrip("/") + "/server_info", headers=headers, timeout=timeout)
-    except httpx.HTTPError:
-        return None
-    if answer.status_code == 404:
+    status, body = _server_info(url, token, timeout)
+    if status == 404:
         return "sparserl"
-    if answer.status_code != 200:
-        return None
-    try:
-        body = answer.json()
-    except ValueError:
-        return None
     return "sglang" if isinstance(body, dict) and "tp_size" in body else None
+
+
+def overlap_scheduled(url: str, token: str | None = None, *, timeout: float = 5.0) -> bool:
+    """Whether an SGLang worker runs its overlap scheduler (`disable_overlap_schedule` false in its
+    /server_info; False when it says otherwise or cannot be asked).
+
+    An in-place pause (`Scheduler.pause_generation` "in_place") leaves that scheduler's last
+    launched batch unprocessed: the token it sampled with the old weights is appended after the
+    update and reported under the new version (measured live: one token per running request and
+    update), and on a GPU the update's writes can overlap that forward, which still reads the
+    weights. KV compression turns the overlap scheduler off (`launch.sglang_argv`)."""
+    _, body = _server_info(url, token, timeout)
+    return isinstance(body, dict) and body.get("disable_overlap_schedule") is False

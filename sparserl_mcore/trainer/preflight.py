@@ -77,7 +77,7 @@ def check_run(cfg: RunConfig, *, world_size: int, probe_servers: bool = True) ->
 
 
 def _check_servers(cfg: RunConfig) -> None:
-    from sparserl_mcore.sglang.client import server_kind, weight_routes_refuse
+    from sparserl_mcore.sglang.client import overlap_scheduled, server_kind, weight_routes_refuse
 
     rc = cfg.rollout
     if rc.engine != "remote":
@@ -97,6 +97,13 @@ def _check_servers(cfg: RunConfig) -> None:
             raise PreflightError(
                 f"rollout.urls: {url} refuses its weight routes with {given} (HTTP {refused}); set "
                 "rollout.token_env to the variable holding the token the server was started with"
+            )
+        if kind == "sglang" and cfg.train.async_.mode == "in_flight" and overlap_scheduled(url, token):
+            raise PreflightError(
+                f"rollout.urls: {url} runs SGLang's overlap scheduler, under which an in-flight update "
+                "(train.async.mode=in_flight) reports the first token after each update under the new "
+                "version though the old weights sampled it; start it with `sparserl sglang-serve ... -- "
+                "--disable-overlap-schedule` (KV compression sets it), or use train.async.mode=one_step"
             )
     _check_router(rc)
 
