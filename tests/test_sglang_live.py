@@ -22,6 +22,7 @@ What each test shows:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -212,42 +213,102 @@ def test_kv_compression_in_the_server_equals_the_embedded_engine(live, method):
 # -- a weight update with requests in flight ----------------------------------------------------
 
 
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A tensor's BF16 bits, flat (what the sync's changes carry)."""
+    return t.to(torch.bfloat16).contiguous().reshape(-1).view(torch.int16).numpy().view(np.uint16)
+
+
+def _full_changes(state: dict[str, torch.Tensor]) -> list:
+    """The trainer's full sync of `state`: every element, overwrite (no old bits)."""
+    return [(name, np.arange(t.numel()), None, _bits(t)) for name, t in sorted(state.items())]
+
+
+def _encoder(state: dict[str, torch.Tensor], version: int, base: int | None):
+    """(changes, fragment) -> one encoded fragment of `version` (base None: full), as the trainer's
+    `WeightSyncer._encoder`."""
+    from sparserl_mcore.sync.hashing import dtype_name
+    from sparserl_mcore.sync.per_rank import ModelMeta, encode_fragment
+
+    meta = ModelMeta(dtype_name(torch.bfloat16), {n: tuple(t.shape) for n, t in state.items()})
+    return lambda changes, fragment: encode_fragment(
+        changes, meta, version=version, base_version=base, fragment=fragment
+    )
+
+
 def _full_fragments(hf, state: dict[str, torch.Tensor], version: int) -> list[bytes]:
     """The trainer's full sync of `state` (bf16) to one TP=1 worker: every element, overwrite."""
     from model_providers.hf_config import parse_hf_config
     from sparserl_mcore.sglang.layout import SGLangLayout
-    from sparserl_mcore.sync.hashing import dtype_name
-    from sparserl_mcore.sync.per_rank import ModelMeta, encode_fragment, split_by_receiver
+    from sparserl_mcore.sync.per_rank import split_by_receiver
 
-    changes = [
-        (
-            name,
-            np.arange(t.numel()),
-            None,
-            t.to(torch.bfloat16).reshape(-1).view(torch.int16).numpy().view(np.uint16),
-        )
-        for name, t in sorted(state.items())
-    ]
-    meta = ModelMeta(dtype_name(torch.bfloat16), {n: tuple(t.shape) for n, t in state.items()})
-    per_rank = split_by_receiver(changes, SGLangLayout(parse_hf_config(hf), tp_size=1))
-    return [encode_fragment(c, meta, version=version, base_version=None, fragment=(0, 1)) for c in per_rank]
+    per_rank = split_by_receiver(_full_changes(state), SGLangLayout(parse_hf_config(hf), tp_size=1))
+    encode = _encoder(state, version, None)
+    return [encode(c, (0, 1)) for c in per_rank]
 
 
-def _stream(url: str, prompt, max_new: int, out: dict, started: threading.Event) -> None:
-    """One streamed greedy request; `started` once it produced a few tokens; the last chunk in `out`."""
-    body = {
-        "input_ids": list(prompt),
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True},
-        "return_logprob": True,
-        "top_logprobs_num": 2,
-        "stream": True,
-    }
-    with httpx.stream("POST", url + "/generate", json=body, timeout=600) as answer:
-        for line in answer.iter_lines():
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                out.update(json.loads(line[5:]))
-                if len(out.get("output_ids", [])) >= 4:
-                    started.set()
+class Streams:
+    """Streamed greedy requests, one thread each: the latest chunk of each (SGLang's chunks carry
+    the whole output so far) and a wait on their progress."""
+
+    def __init__(self, url: str, prompts, max_new: int, **extra) -> None:
+        self.outs: list[dict] = [{} for _ in prompts]
+        self._ended = [False] * len(prompts)
+        self._changed = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i, url, p, max_new, extra), daemon=True)
+            for i, p in enumerate(prompts)
+        ]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def _run(self, i: int, url: str, prompt, max_new: int, extra: dict) -> None:
+        body = {
+            "input_ids": list(prompt),
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "stream": True,
+            **extra,
+        }
+        try:
+            with httpx.stream("POST", url + "/generate", json=body, timeout=600) as answer:
+                for line in answer.iter_lines():
+                    if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                        chunk = json.loads(line[5:])
+                        with self._changed:
+                            self.outs[i] = chunk
+                            self._changed.notify_all()
+        finally:
+            with self._changed:
+                self._ended[i] = True
+                self._changed.notify_all()
+
+    def counts(self) -> list[int]:
+        with self._changed:
+            return [len(o.get("output_ids", [])) for o in self.outs]
+
+    def wait_tokens(self, at_least: list[int], timeout: float = 300.0) -> list[int]:
+        """Block until request i has streamed `at_least[i]` output tokens, for every i; their
+        counts. Fails if one ended first (it would have no tokens left to update within)."""
+
+        def reached() -> bool:
+            done = all(len(o.get("output_ids", [])) >= n for o, n in zip(self.outs, at_least, strict=True))
+            return done or any(self._ended)
+
+        with self._changed:
+            self._changed.wait_for(reached, timeout)
+        counts = self.counts()
+        ok = all(c >= n for c, n in zip(counts, at_least, strict=True)) and not any(self._ended)
+        assert ok, f"streams ended or stalled at {counts} (wanted {at_least})"
+        return counts
+
+    def join(self, timeout: float = 600.0) -> list[dict]:
+        for t in self._threads:
+            t.join(timeout)
+        assert all(self._ended), "a streamed request did not end"
+        return self.outs
 
 
 def test_a_weight_update_while_requests_run_loses_none_and_serves_no_stale_tokens(live):
@@ -267,18 +328,11 @@ def test_a_weight_update_while_requests_run_loses_none_and_serves_no_stale_token
     fragments = _full_fragments(live.hf, state, version)
 
     post(url, "/flush_cache", {})
-    outs = [{} for _ in prompts]
-    started = [threading.Event() for _ in prompts]
-    threads = [
-        threading.Thread(target=_stream, args=(url, p, new, o, s))
-        for p, o, s in zip(prompts, outs, started, strict=True)
-    ]
+    streams = Streams(url, prompts, new)
     post(url, "/slow_down", {"forward_sleep_time": 0.1})  # SGLang's test knob: >= 9.6 s per request
     try:
-        for t in threads:
-            t.start()
-        for s in started:
-            assert s.wait(300), "the streamed requests did not start"
+        streams.start()
+        streams.wait_tokens([4] * len(prompts))
         with SGLangWorker(url, TOKEN, retries=0) as worker:  # what the trainer does per worker
             worker.open_update_session()  # pause "retract" + begin: the requests are still running
             post(url, "/slow_down", {"forward_sleep_time": None})
@@ -286,8 +340,7 @@ def test_a_weight_update_while_requests_run_loses_none_and_serves_no_stale_token
             worker.close_update_session()  # end + flush + continue
     finally:
         post(url, "/slow_down", {"forward_sleep_time": None})
-    for t in threads:
-        t.join(600)
+    outs = streams.join()
     cuts = []
     for out, before in zip(outs, old, strict=True):
         meta = out["meta_info"]
@@ -320,11 +373,145 @@ def test_a_weight_update_while_requests_run_loses_none_and_serves_no_stale_token
         assert _compare_greedy(tail, ref["output_ids"], lps) >= min(8, new - cut)
 
 
+# -- in-flight updates (train.async.mode=in_flight) --------------------------------------------
+
+
+@contextlib.contextmanager
+def _one_rank_world():
+    """The learner's default group, one gloo rank in this process (`SGLangDelivery` is collective)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _changes(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> list:
+    """Every element that differs between two bf16 states, as the trainer's diff lists it (HF name,
+    flat indices, old bits, new bits): a sparse patch's changes."""
+    out = []
+    for name in sorted(old):
+        before, after = _bits(old[name]), _bits(new[name])
+        idx = np.flatnonzero(before != after)
+        if idx.size:
+            out.append((name, idx, before[idx], after[idx]))
+    return out
+
+
+def _nudged(state: dict[str, torch.Tensor], share: float, seed: int) -> dict[str, torch.Tensor]:
+    """`share` of the elements of every tensor but the LM head moved by noise (an optimizer step's
+    sparse footprint); the LM head as it is."""
+    noise = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        pick = torch.rand(t.shape, generator=noise) < share
+        moved = (t.float() + 0.02 * torch.randn(t.shape, generator=noise)).to(torch.bfloat16)
+        out[name] = t if name == "lm_head.weight" else torch.where(pick, moved, t)
+    return out
+
+
+def test_in_flight_updates_keep_requests_running_and_key_the_prefix_cache_per_version(live):
+    """The trainer's in-flight bracket (`SGLangDelivery(in_flight=True)`: pause "in_place", begin,
+    the patch through our loader, end, continue; no flush) while streamed requests decode."""
+    from safetensors.torch import load_file
+
+    from model_providers.hf_config import parse_hf_config
+    from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
+    from sparserl_mcore.sglang.client import SGLangWorker
+    from sparserl_mcore.sglang.trainer_sync import SGLangDelivery
+    from sparserl_mcore.sglang.wire import prefix_key, token_versions
+
+    url, new, run = live.url("streamingllm"), 160, "live-test"
+    prompts = [PREFIX + (70,), PREFIX + (72,)]  # two to which v0 never answers token 0 (below)
+    hf = parse_hf_config(live.hf)
+    # v1 zeroes the LM head: every logit 0, so greedy picks token 0 (argmax's first index) from the
+    # first forward under v1 on; v2 and v3 move 1 % of every other tensor (token 0 still)
+    states = [{n: t.to(torch.bfloat16) for n, t in load_file(live.hf / "model.safetensors").items()}]
+    states.append({**states[0], "lm_head.weight": torch.zeros_like(states[0]["lm_head.weight"])})
+    states += [_nudged(states[1], 0.01, seed=11)]
+    states += [_nudged(states[2], 0.01, seed=12)]
+    versions = [100, 101, 102, 103]
+    pauses = []
+    with _one_rank_world():
+        synced = SGLangDelivery([url], hf, host_rank=0, token=TOKEN)  # the synchronous bracket
+        full = synced.deliver(_full_changes(states[0]), _encoder(states[0], versions[0], None),
+                              version=versions[0], only=None)  # fmt: skip
+        assert full == {}, full  # the checkpoint's weights as v0, radix cache flushed
+        old = _generate(url, prompts, new)  # what v0 answers (no extra_key: another cache namespace)
+        # v0 never answers token 0 here: where v0's tokens end and v1's begin is visible
+        assert all(0 not in o["output_ids"] for o in old), [o["output_ids"] for o in old]
+
+        in_flight = SGLangDelivery([url], hf, host_rank=0, token=TOKEN, in_flight=True)
+        streams = Streams(url, prompts, new, extra_key=prefix_key(run, versions[0]))
+        # SGLang's test knob (>= 0.1 s per decode step) while the updates land: they find the
+        # requests running whatever the box's load
+        post(url, "/slow_down", {"forward_sleep_time": 0.1})
+        try:
+            streams.start()
+            counts = streams.wait_tokens([4] * len(prompts))
+            for k in range(1, len(versions)):
+                if k > 1:  # each version samples tokens before the next one lands
+                    counts = streams.wait_tokens([c + 8 for c in counts])
+                changes = _changes(states[k - 1], states[k])
+                encode = _encoder(states[k], versions[k], versions[k - 1])
+                failed = in_flight.deliver(changes, encode, version=versions[k], only=None)
+                assert failed == {}, failed
+                pauses.append(in_flight.pause_ms[url])
+                counts = streams.counts()
+        finally:
+            post(url, "/slow_down", {"forward_sleep_time": None})
+        outs = streams.join()
+    assert len(pauses) == 3 and all(p > 0 for p in pauses), pauses
+
+    for out, before in zip(outs, old, strict=True):
+        meta, ids = out["meta_info"], out["output_ids"]
+        # not lost, not retracted (kept its KV: no re-prefill), every version named in order
+        assert meta["finish_reason"]["type"] == "length" and len(ids) == new, meta
+        assert meta["num_retractions"] == 0, meta["num_retractions"]
+        spans = meta["weight_versions"]
+        assert [s["version"] for s in spans] == [str(v) for v in versions], spans
+        per_token = token_versions(meta, new)  # our reading of the spans: every token, monotone
+        assert list(per_token) == sorted(per_token) and set(per_token) == set(versions), spans
+        cut = spans[1]["start"]
+        assert 4 <= cut < new - 16, spans
+        # every token before the first update is v0's answer; every token after it v1's own (0):
+        # none sampled by v0 is labelled v1, none sampled by v1 is labelled v0
+        assert ids[:cut] == before["output_ids"][:cut]
+        assert set(ids[cut:]) == {0}, (cut, ids[cut - 2 :])
+
+    # the in-place writes landed exactly (SGLang's own /get_weights_by_name)
+    shapes = {n: tuple(t.shape) for n, t in states[-1].items()}
+    served = read_weights(url, sorted(states[-1]), shapes)
+    assert all(torch.equal(served[n].view(torch.int16), t.view(torch.int16)) for n, t in states[-1].items())
+
+    # the prefix cache after the updates (not flushed: requests were running): the streams'
+    # prompts, prefilled under v0, are cached under v0's key only
+    one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+    with SGLangWorker(url, TOKEN, retries=0) as worker:
+
+        def ask(version: int, last: int):
+            worker.prefix_key = prefix_key(run, version)
+            (sample,) = worker.generate([GenerateRequest(input_ids=PREFIX + (last,), sampling=one)])
+            return sample
+
+        fresh = ask(versions[-1], 90)
+        stale = ask(versions[0], 91)  # a request still carrying v0's key
+        again = ask(versions[-1], 92)
+    assert fresh.cached_prompt_tokens == 0, fresh  # nothing v0 (or earlier) computed
+    assert fresh.weight_version == versions[-1] and fresh.output_versions == (versions[-1],)
+    # SGLang serves v0's prefix KV to v0's key: why the trainer moves every request to the new key
+    assert stale.cached_prompt_tokens >= len(PREFIX), stale
+    assert again.cached_prompt_tokens >= len(PREFIX), again  # the new key's namespace caches as usual
+
+
 # -- sparserl train against the live workers ----------------------------------------------------
 
 
-def _train(live, name: str, urls: list[str], **rollout) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    sync = rollout.pop("sync", {})
+def _train(
+    live, name: str, urls: list[str], *, sync=None, train=None, loss=None, **rollout
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
     cfg = write_config(
         live.root,
         live.hf,
@@ -340,8 +527,15 @@ def _train(live, name: str, urls: list[str], **rollout) -> tuple[subprocess.Comp
             **rollout,
         },
         eval={"every": 0, "at_start": False, "dense": False, "compressed": False},
-        train={"steps": 2, "prompts_per_step": 4, "global_batch_size": 16, "micro_batch_size": 8},
-        sync=sync,
+        train={
+            "steps": 2,
+            "prompts_per_step": 4,
+            "global_batch_size": 16,
+            "micro_batch_size": 8,
+            **(train or {}),
+        },
+        sync=sync or {},
+        loss=loss or {},
     )
     env = {**subprocess_env(), TOKEN_ENV: TOKEN}
     cmd = [PY, "-m", "sparserl_mcore", "train", "--config", str(cfg), "--nproc", "2"]
@@ -436,6 +630,36 @@ def test_train_with_fragments_survives_a_patch_corrupted_in_flight(live):
     # step 2: 2 sparse, accepted
     assert tensors[1:3] == [200, 200] and 400 in tensors[3:5] and tensors[-4:] == [200] * 4, tensors
     _assert_bit_equal(live, "corrupted", [live.url("snapkv")])
+
+
+def test_train_in_flight_through_the_router(live):
+    """`train.async.mode=in_flight`: the next batch generates through the router while the learner
+    updates, and each sync is an in-place bracket (pause "in_place", no flush). Whether a sync
+    lands inside a running request here is up to timing (this model's batch and update both take
+    well under a second); test_in_flight_updates_keep_requests_running_... makes it land."""
+    urls = sorted(s.url for s in live.servers.values())
+    # KV compression turned SGLang's overlap scheduler off (else preflight refuses in_flight)
+    assert all(httpx.get(u + "/server_info").json()["disable_overlap_schedule"] is True for u in urls)
+    marks = {name: len(s.routes()) for name, s in live.servers.items()}
+    train = {"steps": 3, "async": {"mode": "in_flight", "max_staleness": 1}}
+    loss = {"correction": {"mode": "sparse_rl"}}
+    _, records = _train(live, "in-flight", urls, router_url=live.router_url, train=train, loss=loss)
+    events = [r for r in records if "event" in r]
+    assert not [e for e in events if e["event"].startswith("sync_")], events  # no rejection, no fallback
+    steps = [r for r in records if "staleness/lag_max" in r]
+    assert len(steps) == 3, records
+    # every trained token's version came back from the workers (SGLang's spans): lag 0 or 1
+    for r in steps:
+        lags = sum(r[f"staleness/tokens_lag{k}"] for k in (0, 1))
+        assert lags > 0 and r["staleness/masked_tokens"] == 0 and r["staleness/lag_max"] <= 1, r
+        assert r["time/sync_pause_ms"] > 0, r
+    for name, server in live.servers.items():
+        paths = [p for p, _ in _since(server.routes(), marks[name])][1:]  # after preflight's probe
+        pauses = paths.count("/pause_generation")
+        # every sync (the first full one, then one patch per step) in its own bracket, never flushed
+        assert pauses == 1 + 3 and paths.count("/continue_generation") == pauses, paths
+        assert "/flush_cache" not in paths, paths
+    _assert_bit_equal(live, "in-flight", urls)
 
 
 def test_preflight_refuses_a_token_the_workers_refuse(live, monkeypatch):
