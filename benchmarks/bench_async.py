@@ -3,6 +3,7 @@
     python -m benchmarks bench_async                              # 3 modes x seeds 0 1 2, demo task
     python -m benchmarks.bench_async --seeds 0 --steps 8 --section loop    # a short check
     python -m benchmarks.bench_async --section pause              # only the in-flight pause vs patch size
+    python -m benchmarks.bench_async --section sglang_pause       # the same into a live SGLang server
 
 Section "loop": the demo task (examples/demo.yaml, from `sparserl demo --seed S`'s warm start) on
 this box as a disaggregated job in miniature: one learner rank pinned to core 0, one `sparserl
@@ -17,6 +18,11 @@ per update (p50/p99, the server's own clock) with the patch bytes, and the stale
 Section "pause": the embedded engine decoding a full batch on one thread while sparse patches of
 0.1 % .. 100 % of the BF16 weights land between its decode steps: ms the engine stood still per
 update (p50/p99) against the patch bytes.
+
+Section "sglang_pause": the same model and patches into a live SGLang 0.5.23 server on CPU
+(`sparserl sglang-serve --device cpu`) decoding 16 streamed requests, through the trainer's
+in-flight bracket (`SGLangDelivery(in_flight=True)`: pause in place, begin, the patch through our
+loader, end, continue): ms from the pause to the continue's answer, on the host's clock.
 
 Writes OUT/results.json; results and the command in docs/benchmarks.md ("Asynchronous RL").
 """
@@ -58,11 +64,13 @@ RUN = [
     "telemetry.progress=false",
 ]
 LEARNER_CORE, SERVER_CORE = "0", "1"
+# the pause sections' model (4.9 M parameters, bf16 checkpoint)
+PAUSE_MODEL = dict(layers=4, hidden=256, heads=8, kv_heads=2, ffn=1024, vocab=2048, dtype="bfloat16")
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_async", description=__doc__.splitlines()[0])
-    p.add_argument("--section", choices=["all", "loop", "pause"], default="all")
+    p.add_argument("--section", choices=["all", "loop", "pause", "sglang_pause"], default="all")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     p.add_argument("--steps", type=int, default=30, help="RL steps per run")
@@ -240,14 +248,13 @@ def print_loop(results: dict, a: argparse.Namespace) -> None:
 
 
 # ---- pause section -----------------------------------------------------------------------------
-def _fragment(state: dict, changed: float, version: int, rng, meta) -> bytes:
-    """The trainer's fragment of the next version (`sync.per_rank`, one learner rank): `changed` of
+def _step_changes(state: dict, changed: float, rng) -> list:
+    """The trainer's changes of the next version (`sync.per_rank` Change tuples): `changed` of
     every tensor's elements moved by 1-4 BF16 ulps either way (an update's size); `state` (the
     learner's BF16 weights) moves with it."""
     import numpy as np
 
     from sparserl_mcore.sync.hashing import bits_view
-    from sparserl_mcore.sync.per_rank import encode_fragment
 
     changes = []
     for name, tensor in state.items():
@@ -257,6 +264,14 @@ def _fragment(state: dict, changed: float, version: int, rng, meta) -> bytes:
         step = rng.integers(1, 5, size=idx.size) * rng.choice(np.array([-1, 1]), size=idx.size)
         flat[idx] = (old.astype(np.int32) + step).astype(np.uint16)
         changes.append((name, idx, old, flat[idx].copy()))
+    return changes
+
+
+def _fragment(state: dict, changed: float, version: int, rng, meta) -> bytes:
+    """One learner rank's fragment of the next version (`_step_changes`)."""
+    from sparserl_mcore.sync.per_rank import encode_fragment
+
+    changes = _step_changes(state, changed, rng)
     return encode_fragment(changes, meta, version=version, base_version=version - 1, fragment=(0, 1))
 
 
@@ -307,10 +322,7 @@ def pause_section(repeats: int = 11) -> dict:
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = TinyModelConfig(
-            layers=4, hidden=256, heads=8, kv_heads=2, ffn=1024, vocab=2048, dtype="bfloat16"
-        )
-        hf_dir = make_tiny(tiny, Path(tmp) / "model")
+        hf_dir = make_tiny(TinyModelConfig(**PAUSE_MODEL), Path(tmp) / "model")
         results = {dtype: _pauses(hf_dir, dtype, repeats) for dtype in ("bfloat16", "float32")}
     print(f"\npause: embedded engine on CPU, 1 thread, 4-layer hidden-256 model; {repeats} patches per row,")
     print("each landing while it decodes (running: requests decoding at the last patch of the row)")
@@ -323,6 +335,165 @@ def pause_section(repeats: int = 11) -> dict:
     return {d: {str(k): v for k, v in rows.items()} for d, rows in results.items()}
 
 
+# ---- sglang_pause section ----------------------------------------------------------------------
+SGLANG_TOKEN = "bench-async-sglang-token"
+# the overlap scheduler off, as in-flight updates need it (preflight refuses it otherwise)
+SGLANG_FLAGS = (
+    "--max-total-tokens", "34000", "--mem-fraction-static", "0.8", "--skip-server-warmup",
+    "--disable-overlap-schedule",
+)  # fmt: skip
+
+
+@contextmanager
+def _sglang_server(hf_dir: Path, log: Path) -> Iterator[str]:
+    """`sparserl sglang-serve --device cpu` on loopback (no KV compression); yields its URL once
+    ready; its output in `log`."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "sparserl_mcore", "sglang-serve", "--model-path", str(hf_dir),
+           "--port", str(port), "--device", "cpu", "--token", SGLANG_TOKEN, "--", *SGLANG_FLAGS]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        ready = threading.Event()
+        while "sparserl sglang-serve: ready" not in log.read_text(errors="replace"):
+            if proc.poll() is not None:
+                raise RuntimeError(f"sparserl sglang-serve exited with {proc.returncode}; see {log}")
+            ready.wait(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()  # the launcher stops SGLang's whole process group
+        proc.wait(120)
+
+
+class _Decoding:
+    """`count` streamed requests decoding on the server, one thread each; `start` returns once each
+    has produced a token; `running`: those not ended."""
+
+    def __init__(self, url: str, count: int, max_new: int) -> None:
+        self._started = threading.Barrier(count + 1)
+        self._threads = [
+            threading.Thread(target=self._run, args=(url, [5 + i, 6, 7], max_new), daemon=True)
+            for i in range(count)
+        ]
+
+    def _run(self, url: str, prompt: list[int], max_new: int) -> None:
+        import httpx
+
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new, "ignore_eos": True},
+            "stream": True,
+        }
+        first = True
+        with httpx.stream("POST", url + "/generate", json=body, timeout=None) as answer:
+            for line in answer.iter_lines():
+                if first and line.startswith("data:"):
+                    first = False
+                    if "output_ids" not in json.loads(line[5:]):  # SGLang's refusal, e.g. too long
+                        self._started.abort()
+                        raise RuntimeError(f"{url}/generate: {line[5:200]}")
+                    self._started.wait()
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+        self._started.wait(600)
+
+    def running(self) -> int:
+        return sum(t.is_alive() for t in self._threads)
+
+
+def _sglang_pauses(url: str, hf_dir: Path, repeats: int) -> dict[float, dict]:
+    """Per share of weights changed: patch bytes and pause ms p50/p99 of the trainer's in-flight
+    bracket (`SGLangDelivery(in_flight=True)`, the host's clock) with 16 requests decoding."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from model_providers.hf_config import parse_hf_config
+    from sparserl_mcore.sglang.client import SGLangWorker
+    from sparserl_mcore.sglang.trainer_sync import SGLangDelivery
+    from sparserl_mcore.sync.hashing import bits_view, dtype_name
+    from sparserl_mcore.sync.per_rank import ModelMeta, encode_fragment
+
+    state = {n: t.to(torch.bfloat16).contiguous() for n, t in load_file(hf_dir / "model.safetensors").items()}
+    meta = ModelMeta(dtype_name(torch.bfloat16), {n: tuple(t.shape) for n, t in state.items()})
+    hf = parse_hf_config(hf_dir)
+    sizes: list[int] = []
+
+    def encoder(version: int, base: int | None):
+        def encode(changes, fragment) -> bytes:
+            blob = encode_fragment(changes, meta, version=version, base_version=base, fragment=fragment)
+            sizes.append(len(blob))
+            return blob
+
+        return encode
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        full = [(n, np.arange(t.numel()), None, bits_view(t).copy()) for n, t in state.items()]
+        failed = SGLangDelivery([url], hf, host_rank=0, token=SGLANG_TOKEN).deliver(
+            full, encoder(0, None), version=0, only=None
+        )  # the server now holds exactly `state` as version 0
+        assert not failed, failed
+        decoding = _Decoding(url, 16, max_new=2000)  # the model's context: 2048
+        decoding.start()
+        delivery = SGLangDelivery([url], hf, host_rank=0, token=SGLANG_TOKEN, in_flight=True)
+        rng, version, out = np.random.default_rng(0), 0, {}
+        for changed in (0.001, 0.01, 0.1, 1.0):
+            pauses, sizes[:] = [], []
+            for _ in range(repeats):
+                version += 1
+                changes = _step_changes(state, changed, rng)
+                failed = delivery.deliver(changes, encoder(version, version - 1), version=version, only=None)
+                assert not failed, failed
+                pauses.append(delivery.pause_ms[url])
+            p50, p99 = _percentile(pauses, 0.5), _percentile(pauses, 0.99)
+            running = decoding.running()
+            out[changed] = {"bytes": statistics.fmean(sizes), "p50": p50, "p99": p99, "running": running}
+        with SGLangWorker(url, SGLANG_TOKEN) as worker:  # the requests end here
+            worker.pause("abort")
+            worker.resume()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def sglang_pause_section(out: Path, repeats: int = 11) -> dict:
+    """ms a live SGLang 0.5.23 server (CPU, `sparserl sglang-serve`) stands still per in-flight
+    patch, the same model and patches as the pause section; the host's clock from the pause to the
+    continue's answer (4-5 HTTP calls included)."""
+    import importlib.util
+    import tempfile
+
+    from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
+    from sparserl_mcore.sglang.client import overlap_scheduled
+
+    if importlib.util.find_spec("sglang") is None:
+        print("\nsglang_pause: skipped (SGLang is not installed: `make setup`)")
+        return {}
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = make_tiny(TinyModelConfig(**PAUSE_MODEL), Path(tmp) / "model")
+        with _sglang_server(hf_dir, out / "sglang-pause-server.log") as url:
+            assert not overlap_scheduled(url, SGLANG_TOKEN), "the server runs SGLang's overlap scheduler"
+            rows = _sglang_pauses(url, hf_dir, repeats)
+    print(f"\nsglang_pause: live SGLang 0.5.23 on CPU (sparserl sglang-serve --device cpu, bf16, overlap "
+          f"scheduler off), the 4-layer hidden-256 model; {repeats} patches per row, 16 requests decoding; "
+          f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print("| weights changed | patch KB | pause ms p50 | p99 | running |")
+    print("|---|---|---|---|---|")
+    for changed, r in rows.items():
+        kb = r["bytes"] / 1024
+        print(f"| {changed:.1%} | {kb:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['running']} |")
+    return {str(k): v for k, v in rows.items()}
+
+
 def main(argv: list[str]) -> int:
     from sparserl_mcore.telemetry.console import quiet_library_output
 
@@ -333,6 +504,8 @@ def main(argv: list[str]) -> int:
     found: dict = {}
     if a.section in ("all", "pause") and not a.report:
         found["pause"] = pause_section()
+    if a.section in ("all", "sglang_pause") and not a.report:
+        found["sglang_pause"] = sglang_pause_section(out)
     if a.section in ("all", "loop"):
         if shutil.which("taskset") is None and not a.report:
             raise SystemExit("bench_async: the loop section pins processes with `taskset` (util-linux)")
