@@ -306,6 +306,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.hf_path:
             raise ValueError("hf_path is empty: point it at an HF checkpoint directory")
+        if self.moe.routing_replay:  # the hook is built, but no trainer path gives it choices yet
+            raise ValueError(
+                "moe.routing_replay=true: the trainer does not carry the sampler's expert choices "
+                "to the learner yet (docs/moe.md, 'Rollout routing replay'); it is a benchmark tool "
+                "(benchmarks/bench_moe_mismatch.py), leave it false"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,10 +1,12 @@
 """A `sparserl train --nproc 2` launcher killed outright costs at most the current step (issue 27).
 
 Real processes throughout: the tiny model, TP=2 over two gloo ranks under torchrun, a checkpoint
-every step (so megatron's checkpoint writer, a process of its own, exists before the kill). The
-launcher is SIGKILLed mid-run and its console (the pipes this test reads) goes with it. torchrun
-then signals its ranks' whole process groups; the ranks finish their step, write a complete stop
-checkpoint and are gone within 10 s, no `.step_N.tmp` and no `torchelastic_*` folder is left.
+directory but no periodic checkpoints (`checkpoint.every=0`), so the only checkpoint there can be
+is the stop checkpoint (megatron's checkpoint writer, a process of its own, is started with the
+run all the same). The launcher is SIGKILLed mid-run and its console (the pipes this test reads)
+goes with it. torchrun then signals its ranks' whole process groups; the ranks finish their step,
+write a complete stop checkpoint holding every step they finished, and are gone within 10 s; no
+`.step_N.tmp` and no `torchelastic_*` folder is left.
 That checkpoint, cut short by hand, is refused before any rank starts; intact, the rerun resumes
 from it, and its metrics.jsonl holds every step once.
 """
@@ -56,7 +58,7 @@ def _step_rows(root, name) -> list[int]:
 @pytest.mark.timeout(900)
 def test_sigkill_of_the_launcher_leaves_a_complete_stop_checkpoint_and_a_clean_resume(tmp_path):
     hf = make_assets(tmp_path)
-    cfg = write_config(tmp_path, hf, "kill", train={"steps": STEPS}, checkpoint={"every": 1, "save_hf": None})
+    cfg = write_config(tmp_path, hf, "kill", train={"steps": STEPS}, checkpoint={"every": 0, "save_hf": None})
     (tmp_path / "tmp").mkdir()
     env = {**subprocess_env(), "TMPDIR": str(tmp_path / "tmp")}  # where torchelastic_* would pile up
     launcher = _train(cfg, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -66,7 +68,7 @@ def test_sigkill_of_the_launcher_leaves_a_complete_stop_checkpoint_and_a_clean_r
         def two_steps() -> bool:
             assert launcher.poll() is None, launcher.communicate()
             try:
-                return len(_step_rows(tmp_path, "kill")) >= 2  # and step 1's checkpoint was written
+                return len(_step_rows(tmp_path, "kill")) >= 2
             except FileNotFoundError:
                 return False
 
@@ -86,6 +88,8 @@ def test_sigkill_of_the_launcher_leaves_a_complete_stop_checkpoint_and_a_clean_r
     root = tmp_path / "kill" / "ckpt"
     saved = read_saved_run(latest_checkpoint(root))
     assert saved.step >= 2 and saved.files and len(saved.files) >= 5, saved
+    assert saved.step == max(_step_rows(tmp_path, "kill"))  # every finished step is in it, no more
+    assert [p.name for p in root.iterdir() if p.name.startswith("step_")] == [saved.path.name]
     assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []  # no partial .step_N.tmp
     assert list((tmp_path / "tmp").glob("torchelastic_*")) == []  # torchrun's files: in the log dir
     events = [r for r in metrics(tmp_path, "kill") if r.get("event") == "stopped"]

@@ -154,7 +154,7 @@ def _saved(root: pathlib.Path, hf: pathlib.Path, name: str, step: int, **changes
     cfg = load_config(cfg_path)
     step_dir = pathlib.Path(cfg.checkpoint.dir) / f"step_{step:08d}"
     step_dir.mkdir(parents=True)
-    (step_dir / "metadata.json").write_text("{}")
+    (step_dir / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))  # megatron's
     data = {"n": 56, "seed": cfg.train.seed, "shuffle": True, "epoch": 0, "offset": 8}
     layout = requested_layout(cfg, 2, padded_vocab_size=256)
     write_record(step_dir, step=step, config=to_dict(cfg), world_size=2, data=data, layout=layout)
@@ -235,6 +235,11 @@ def test_a_checkpoint_cut_short_or_missing_a_file_is_refused(assets):
     assert "set checkpoint.resume=false to start over" in line
     shard.unlink()
     with pytest.raises(PreflightError, match=r"__0_0\.distcp is missing"):
+        check_run(load_config(path), world_size=2)
+    shard.write_bytes(b"x" * 1000)
+    meta = step_dir / "metadata.json"  # same size, not JSON: the size check alone would pass it
+    meta.write_text("#" * len(meta.read_text()))
+    with pytest.raises(PreflightError, match=r"metadata\.json is not readable megatron checkpoint metadata"):
         check_run(load_config(path), world_size=2)
 
 

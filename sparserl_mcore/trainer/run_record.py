@@ -127,6 +127,19 @@ def damage(saved: SavedRun) -> str | None:
             return f"{path} cannot be read: {exc.strerror or exc}"
         if size is not None and actual != size:
             return f"{path} has {actual} bytes where the checkpoint wrote {size} (cut short or replaced)"
+    return _metadata_damage(saved.path / "metadata.json")
+
+
+def _metadata_damage(path: Path) -> str | None:
+    """megatron's checkpoint metadata (JSON, read before any shard): what every rank's load would
+    fail on, or None. `.metadata` (torch's, a pickle) is never opened here: it is not ours to
+    unpickle before the ranks, which load it through torch's own checkpoint reader."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"{path} is not readable megatron checkpoint metadata ({type(exc).__name__})"
+    if not isinstance(meta, dict) or not isinstance(meta.get("sharded_backend"), str):
+        return f"{path} names no sharded_backend: not megatron checkpoint metadata"
     return None
 
 
