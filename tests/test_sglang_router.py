@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 from e2e_support import free_port
@@ -127,6 +129,23 @@ def test_the_trainer_generates_through_router_url(stack):
     with pytest.raises(PreflightError, match="routes to .* but rollout.urls are"):
         _check_router(_config(hf, router_url, urls[:1]).rollout)
     pool.close()
+
+
+def test_pausing_the_router_pauses_the_workers_behind_it(stack):
+    """A stop aborts what the engines run through `pause`; sglang-router does not forward the pause
+    routes, so the trainer's router engine pauses its workers. While they are paused in place a
+    generation through the router does not complete; it does once they continue."""
+    _, router_url, urls, hf = stack
+    router = build_engines(_config(hf, router_url, urls), compressed=True, device="cpu")[router_url]
+    assert [w.url for w in router.workers] == urls
+    router.pause("in_place")
+    with ThreadPoolExecutor(1) as call:
+        pending = call.submit(router.generate, _requests(1, "paused"))
+        with pytest.raises(FutureTimeout):
+            pending.result(timeout=3)  # 5 tokens of the tiny model take well under that unpaused
+        router.resume()
+        assert len(pending.result(timeout=60)) == 4
+    router.close()
 
 
 def test_a_worker_dropped_by_the_weight_sync_leaves_the_router(stack):

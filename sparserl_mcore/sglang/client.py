@@ -189,18 +189,27 @@ class SGLangRouter(RemoteEngine):
     the pool gives the router `concurrency` chunks at once (one per worker: as many as without a
     router). The router retries a failed call on another worker itself; a call that still fails,
     or an unreachable router, fails the chunk, and the pool then has no engine left: the run
-    checkpoints and stops with the router's error.
+    checkpoints and stops with the router's error. The router forwards generation only, so
+    `pause` / `resume` (a stop aborting what runs) go to `workers`, the servers behind it.
     """
 
     _read_sample = staticmethod(wire.read_sample)
     prefix_key: str | None = None  # as SGLangWorker's; the router forwards `extra_key`
 
     def __init__(
-        self, url: str, *, concurrency: int, chunk_size: int, timeout: float = 600.0, retries: int = 0
+        self,
+        url: str,
+        *,
+        concurrency: int,
+        chunk_size: int,
+        timeout: float = 600.0,
+        retries: int = 0,
+        workers: Sequence[RemoteEngine] = (),
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency={concurrency}: must be >= 1 (the number of workers)")
         self.concurrency = concurrency
+        self.workers = list(workers)
         self._calls_per_chunk = chunk_size
         super().__init__(url, timeout=timeout, retries=retries, max_connections=concurrency * chunk_size)
 
@@ -220,12 +229,27 @@ class SGLangRouter(RemoteEngine):
         except (KeyError, TypeError, ValueError) as exc:
             raise RemoteEngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
 
+    def pause(self, mode: str = "retract") -> None:
+        """Pause every worker behind the router (it does not forward the pause routes)."""
+        for worker in self.workers:
+            worker.pause(mode)  # type: ignore[arg-type]  # SGLang's modes, as SGLangWorker.pause
+
+    def resume(self) -> None:
+        for worker in self.workers:
+            worker.resume()
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+        super().close()
+
     def remove_workers(self, urls: Collection[str]) -> None:
         """Stop routing to these workers (ones the trainer could not sync: their weights are stale)."""
         listed = self._call("GET", "/workers").json().get("workers", [])
         for item in listed:
             if item.get("url") in urls:
                 self._call("DELETE", f"/workers/{item['id']}")
+        self.workers = [w for w in self.workers if w.url not in urls]
 
 
 def router_workers(router_url: str, *, timeout: float = 10.0) -> list[str]:

@@ -136,15 +136,16 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
         from sparserl_mcore.rollout.client import RemoteEngine
         from sparserl_mcore.sglang.client import SGLangRouter, SGLangWorker
 
+        token = os.environ.get(rc.token_env) if rc.token_env else None
         if rc.router_url is not None:  # generation only: weights go to the workers (WeightSyncer)
             router = SGLangRouter(
                 rc.router_url,
                 concurrency=len(rc.urls),
                 chunk_size=rc.group_size,
                 timeout=rc.request_timeout_s,
+                workers=[SGLangWorker(u, token, timeout=rc.request_timeout_s, retries=0) for u in rc.urls],
             )
             return {rc.router_url: router}
-        token = os.environ.get(rc.token_env) if rc.token_env else None
         kind = SGLangWorker if rc.server == "sglang" else RemoteEngine
         return {url: kind(url, token, timeout=rc.request_timeout_s, retries=0) for url in rc.urls}
     from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
