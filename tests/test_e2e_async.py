@@ -110,7 +110,9 @@ def _after(state: dict, batches: int) -> dict:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "sig, mode, eta", [(signal.SIGTERM, "in_flight", 2), (signal.SIGUSR1, "one_step", 1)], ids=["SIGTERM", "SIGUSR1"]
+    "sig, mode, eta",
+    [(signal.SIGTERM, "in_flight", 2), (signal.SIGUSR1, "one_step", 1)],
+    ids=["SIGTERM", "SIGUSR1"],
 )
 def test_stop_with_batches_in_flight_then_resume_trains_every_batch_exactly_once(served, sig, mode, eta):
     root, hf, url = served
