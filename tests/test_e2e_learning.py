@@ -23,6 +23,11 @@ TRAIN = str(REPO / "launchers" / "train.py")
 # one version behind). In flight with max_staleness 2 the same run reached only 0.237 -> 0.467 in 12
 # steps at this test's lr 3e-3 (15-30 % of the 2-versions-old tokens leave Sparse-RL's rejection
 # band): why the in-flight case runs at 1. A run that stops learning half-way stays under it.
+# No sequence spans two versions here (staleness/mixed_sequences 0 in all 12 steps): each batch
+# finishes generating within the update it overlaps (generate 0.2-1.0 s, update 0.25-1.1 s, the two
+# sharing the CPU). Longer samples stretch both and learn less in 12 steps (24 tokens: rise 0.13, no
+# mixed sequence; 36: rise 0.26, mixed in 2 of 12 steps), so updates landing inside sequences are
+# checked in a generation-bound run instead (tests/test_e2e_async.py).
 MARGIN = 0.4
 ASYNC = {"off": {"mode": "off"}, "one_step": {"mode": "one_step"}, "in_flight": {"mode": "in_flight"}}
 
