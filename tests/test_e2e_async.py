@@ -6,9 +6,11 @@ Staleness: no real path brings a token older than `max_staleness` (eta) to the t
 version, at most eta versions are published before it is trained, an engine that misses one leaves
 the pool). So the loop-level check is the invariant itself where it is under most pressure: one rank
 with the embedded engine, in flight at eta 2, generation several times slower than an update (48
-tokens per sample against one optimizer step on 8 sequences), so batches generate across syncs and
-updates land inside sequences. Every trained token is within eta and counted in the histogram, the
-bound is reached, nothing is masked. A loop admitting one batch early trains lag-3 tokens here.
+tokens per sample, the batch's 4 groups one after another, against one optimizer step on its 8
+sequences), so batches generate across syncs and updates land inside sequences (measured: in every
+step from the 4th on, in 4 runs of 8 steps; the first 3 batches all start at step 1 and finish
+together). Every trained token is within eta and counted in the histogram, the bound is reached,
+nothing is masked. A loop admitting one batch early trains lag-3 tokens here.
 
 Stop and resume: two learner ranks (TP=2) and one `sparserl serve` subprocess, shared by the cases.
 SIGTERM in flight (batches generated two versions ahead, every sync lands while the server decodes:
@@ -36,7 +38,7 @@ from sparserl_mcore.parallel.launch import launch_local, torchrun_command
 
 TRAIN = str(REPO / "launchers" / "train.py")
 STEPS, PROMPTS = 6, 4
-SLOW_TOKENS, SLOW_ETA = 48, 2  # the generation-bound run: tokens per sample, max_staleness
+SLOW_TOKENS, SLOW_ETA, SLOW_STEPS = 48, 2, 8  # the generation-bound run
 
 
 def _steps(root, name: str) -> list[dict]:
@@ -52,16 +54,17 @@ def test_generation_bound_in_flight_run_trains_no_token_older_than_max_staleness
         "slow",
         parallel={"tensor_model_parallel_size": 1},
         rollout={
-            "group_size": 4,
+            "group_size": 2,
             "sampling": {"temperature": 1.0, "max_new_tokens": SLOW_TOKENS, "ignore_eos": True},
         },
         eval={"dense": False, "compressed": False, "at_start": False},
         train={
-            "steps": 6,
-            "prompts_per_step": 2,
+            "steps": SLOW_STEPS,
+            "prompts_per_step": 4,
             "global_batch_size": 8,
             "micro_batch_size": 8,
             "reuse_epochs": 1,
+            "filter_zero_variance_groups": False,  # every step trains all 8 sequences
             "async": {"mode": "in_flight", "max_staleness": SLOW_ETA},
         },
         checkpoint={"dir": None, "every": 0, "save_hf": None},
@@ -71,7 +74,7 @@ def test_generation_bound_in_flight_run_trains_no_token_older_than_max_staleness
     run = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = _steps(tmp_path, "slow")
-    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["step"] for r in rows] == list(range(1, SLOW_STEPS + 1))
     for r in rows:
         histogram = sum(r[f"staleness/tokens_lag{k}"] for k in range(SLOW_ETA + 1))
         assert r["staleness/lag_max"] <= SLOW_ETA and r["staleness/masked_tokens"] == 0, r
