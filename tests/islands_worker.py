@@ -10,9 +10,8 @@ its own `parallel.initialize`, same processes):
   forced open) for ROUNDS outer steps of H inner steps; before each outer step every island exports
   its local weights (HF, fp32: exactly its masters), after it the anchor: WORK/tp2/<run>/island<i>/
   {local,anchor}<k>. The test recomputes every outer step from those locals with its own
-  single-process DiLoCo / PULSELoCo on the unsharded (HF) tensors. Then (dense, pulse) rank 2
-  alone shifts an anchor element and one more outer step runs: WORK/tp2/stats<rank>.json holds
-  what each rank raised.
+  single-process DiLoCo / PULSELoCo on the unsharded (HF) tensors; WORK/tp2/stats<rank>.json the
+  outer steps' metrics.
 - `average`: 2 islands x DP 2, bf16 params + FP32 masters sharded by the distributed optimizer
   (each island's params split between its two DP ranks), Adam, dense, outer lr 1, momentum 0:
   WORK/average.pt holds the start masters, then per step each island's masters before the outer
@@ -20,6 +19,11 @@ its own `parallel.initialize`, same processes):
 - `sgd_islands` / `sgd_ddp`: TP=2, fp32, megatron's replicated optimizer with SGD; 2 islands of one
   replica with H=1, outer lr 1, momentum 0, and one island of 2 replicas (plain DDP) on the same
   rows: WORK/sgd_<name>.pt, the masters after each step.
+- `diverged`: 2 islands x DP 2, bf16 params, distributed Adam, `dense` and `pulse`: after one
+  inner step, one outer step per fault injected on one rank (state restored after each): an FP32
+  anchor element moved off, one BF16 weight element left a cell off by the publish, and (pulse) a
+  payload damaged on its way. WORK/diverged/rank<r>.json: per fault, the tensor it hit and what
+  the rank raised.
 - `resume`: 2 islands x DP 2, bf16, Adam, pulse, H=2: 3 inner steps, a training checkpoint
   (`trainer.checkpoint`, mid round), 3 more; then everything rebuilt from the HF files, the checkpoint
   loaded and the same 3 steps again. WORK/resume/{straight,resumed}.pt: masters, anchor, residual,
@@ -156,25 +160,81 @@ def phase_tp2(plan: dict, work: pathlib.Path) -> None:
                 record = optimizer.outer.step()
                 export(gpt, layout, rt, here / f"anchor{k}")
                 stats.setdefault(run, []).append(record)
-            if run != "open":
-                stats[f"diverged_{run}_rank{rt.rank}"] = diverge(optimizer.outer, rt)
         (work / "tp2" / f"stats{rt.rank}.json").write_text(json.dumps(stats))
     finally:
         shutdown()
 
 
-def diverge(outer, rt) -> str | None:
-    """Rank 2 (island 1) alone moves one anchor element off; the next outer step must stop every
-    rank with the same one-line IslandsDiverged."""
-    from sparserl_mcore.diloco.outer import IslandsDiverged
+def phase_diverged(plan: dict, work: pathlib.Path) -> None:
+    """Faults on one rank between or inside outer steps: every rank must raise the same one line."""
+    from sparserl_mcore.diloco.config import DiLoCoConfig
+    from sparserl_mcore.diloco.optimizer import with_islands
+    from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
 
-    if rt.rank == 2:
+    rt = initialize(ParallelConfig(islands=2), seed=0)
+    try:
+        found = {}
+        for mode in ("dense", "pulse"):
+            _, _, ddp, _, inner, _ = build(plan["hf_dir"], rt, params="bf16", sgd=False)
+            optimizer = with_islands(inner, ddp, DiLoCoConfig(mode=mode, inner_steps=10**6), rt)
+            inner_step(ddp, optimizer, torch.tensor(plan["batches"][rt.island][0]), rt)
+            for fault in ("anchor", "weights", "payload") if mode == "pulse" else ("anchor", "weights"):
+                found[f"{mode}/{fault}"] = inject(optimizer.outer, fault, rt.rank)
+        (work / "diverged").mkdir(exist_ok=True)
+        (work / "diverged" / f"rank{rt.rank}.json").write_text(json.dumps(found))
+    finally:
+        shutdown()
+
+
+def inject(outer, fault: str, rank: int) -> dict:
+    """One outer step with `fault` on one rank: `anchor` (rank 2 moves an element of its first
+    owned FP32 anchor range off), `weights` (rank 2's publish leaves an element of its last BF16
+    weight one cell off), `payload` (the payload rank 0 receives from island 1 has a flipped byte).
+    Then the state from before the step comes back, so the islands agree again. Returns the
+    tensor hit (on the faulty rank) and what this rank raised."""
+    from sparserl_mcore.diloco import outer as outer_module
+
+    kept = {
+        n: getattr(outer, n).clone()
+        for n in ("anchor", "residual", "momentum")
+        if getattr(outer, n) is not None
+    }
+    masters, steps, hit = outer.shards.read(), outer.outer_steps, None
+    publish, gather = outer.shards.publish, outer_module.all_gather_bytes
+
+    def off_by_a_cell() -> None:
+        publish()
+        with torch.no_grad():
+            outer.shards.params[-1][1].view(-1).view(torch.int16)[0] += 1
+
+    def damaged(blob, group, device) -> list[bytes]:
+        blobs = gather(blob, group, device)
+        bad = bytearray(blobs[1])
+        bad[len(bad) // 2] ^= 0x10
+        return [blobs[0], bytes(bad)]
+
+    if fault == "anchor" and rank == 2:
         outer.anchor[0] += 0.25
+        hit = outer.shards.shards[0].name
+    elif fault == "weights" and rank == 2:
+        outer.shards.publish = off_by_a_cell
+        hit = outer.shards.params[-1][0]
+    elif fault == "payload" and rank == 0:
+        outer_module.all_gather_bytes = damaged
     try:
         outer.step()
-    except IslandsDiverged as exc:
-        return str(exc)
-    return None
+        raised = None
+    except outer_module.OuterStepFailed as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    finally:
+        outer.shards.__dict__.pop("publish", None)
+        outer_module.all_gather_bytes = gather
+    for name, value in kept.items():
+        getattr(outer, name).copy_(value)
+    outer.shards.write(masters)
+    outer.shards.publish()
+    outer.outer_steps = steps
+    return {"hit": hit, "raised": raised}
 
 
 def phase_average(plan: dict, work: pathlib.Path) -> None:
@@ -399,6 +459,7 @@ def inner_state(optimizer) -> list[dict]:
 def main(work: pathlib.Path) -> int:
     plan = json.loads((work / "plan.json").read_text())
     phase_tp2(plan, work)
+    phase_diverged(plan, work)
     phase_average(plan, work)
     phase_sgd(plan, work, "islands")
     phase_sgd(plan, work, "ddp")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 
 import numpy as np
 import pytest
@@ -121,8 +120,17 @@ def test_payload_refuses_corruption_and_another_anchor(shard):
         payload.decode(bytes(blob), base)
     other = base.copy()
     other[: other.size // 2] ^= 0x0100  # exponent bits flipped: other magnitude classes
-    with pytest.raises(payload.PayloadError, match="anchor"):
+    with pytest.raises(payload.BaseMismatch, match="anchor"):
         payload.decode(payload.encode(idx, values, base), other)
+    # checked per range: the receiver learns which range (the outer step's tensor) differs
+    spans = [100_000, 150_000, 150_000]
+    other = base.copy()
+    other[300_000] ^= 1  # one element of the last range, one BF16 cell off
+    with pytest.raises(payload.BaseMismatch) as mismatch:
+        payload.decode(payload.encode(idx, values, base, spans=spans), other, spans=spans)
+    assert mismatch.value.span == 2
+    with pytest.raises(payload.PayloadError, match="checks 3 anchor ranges, this shard has 1"):
+        payload.decode(payload.encode(idx, values, base, spans=spans), base)
     with pytest.raises(payload.PayloadError, match="elements"):
         payload.decode(payload.encode(idx, values, base), base[:-1])
 
@@ -253,22 +261,46 @@ def test_pulse_with_the_gate_forced_open_equals_dense_bitwise(work):
     assert all(r["diloco/bytes_per_entry"] < 12 for r in stats["pulse"])
 
 
+def _diverged(work: pathlib.Path, fault: str) -> tuple[str | None, list[str | None]]:
+    """(the tensor the fault hit, what each of the 4 ranks raised) in the `diverged` phase."""
+    found = [json.loads((work / "diverged" / f"rank{r}.json").read_text())[fault] for r in range(4)]
+    return found[2]["hit"], [f["raised"] for f in found]
+
+
 @pytest.mark.parametrize(
-    ("mode", "pattern"),
+    ("fault", "when", "what"),
     [
-        ("dense", r"islands diverged after outer step 3: the FP32 anchor of \S+ differs between rank 0 "
-         r"\(island 0\) and rank 2 \(island 1\)"),
-        ("pulse", r"islands diverged at outer step 3: rank [02] \(island [01]\) cannot use the payload of "
-         r"rank [02] \(island [01]\): payload was coded against other anchor bits \(islands out of step\)"),
+        ("dense/anchor", "after", "the FP32 anchor of {} differs"),
+        ("pulse/anchor", "before", "the FP32 anchor of {} differs"),
+        ("dense/weights", "after", "the bfloat16 weights of {} differ"),
+        ("pulse/weights", "after", "the bfloat16 weights of {} differ"),
     ],
-)  # fmt: skip
-def test_a_diverged_island_stops_every_rank_with_one_line_naming_the_tensor_and_ranks(work, mode, pattern):
-    found = [
-        json.loads((work / "tp2" / f"stats{r}.json").read_text())[f"diverged_{mode}_rank{r}"]
-        for r in range(4)
-    ]
-    assert len(set(found)) == 1 and found[0] is not None and "\n" not in found[0], found
-    assert re.fullmatch(pattern, found[0]), found[0]
+)
+def test_a_diverged_island_stops_every_rank_with_one_line_naming_the_tensor_and_ranks(
+    work, fault, when, what
+):
+    """Rank 2 (island 1) alone: an FP32 anchor element moved off between outer steps (pulse sees it
+    in the payloads' anchor check, dense in the hash check after the step), or one BF16 weight
+    element a cell off after the step's publish, the anchors equal."""
+    hit, raised = _diverged(work, fault)
+    assert hit is not None
+    line = (
+        f"IslandsDiverged: islands diverged {when} outer step 1: {what.format(hit)} "
+        "between rank 0 (island 0) and rank 2 (island 1)"
+    )
+    assert raised == [line] * 4, raised
+
+
+def test_a_payload_damaged_on_the_way_is_reported_as_such_on_every_rank(work):
+    _, raised = _diverged(work, "pulse/payload")
+    assert (
+        raised
+        == [
+            "OuterStepFailed: outer step 1: rank 0 (island 0) cannot use the payload of rank 2 (island 1): "
+            "payload checksum mismatch (truncated or corrupt)"
+        ]
+        * 4
+    ), raised
 
 
 def _ulps_off(got: torch.Tensor, want: torch.Tensor, *scales: torch.Tensor) -> float:

@@ -18,6 +18,13 @@ by `IslandOptimizer` after megatron's step) each rank:
    over the cross-island group; a difference stops every rank with one line naming the tensor and
    the ranks (`IslandsDiverged`). The same check runs once at construction (same start weights).
 
+In `pulse` mode step 2 already checks the anchors the islands start from: each payload carries a
+digest of bf16(anchor) per owned range, so a receiver whose anchor differs names the tensor
+("islands diverged before outer step k: the FP32 anchor of ..."), and a payload damaged on the
+way (checksum) is reported as such (`OuterStepFailed`). A rank that finds a problem goes on with
+the step (ending alone would leave the others waiting in the next collective) and every rank
+raises the same line in step 4.
+
 The only traffic between islands is step 2 and the small hashes / counters of step 4, every H
 steps; the control flags the learner already agrees on per update (skip a non-finite update, the
 DGG gate) keep every island's step count equal (`IslandOptimizer.prepare_grads`).
@@ -43,8 +50,14 @@ Gate = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 _MASK63 = 2**63 - 1
 
 
-class IslandsDiverged(RuntimeError):
-    """Islands hold different anchors or weights after an outer step (or at the start)."""
+class OuterStepFailed(RuntimeError):
+    """The outer step cannot go on (a payload from another island is unusable); every rank of the
+    learner raises it with the same one line."""
+
+
+class IslandsDiverged(OuterStepFailed):
+    """Islands hold different anchors or weights: at the start, going into an outer step, or
+    after it."""
 
 
 def all_gather_bytes(blob: bytes, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
@@ -88,6 +101,7 @@ class OuterStep:
         self.island, self.islands = island, islands
         self.cross, self.learner = cross_group, learner_group
         self.cross_ranks = dist.get_process_group_ranks(cross_group)
+        self.spans = [s.end - s.start for s in shards.shards]  # the payload's anchor-check ranges
         self.device = shards.device
         self.anchor = shards.read()
         zeros = torch.zeros_like(self.anchor)
@@ -133,14 +147,16 @@ class OuterStep:
         self.records.append(record)
         return record
 
-    def _pulse_exchange(self, delta: Tensor) -> tuple[Tensor, int, int, str | None]:
+    def _pulse_exchange(self, delta: Tensor) -> tuple[Tensor, int, int, OuterStepFailed | None]:
         """(sum over islands of the sent entries, this rank's sent count, its payload bytes, why a
-        payload could not be decoded). A bad payload must not end this rank alone (the others
-        would wait in the next collective): it is reported by `_verify` on every rank."""
+        payload could not be used). A bad payload must not end this rank alone (the others would
+        wait in the next collective): it is reported by `_verify` on every rank."""
         assert self.residual is not None
         idx, values = self.gate(self.anchor, delta, self.residual)
         base = bf16_bits(self.anchor).cpu().numpy().view(np.uint16)
-        blob = payload.encode(idx.cpu().numpy(), values.cpu().numpy(), base, level=self.cfg.zstd_level)
+        blob = payload.encode(
+            idx.cpu().numpy(), values.cpu().numpy(), base, spans=self.spans, level=self.cfg.zstd_level
+        )
         blobs = all_gather_bytes(blob, self.cross, self.device)
         total, problem = delta.zero_(), None
         for island, theirs in enumerate(blobs):  # island order: the same sum on every island
@@ -148,16 +164,26 @@ class OuterStep:
                 total.index_add_(0, idx, values)
                 continue
             try:
-                i, v = payload.decode(theirs, base)
+                i, v = payload.decode(theirs, base, spans=self.spans)
             except payload.PayloadError as exc:
-                problem = problem or (
-                    f"islands diverged at outer step {self.outer_steps + 1}: rank {dist.get_rank()} "
-                    f"(island {self.island}) cannot use the payload of rank {self.cross_ranks[island]} "
-                    f"(island {island}): {exc}"
-                )
+                problem = problem or self._unusable(island, exc)
                 continue
             total.index_add_(0, torch.from_numpy(i).to(self.device), torch.from_numpy(v).to(self.device))
         return total, int(idx.numel()), len(blob), problem
+
+    def _unusable(self, island: int, exc: payload.PayloadError) -> OuterStepFailed:
+        """What this rank reports about `island`'s payload: the tensor whose anchor differs, or the
+        payload's own fault."""
+        step = self.outer_steps + 1
+        if isinstance(exc, payload.BaseMismatch):
+            differs = f"the FP32 anchor of {self.shards.shards[exc.span].name} differs"
+            return IslandsDiverged(
+                f"islands diverged before outer step {step}: {differs} {self._between(self.island, island)}"
+            )
+        return OuterStepFailed(
+            f"outer step {step}: rank {self.cross_ranks[self.island]} (island {self.island}) cannot use "
+            f"the payload of rank {self.cross_ranks[island]} (island {island}): {exc}"
+        )
 
     def _outer_sgd(self, grad: Tensor) -> None:
         """torch.optim.SGD's arithmetic (momentum, dampening 0, Nesterov) on the anchor."""
@@ -179,13 +205,14 @@ class OuterStep:
             )
 
     def _digests(self) -> tuple[list[str], Tensor]:
-        """(labels, int64 hashes): each owned anchor range, then each model weight of this rank."""
+        """(what differs, int64 hashes): each owned anchor range, then each model weight of this
+        rank."""
         labels, values = [], []
         for s in self.shards.shards:
-            labels.append(f"the FP32 anchor of {s.name}")
+            labels.append(f"the FP32 anchor of {s.name} differs")
             values.append(_hash(self.anchor[s.offset : s.offset + s.end - s.start]))
         for name, param in self.shards.params:
-            labels.append(f"the {str(param.dtype).removeprefix('torch.')} weights of {name}")
+            labels.append(f"the {str(param.dtype).removeprefix('torch.')} weights of {name} differ")
             values.append(_hash(param))
         return labels, torch.tensor(values, dtype=torch.int64)
 
@@ -194,11 +221,11 @@ class OuterStep:
         digests: tuple[list[str], Tensor],
         when: str,
         local: list[float] | None = None,
-        problem: str | None = None,
+        problem: OuterStepFailed | None = None,
     ) -> dict[str, float]:
         """Collective: raise IslandsDiverged on every rank if any cross-island group disagrees (or
-        a rank reports `problem`); returns the outer step's metrics summed over every rank of every
-        island."""
+        the first `problem` a rank reports, with its type); returns the outer step's metrics summed
+        over every rank of every island."""
         labels, mine = digests
         seen = [torch.zeros_like(mine, device=self.device) for _ in self.cross_ranks]
         dist.all_gather(seen, mine.to(self.device), group=self.cross)
@@ -206,22 +233,28 @@ class OuterStep:
         sums = torch.tensor([float(problem is not None), *(local or [0.0] * 5)], dtype=torch.float64)
         sums = sums.to(self.device)
         dist.all_reduce(sums, group=self.learner)
-        if sums[0] > 0:
-            found: list[str | None] = [None] * dist.get_world_size(self.learner)
-            dist.all_gather_object(found, problem, group=self.learner)
-            raise IslandsDiverged(next(p for p in found if p))
+        if sums[0] > 0:  # the first report in learner rank order: the same line on every rank
+            found: list[tuple[str, str] | None] = [None] * dist.get_world_size(self.learner)
+            report = (type(problem).__name__, str(problem)) if problem is not None else None
+            dist.all_gather_object(found, report, group=self.learner)
+            kind, line = next(f for f in found if f)
+            raise (IslandsDiverged if kind == IslandsDiverged.__name__ else OuterStepFailed)(line)
         return self._record(sums.tolist()[1:])
 
-    def _first_difference(self, labels: list[str], seen: list[Tensor], when: str) -> str | None:
+    def _first_difference(self, labels: list[str], seen: list[Tensor], when: str) -> IslandsDiverged | None:
         """One line naming the first tensor whose hash differs from island 0's, and the ranks."""
         for i, theirs in enumerate(seen[1:], start=1):
             differ = (theirs != seen[0]).nonzero()
             if differ.numel():
-                return (
-                    f"islands diverged {when}: {labels[int(differ[0])]} differs between rank "
-                    f"{self.cross_ranks[0]} (island 0) and rank {self.cross_ranks[i]} (island {i})"
+                return IslandsDiverged(
+                    f"islands diverged {when}: {labels[int(differ[0])]} {self._between(0, i)}"
                 )
         return None
+
+    def _between(self, a: int, b: int) -> str:
+        """'between rank R (island I) and ...', the lower island first (the same words from both)."""
+        a, b = sorted((a, b))
+        return f"between rank {self.cross_ranks[a]} (island {a}) and rank {self.cross_ranks[b]} (island {b})"
 
     def _record(self, sums: list[float]) -> dict[str, float]:
         sent, numel, size, residual_sq, delta_sq = sums

@@ -8,17 +8,24 @@ class's elements, gap-coded by `sync.encode.encode_gaps` (one byte per gap below
 escapes, or two-byte gaps where they pay). The FP32 values are split into their four byte planes
 (sign and exponent bytes compress well) and each stream is one zstd frame.
 
-Layout (little endian): `HEAD` (magic, version, compressed?, cut count, numel, nnz, xxh3-64 of
-the anchor bits it is coded against: a receiver with other bits refuses it), the cuts
-(uint16 each), the class sizes (uint64 each, one more than cuts), per class run `RUN` (nnz, gap
-width, escape width, escapes), `STREAMS` (raw and stored lengths of the position and value
-streams), the two streams, and an xxh3-64 of everything before it. The authors send 12 bytes per
-entry (int64 index + FP32 value); `bytes_per_entry` in the outer step's metrics is this format's.
+The anchor bits are checked per range (`spans`: the outer step passes the lengths of its owned
+parameter ranges): the payload carries an xxh3-64 of each range of the bits it was coded against,
+and a receiver whose bits differ refuses it with `BaseMismatch`, naming the first range that
+differs (so islands out of step are reported by tensor, and a payload damaged in transit, which
+fails the checksum, is told apart from them).
+
+Layout (little endian): `HEAD` (magic, version, compressed?, cut count, numel, nnz, range count),
+the range digests (uint64 each), the cuts (uint16 each), the class sizes (uint64 each, one more
+than cuts), per class run `RUN` (nnz, gap width, escape width, escapes), `STREAMS` (raw and stored
+lengths of the position and value streams), the two streams, and an xxh3-64 of everything before
+it. The authors send 12 bytes per entry (int64 index + FP32 value); `bytes_per_entry` in the outer
+step's metrics is this format's.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash
@@ -28,7 +35,7 @@ from sparserl_mcore.sync import positions
 from sparserl_mcore.sync.decode import decode_gaps
 from sparserl_mcore.sync.encode import encode_gaps
 
-MAGIC, VERSION = b"PLC1", 1
+MAGIC, VERSION = b"PLC1", 2
 HEAD = struct.Struct("<4sBBHQQQ")
 RUN = struct.Struct("<QBBQ")
 STREAMS = struct.Struct("<QQQQ")
@@ -39,18 +46,42 @@ class PayloadError(ValueError):
     """A payload is malformed, corrupt, or coded against another anchor."""
 
 
-def _digest(base_bits: np.ndarray) -> int:
-    return xxhash.xxh3_64_intdigest(base_bits.tobytes())
+class BaseMismatch(PayloadError):
+    """The payload is intact but was coded against other anchor bits; `span` is the index of the
+    first range (of the `spans` both sides passed) whose bits differ."""
+
+    def __init__(self, span: int) -> None:
+        super().__init__(f"payload was coded against other anchor bits in range {span} (islands out of step)")
+        self.span = span
+
+
+def _digests(base_bits: np.ndarray, spans: Sequence[int] | None) -> np.ndarray:
+    """xxh3-64 of each consecutive range of `base_bits` (one range when `spans` is None)."""
+    spans = [base_bits.size] if spans is None else spans
+    if sum(spans) != base_bits.size:
+        raise ValueError(f"spans add up to {sum(spans)} elements, the base has {base_bits.size}")
+    ends = np.cumsum(spans)
+    return np.array(
+        [xxhash.xxh3_64_intdigest(base_bits[e - n : e].tobytes()) for n, e in zip(spans, ends, strict=True)],
+        dtype="<u8",
+    )
 
 
 def _pack(stream: bytes, level: int | None) -> bytes:
     return zstandard.ZstdCompressor(level=level).compress(stream) if level is not None and stream else stream
 
 
-def encode(indices: np.ndarray, values: np.ndarray, base_bits: np.ndarray, *, level: int | None = 1) -> bytes:
+def encode(
+    indices: np.ndarray,
+    values: np.ndarray,
+    base_bits: np.ndarray,
+    *,
+    spans: Sequence[int] | None = None,
+    level: int | None = 1,
+) -> bytes:
     """`indices` (ascending int64) and their FP32 `values`, against `base_bits` (uint16, bf16 of
-    the anchor, one per element of the shard)."""
-    numel = base_bits.size
+    the anchor, one per element of the shard), checked per range of `spans` (lengths; None: one)."""
+    numel, digests = base_bits.size, _digests(base_bits, spans)
     cuts: tuple[int, ...] = ()
     if indices.size:
         old = base_bits[indices]
@@ -78,8 +109,9 @@ def encode(indices: np.ndarray, values: np.ndarray, base_bits: np.ndarray, *, le
                 len(cuts),
                 numel,
                 int(indices.size),
-                _digest(base_bits),
+                digests.size,
             ),
+            digests.tobytes(),
             np.asarray(cuts, "<u2").tobytes(),
             np.asarray(sizes, "<u8").tobytes() if cuts else b"",
             *runs,
@@ -114,19 +146,25 @@ class _Reader:
         return self.data[self.at - n : self.at]
 
 
-def decode(blob: bytes, base_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(int64 indices, FP32 values) in the sender's (class-major) order; PayloadError if corrupt or
-    coded against other anchor bits."""
+def decode(
+    blob: bytes, base_bits: np.ndarray, *, spans: Sequence[int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 indices, FP32 values) in the sender's (class-major) order; PayloadError if corrupt,
+    BaseMismatch if coded against other anchor bits (`spans` as the sender's `encode`)."""
     if len(blob) < HEAD.size + TRAILER or xxhash.xxh3_64_digest(blob[:-TRAILER]) != blob[-TRAILER:]:
         raise PayloadError("payload checksum mismatch (truncated or corrupt)")
     read = _Reader(blob[:-TRAILER])
-    magic, version, compressed, n_cuts, numel, nnz, base_digest = HEAD.unpack(read.take(HEAD.size))
+    magic, version, compressed, n_cuts, numel, nnz, n_spans = HEAD.unpack(read.take(HEAD.size))
     if magic != MAGIC or version != VERSION:
         raise PayloadError(f"not a PULSELoCo payload (magic {magic!r}, version {version})")
     if numel != base_bits.size:
         raise PayloadError(f"payload codes {numel} elements, this shard has {base_bits.size}")
-    if base_digest != _digest(base_bits):
-        raise PayloadError("payload was coded against other anchor bits (islands out of step)")
+    theirs, mine = np.frombuffer(read.take(8 * n_spans), "<u8"), _digests(base_bits, spans)
+    if theirs.size != mine.size:
+        raise PayloadError(f"payload checks {theirs.size} anchor ranges, this shard has {mine.size}")
+    differ = np.flatnonzero(theirs != mine)
+    if differ.size:
+        raise BaseMismatch(int(differ[0]))
     cuts = tuple(int(c) for c in np.frombuffer(read.take(2 * n_cuts), "<u2"))
     sizes = [int(s) for s in np.frombuffer(read.take(8 * (n_cuts + 1)), "<u8")] if cuts else [numel]
     runs = [RUN.unpack(read.take(RUN.size)) for _ in range(len(cuts) + 1)]
@@ -153,6 +191,6 @@ def decode(blob: bytes, base_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         g, e = g + run_nnz * gap_width, e + n_escape * width
     flat = positions.class_positions(base_bits, cuts, sizes, ranks) if cuts else ranks[0]
     if flat is None:
-        raise PayloadError("payload was coded against other anchor bits (magnitude classes differ)")
+        raise PayloadError("payload magnitude classes do not match the anchor bits")
     values = np.frombuffer(value_stream, np.uint8).reshape(4, -1).T.copy().view("<f4").reshape(-1)
     return flat.astype(np.int64, copy=False), values
