@@ -325,6 +325,9 @@ class RolloutConfig:
     continue; `sparserl slurm` sets it for the servers it starts). token_env names an environment
     variable holding the servers' bearer token (the token itself never sits in a config file).
     request_timeout_s / max_retries bound how long a dead or hung engine can stall a step.
+    server_concurrency: requests each server is given at once (whole GRPO groups: at least one),
+    so it can batch them; as slime's --sglang-server-concurrency. One group at a time would leave a
+    server decoding batches of group_size.
     prefix_cache_across_versions: the embedded engine keeps its prefix cache over weight updates,
     so requests may reuse prompt KV an older version computed (servers: `sparserl serve
     --prefix-cache-across-versions`); off, no request reuses KV of an older version.
@@ -346,6 +349,7 @@ class RolloutConfig:
     kv: KVCompressionConfig = dataclasses.field(default_factory=KVCompressionConfig)
     request_timeout_s: float = 600.0
     max_retries: int = 2
+    server_concurrency: int = 512
     prefix_cache_across_versions: bool = False
 
     def __post_init__(self) -> None:
@@ -371,7 +375,7 @@ class RolloutConfig:
                 raise ValueError(
                     f"router_url={self.router_url!r}: must be an http(s):// URL other than the worker urls"
                 )
-        _positive(self, "request_timeout_s", "tensor_parallel_size")
+        _positive(self, "request_timeout_s", "tensor_parallel_size", "server_concurrency")
         if self.request_timeout_s > threading.TIMEOUT_MAX:  # its consumers wait on threading primitives
             raise ValueError(
                 f"request_timeout_s={self.request_timeout_s:g}: must be <= {threading.TIMEOUT_MAX:g}"
@@ -383,6 +387,11 @@ class RolloutConfig:
             )
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries}: must be >= 0")
+
+    @property
+    def groups_in_flight(self) -> int:
+        """GRPO groups (the pool's chunks) each server is given at once."""
+        return max(1, self.server_concurrency // self.group_size)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

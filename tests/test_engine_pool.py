@@ -109,6 +109,15 @@ def test_an_engine_with_concurrency_takes_that_many_chunks_at_once():
     assert engine.peak == 3 and engine.calls == 6
 
 
+def test_chunks_go_out_one_per_engine_in_turn():
+    """Two servers with room for the whole step share it: neither takes all before the other."""
+    a, b = EchoEngine(), EchoEngine()
+    a.concurrency = b.concurrency = 8
+    samples = EnginePool({"a": a, "b": b}, PoolConfig(chunk_size=2)).generate(_requests(12))
+    assert [s.rid for s in samples] == [f"r{i}" for i in range(12)]
+    assert (a.calls, b.calls) == (3, 3)
+
+
 def test_a_failing_concurrent_engine_leaves_with_all_its_chunks():
     """Its chunks in flight go to the other engine; with it alone the step fails at once."""
     router = SlotEngine(2, fail_after=0)

@@ -32,6 +32,7 @@ from sparserl_mcore.rollout.serve_worker import EngineWorker
 from sparserl_mcore.rollout.server import BackgroundServer, ServerConfig, create_app
 from sparserl_mcore.sync.codec import encode_patch
 from sparserl_mcore.sync.diff import make_patch
+from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
 
 TOKEN = "serve-test-token-42"
 PROMPT = (7, 19, 33, 40, 41, 42)
@@ -263,3 +264,26 @@ def test_shutdown_aborts_a_running_generation(hf_dir):
     assert "r" in outcome
     # the abort lands at the engine's next step
     wait_until(lambda: engine.scheduler.idle, timeout=20, what="the generation aborted")
+
+
+def test_the_pool_gives_a_server_several_groups_at_once_and_it_batches_them(embedded):
+    """`rollout.server_concurrency`: a server given one GRPO group at a time decodes batches of
+    group_size; given four groups at once, it batches across them."""
+    url, engine = embedded
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    requests = [
+        GenerateRequest(input_ids=(*PROMPT, g), sampling=sampling, rid=f"g{g}-{i}")
+        for g in range(4)
+        for i in range(4)
+    ]
+    batch = {}
+    for concurrency in (1, 4):
+        before = engine.stats()
+        with RemoteEngine(url, token=TOKEN, concurrency=concurrency) as remote:
+            samples = EnginePool({url: remote}, PoolConfig(chunk_size=4)).generate(requests)
+        assert [s.rid for s in samples] == [r.rid for r in requests]
+        after = engine.stats()
+        batch[concurrency] = (after["batched_requests"] - before["batched_requests"]) / (
+            after["steps"] - before["steps"]
+        )
+    assert batch[1] <= 4 < batch[4], batch

@@ -120,7 +120,8 @@ def test_the_trainer_generates_through_router_url(stack):
     _, router_url, urls, hf = stack
     cfg = _config(hf, router_url, urls)
     engines = build_engines(cfg, compressed=True, device="cpu")
-    assert list(engines) == [router_url] and engines[router_url].concurrency == 2
+    assert list(engines) == [router_url]  # each worker's groups in flight, summed
+    assert engines[router_url].concurrency == 2 * cfg.rollout.groups_in_flight
     pool = EnginePool(engines, PoolConfig(chunk_size=4, chunk_timeout_s=60))
     requests = _requests(4, "step0")
     samples = pool.generate(requests)

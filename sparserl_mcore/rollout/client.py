@@ -47,6 +47,8 @@ class RemoteEngine:
     bucket_bytes: a full `update_weights` is sent as safetensors requests of at most about this
     size, so neither side holds a second copy of a large model in memory.
     max_connections: HTTP connections open at once (calls beyond wait for one, within `timeout`).
+    concurrency: `generate` calls the `EnginePool` makes at once (chunks in flight), so the server
+    batches them; each holds a connection, so it raises max_connections to at least itself.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class RemoteEngine:
         backoff_s: float = 0.5,
         bucket_bytes: int = 512 * 2**20,
         max_connections: int = 100,
+        concurrency: int = 1,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url={url!r}: must start with http:// or https://")
@@ -69,6 +72,9 @@ class RemoteEngine:
             raise ValueError(f"retries={retries}: must be >= 0")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes}: must be >= 1")
+        if concurrency < 1:
+            raise ValueError(f"concurrency={concurrency}: must be >= 1 (chunks in flight)")
+        self.concurrency = concurrency
         self.url = url.rstrip("/")
         self.retries = retries
         self.backoff_s = backoff_s
@@ -79,7 +85,7 @@ class RemoteEngine:
             base_url=self.url,
             headers=headers,
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
-            limits=httpx.Limits(max_connections=max_connections),
+            limits=httpx.Limits(max_connections=max(max_connections, concurrency)),
         )
 
     def __repr__(self) -> str:

@@ -186,11 +186,12 @@ class SGLangRouter(RemoteEngine):
 
     The router's /generate takes one prompt per call (it refuses a batch body: "Failed to
     deserialize the JSON body"), so a chunk goes out as one call per request, all at once, and
-    the pool gives the router `concurrency` chunks at once (one per worker: as many as without a
-    router). The router retries a failed call on another worker itself; a call that still fails,
-    or an unreachable router, fails the chunk, and the pool then has no engine left: the run
-    checkpoints and stops with the router's error. The router forwards generation only, so
-    `pause` / `resume` (a stop aborting what runs) go to `workers`, the servers behind it.
+    the pool gives the router `concurrency` chunks at once (the workers' groups in flight,
+    summed: as many as without a router). The router retries a failed call on another worker
+    itself; a call that still fails, or an unreachable router, fails the chunk, and the pool then
+    has no engine left: the run checkpoints and stops with the router's error. The router
+    forwards generation only, so `pause` / `resume` (a stop aborting what runs) go to `workers`,
+    the servers behind it.
     """
 
     _read_sample = staticmethod(wire.read_sample)
@@ -206,12 +207,15 @@ class SGLangRouter(RemoteEngine):
         retries: int = 0,
         workers: Sequence[RemoteEngine] = (),
     ) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency={concurrency}: must be >= 1 (the number of workers)")
-        self.concurrency = concurrency
         self.workers = list(workers)
         self._calls_per_chunk = chunk_size
-        super().__init__(url, timeout=timeout, retries=retries, max_connections=concurrency * chunk_size)
+        super().__init__(
+            url,
+            timeout=timeout,
+            retries=retries,
+            max_connections=concurrency * chunk_size,
+            concurrency=concurrency,
+        )
 
     def __repr__(self) -> str:
         return f"SGLangRouter({self.url!r})"

@@ -4,8 +4,11 @@ The trainer sees ONE engine interface (`RolloutEngine` from `sparserl_mcore.roll
 an in-process `EmbeddedEngine` or `RemoteEngine` HTTP clients. `EnginePool.generate` splits a
 step's requests into chunks (one GRPO group per chunk by default, so a group's prompt KV stays
 shared in one engine's radix cache) and lets one worker thread per live engine pull chunks from a
-shared queue; an engine with a `concurrency` attribute takes that many chunks at once (the SGLang
-router, `sglang.client.SGLangRouter`: one per worker behind it).
+shared queue; an engine with a `concurrency` attribute takes that many chunks at once, so a server
+batches many groups (remote servers: `rollout.server_concurrency` requests; the SGLang router,
+`sglang.client.SGLangRouter`: its workers' sum). Chunks go out one per engine in turn, so servers
+share a step evenly. The embedded engine takes one chunk at a time: its sampling then consumes
+its generator in request order, so a seeded run repeats exactly.
 
 Faults: a chunk whose engine raises, or does not answer within `chunk_timeout_s`, goes back to
 the queue and that engine leaves the pool (a hung thread is abandoned; whatever it returns later
@@ -130,11 +133,17 @@ class EnginePool:
         return [sample for index in range(n_chunks) for sample in done[index]]
 
     def _dispatch(self, pending: queue.Queue, busy: _Busy, finished: queue.Queue) -> None:
-        for name, engine in list(self.live.items()):  # a weight sync may remove one meanwhile
-            free = getattr(engine, "concurrency", 1) - sum(1 for owner, _ in busy if owner == name)
-            for _ in range(free):
-                if pending.empty():
-                    return
+        """Hand out pending chunks one per engine in turn, each engine up to its `concurrency`."""
+        live = list(self.live.items())  # a weight sync may remove one meanwhile
+        free = {name: getattr(engine, "concurrency", 1) for name, engine in live}
+        for owner, _ in busy:
+            if owner in free:
+                free[owner] -= 1
+        while not pending.empty() and any(n > 0 for n in free.values()):
+            for name, engine in live:
+                if free[name] <= 0 or pending.empty():
+                    continue
+                free[name] -= 1
                 chunk = pending.get_nowait()
                 chunk.attempts += 1
                 busy[(name, chunk.index)] = (chunk, time.monotonic())

@@ -140,14 +140,17 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
         if rc.router_url is not None:  # generation only: weights go to the workers (WeightSyncer)
             router = SGLangRouter(
                 rc.router_url,
-                concurrency=len(rc.urls),
+                concurrency=len(rc.urls) * rc.groups_in_flight,
                 chunk_size=rc.group_size,
                 timeout=rc.request_timeout_s,
                 workers=[SGLangWorker(u, token, timeout=rc.request_timeout_s, retries=0) for u in rc.urls],
             )
             return {rc.router_url: router}
         kind = SGLangWorker if rc.server == "sglang" else RemoteEngine
-        return {url: kind(url, token, timeout=rc.request_timeout_s, retries=0) for url in rc.urls}
+        return {
+            url: kind(url, token, timeout=rc.request_timeout_s, retries=0, concurrency=rc.groups_in_flight)
+            for url in rc.urls
+        }
     from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
     from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
 
