@@ -22,7 +22,7 @@ SGLANG_CPU_DEPS := orjson==3.13.0 pybase64==1.5.1 requests==2.34.2 msgspec==0.22
 setup: $(STAMP)
 
 # torch goes in first and stays pinned: otherwise a dependency would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
