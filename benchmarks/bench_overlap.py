@@ -116,16 +116,20 @@ def worker(kind: str, policy: Path, url: str, seconds: float) -> None:
 
 
 def _together(jobs: list[tuple[str, str]], a: argparse.Namespace, url: str) -> list[float]:
-    """Median seconds per iteration of each (kind, core) job, all started at the same moment."""
+    """Median seconds per iteration of each (kind, core) job, all started at the same moment.
+    Workers' library warnings go to OUT/worker-<kind>-<core>.log, not the console."""
     procs = []
     for kind, core in jobs:
         cmd = ["taskset", "-c", core, sys.executable, "-m", "benchmarks.bench_overlap", "--worker", kind,
                "--policy", str(a.policy), "--url", url, "--seconds", str(a.seconds)]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+        with open(a.out / f"worker-{kind}-{core}.log", "w") as log:
+            pipe = subprocess.PIPE
+            procs.append(subprocess.Popen(cmd, stdin=pipe, stdout=pipe, stderr=log, text=True, env=env))
     for p in procs:  # every worker built and warm before any starts timing
-        while (line := p.stdout.readline()) and line.strip() != "READY":  # type: ignore[union-attr]
-            pass
+        assert p.stdout is not None and p.stdin is not None
+        if not any(line.strip() == "READY" for line in p.stdout):
+            raise RuntimeError(f"bench_overlap worker {p.args} exited with {p.wait()} before it was ready")
     for p in procs:
         p.stdin.write("go\n")  # type: ignore[union-attr]
         p.stdin.flush()  # type: ignore[union-attr]
@@ -180,7 +184,8 @@ def main(argv: list[str]) -> int:
     if a.worker:
         worker(a.worker, a.policy, a.url, a.seconds)
         return 0
-    a.policy = a.out.resolve() / "seed0"
+    a.out = a.out.resolve()
+    a.policy = a.out / "seed0"
     model_dir = prepare_policy(a.policy, n_eval=64, seed=0).model_dir
     kv = dict(load_config(DEMO_YAML).rollout.kv.__dict__)
     with _server(model_dir, kv) as url:
