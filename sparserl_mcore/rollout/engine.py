@@ -23,12 +23,13 @@ generation stood still for the last update (or explicit pause): asynchronous RL'
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pathlib
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -160,7 +161,8 @@ class EmbeddedEngine:
         )
         self._generator = torch.Generator(device=device).manual_seed(cfg.seed)
         self._cond = threading.Condition()
-        self._step_lock = threading.Lock()
+        self._step_lock = threading.Lock()  # held by a decode step, or by a control op between steps
+        self._control_waiting = 0  # control ops queued for _step_lock; the driver yields to them
         self._inbox: list[RequestState] = []
         self._aborts: set[str] = set()
         self._driving = False
@@ -227,6 +229,8 @@ class EmbeddedEngine:
         """Run steps until `mine` are done or the engine is paused (caller holds the driver role)."""
         while True:
             with self._cond:
+                while self._control_waiting and not self._paused:
+                    self._cond.wait()  # threading.Lock is not fair: let a queued update in first
                 if self._paused or all(s.done for s in mine):
                     return
             with self._step_lock:  # lock order everywhere: _step_lock, then _cond
@@ -258,6 +262,24 @@ class EmbeddedEngine:
     def _busy(self) -> bool:
         return bool(self._inbox or not self.scheduler.idle)
 
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """Hold generation at the next step boundary. The driver re-takes _step_lock right after
+        each step and threading.Lock is not fair, so without the queue count an update could wait
+        until every running request finished."""
+        with self._cond:
+            self._control_waiting += 1
+        try:
+            self._step_lock.acquire()
+        finally:
+            with self._cond:
+                self._control_waiting -= 1
+                self._cond.notify_all()
+        try:
+            yield
+        finally:
+            self._step_lock.release()
+
     def abort(self, rid: str) -> None:
         """Finish request `rid` at the next step boundary with finish_reason "abort"."""
         with self._cond:
@@ -269,7 +291,7 @@ class EmbeddedEngine:
             raise ValueError(f"pause mode {mode!r}: choose one of {list(PAUSE_MODES)}")
         with self._cond:
             self._paused = True
-        with self._step_lock:
+        with self._between_steps():
             if self._paused_at is None:
                 self._paused_at = time.perf_counter()
             if mode == "in_place":
@@ -311,7 +333,7 @@ class EmbeddedEngine:
 
     # ---- weights and cache ---------------------------------------------------------------------
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        with self._step_lock:
+        with self._between_steps():
             started = time.perf_counter()
             self.model.update(state_dict)
             self._receiver = None  # its digests describe the old weights
@@ -324,7 +346,7 @@ class EmbeddedEngine:
         from sparserl_mcore.sync import apply as sync_apply  # lazy: no sync deps unless patches arrive
 
         decoded = sync_apply.decode_parts(patch_bytes)  # generation goes on meanwhile
-        with self._step_lock:
+        with self._between_steps():
             started = time.perf_counter()
             if self._receiver is None:
                 version = self.scheduler.weight_version
@@ -364,7 +386,7 @@ class EmbeddedEngine:
             self.radix.flush()
 
     def flush_cache(self) -> None:
-        with self._step_lock:
+        with self._between_steps():
             if self.radix is not None:
                 self.radix.flush()
 
