@@ -229,7 +229,9 @@ def generate_body(
 
 
 def _params_json(params: SamplingParams) -> dict[str, Any]:
-    out = dataclasses.asdict(params)
+    """A shallow copy: the fields are scalars and tuples (asdict's deep copy cost the learner's
+    client threads a quarter of their time, on the learner's core, at a step's 128 requests)."""
+    out = dict(vars(params))
     out["stop_token_ids"], out["stop"] = list(params.stop_token_ids), list(params.stop)
     return out
 
