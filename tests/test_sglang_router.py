@@ -14,6 +14,7 @@ error.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -130,6 +131,31 @@ def test_the_trainer_generates_through_router_url(stack):
     with pytest.raises(PreflightError, match="routes to .* but rollout.urls are"):
         _check_router(_config(hf, router_url, urls[:1]).rollout)
     pool.close()
+
+
+def test_a_step_through_the_router_runs_on_one_io_thread_not_a_thread_per_request(stack):
+    """The router takes one prompt per call, so a step is hundreds of calls at scale: they share the
+    router engine's asyncio loop (started with it). While a step's 32 requests run, the host has
+    two threads more than before: the caller's and the pool's one call to the router, none per
+    request; closing the router stops the loop."""
+    _, router_url, urls, hf = stack
+    engines = build_engines(_config(hf, router_url, urls), compressed=True, device="cpu")
+    pool = EnginePool(engines, PoolConfig(chunk_size=4, chunk_timeout_s=60))
+    long = SamplingParams(temperature=1.0, max_new_tokens=48, ignore_eos=True)
+    prompts = [Prompt(input_ids=(3 + p, 7, 11), answer="") for p in range(8)]
+    requests = make_requests(prompts, tag="threads", group_size=4, sampling=long, run_seed=5)
+    before, peak = threading.active_count(), []
+    with ThreadPoolExecutor(1) as call:
+        pending = call.submit(pool.generate, requests)
+        while not pending.done():
+            peak.append(threading.active_count())
+            time.sleep(0.005)
+        samples = pending.result()
+    assert [len(s.output_ids) for s in samples] == [48] * 32
+    assert max(peak) - before <= 2, (before, max(peak))
+    assert "sglang-router-io" in {t.name for t in threading.enumerate()}
+    pool.close()
+    assert "sglang-router-io" not in {t.name for t in threading.enumerate()}
 
 
 def test_pausing_the_router_pauses_the_workers_behind_it(stack):

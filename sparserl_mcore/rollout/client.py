@@ -180,7 +180,7 @@ class RemoteEngine:
         attempts = (self.retries if retries is None else retries) + 1
         for attempt in range(attempts):
             if attempt:
-                time.sleep(max(self.backoff_s * 2 ** (attempt - 1), retry_after))
+                time.sleep(self._backoff(attempt, retry_after))
             try:
                 response = self._http.request(method, route, **kwargs)
             except httpx.TransportError as exc:
@@ -188,14 +188,23 @@ class RemoteEngine:
                 continue
             if response.status_code < 400:
                 return response
-            detail = _detail(response)
-            code = response.status_code
-            if code < 500:
-                kind = RemoteValueError if code in (400, 409) else RemoteEngineError
-                raise kind(f"{self.url}{route}: HTTP {code}: {detail}", status_code=code)
-            last = f"HTTP {code}: {detail}"
-            retry_after = _retry_after(response)
-        raise RemoteEngineError(f"{self.url}{route}: failed after {attempts} attempts; last error {last}")
+            last, retry_after = self._retryable(route, response)
+        raise self._gave_up(route, attempts, last)
+
+    def _backoff(self, attempt: int, retry_after: float) -> float:
+        """Seconds before retry `attempt` (1 = the first retry): doubling, no sooner than asked."""
+        return max(self.backoff_s * 2 ** (attempt - 1), retry_after)
+
+    def _retryable(self, route: str, response: httpx.Response) -> tuple[str, float]:
+        """A failed answer: raised at once when it is 4xx, else (the error, its Retry-After)."""
+        detail, code = _detail(response), response.status_code
+        if code < 500:
+            kind = RemoteValueError if code in (400, 409) else RemoteEngineError
+            raise kind(f"{self.url}{route}: HTTP {code}: {detail}", status_code=code)
+        return f"HTTP {code}: {detail}", _retry_after(response)
+
+    def _gave_up(self, route: str, attempts: int, last: str) -> RemoteEngineError:
+        return RemoteEngineError(f"{self.url}{route}: failed after {attempts} attempts; last error {last}")
 
 
 def _buckets(state: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:

@@ -20,11 +20,12 @@ then falls back to a full sync).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import pickle
+import threading
 from collections.abc import Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -187,7 +188,10 @@ class SGLangRouter(RemoteEngine):
     The router's /generate takes one prompt per call (it refuses a batch body: "Failed to
     deserialize the JSON body"), so a chunk goes out as one call per request, all at once, and
     the pool gives the router `concurrency` chunks at once (the workers' groups in flight,
-    summed: as many as without a router). The router retries a failed call on another worker
+    summed: as many as without a router). Those calls (up to every worker's
+    `rollout.server_concurrency` together) run on one asyncio loop in a thread of its own, not a
+    thread each, so the learner's host process does not carry thousands of threads competing for
+    its GIL beside training. The router retries a failed call on another worker
     itself; a call that still fails, or an unreachable router, fails the chunk, and the pool then
     has no engine left: the run checkpoints and stops with the router's error. The router
     forwards generation only, so `pause` / `resume` (a stop aborting what runs) go to `workers`,
@@ -208,30 +212,55 @@ class SGLangRouter(RemoteEngine):
         workers: Sequence[RemoteEngine] = (),
     ) -> None:
         self.workers = list(workers)
-        self._calls_per_chunk = chunk_size
-        super().__init__(
-            url,
-            timeout=timeout,
-            retries=retries,
-            max_connections=concurrency * chunk_size,
-            concurrency=concurrency,
+        super().__init__(url, timeout=timeout, retries=retries, concurrency=concurrency)
+        self._async_http = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=self._http.timeout,
+            limits=httpx.Limits(max_connections=concurrency * chunk_size),
         )
+        self._loop = asyncio.new_event_loop()
+        self._io = threading.Thread(target=self._loop.run_forever, name="sglang-router-io", daemon=True)
+        self._io.start()
 
     def __repr__(self) -> str:
         return f"SGLangRouter({self.url!r})"
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        """One call per request on the I/O loop; the first failure cancels the chunk's others."""
         if not requests:
             return []
-        with ThreadPoolExecutor(max_workers=min(len(requests), self._calls_per_chunk)) as calls:
-            return list(calls.map(self._generate_one, requests))
+        return asyncio.run_coroutine_threadsafe(self._generate_all(requests), self._loop).result()
 
-    def _generate_one(self, request: GenerateRequest) -> Sample:
-        answer = self._call("POST", "/generate", json=wire.single_body(request, self.prefix_key)).json()
+    async def _generate_all(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        try:
+            async with asyncio.TaskGroup() as calls:
+                tasks = [calls.create_task(self._generate_one(r)) for r in requests]
+        except BaseExceptionGroup as group:  # the first failure, as the threaded calls raised it
+            raise group.exceptions[0] from None
+        return [t.result() for t in tasks]
+
+    async def _generate_one(self, request: GenerateRequest) -> Sample:
+        answer = (await self._acall("/generate", wire.single_body(request, self.prefix_key))).json()
         try:
             return self._read_sample(answer, request)
         except (KeyError, TypeError, ValueError) as exc:
             raise RemoteEngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
+
+    async def _acall(self, route: str, body: dict[str, Any]) -> httpx.Response:
+        """`_call` for a POST on the I/O loop (the same retries, errors and backoff)."""
+        last, retry_after = "", 0.0
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self._backoff(attempt, retry_after))
+            try:
+                response = await self._async_http.post(route, json=body)
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code < 400:
+                return response
+            last, retry_after = self._retryable(route, response)
+        raise self._gave_up(route, self.retries + 1, last)
 
     def pause(self, mode: str = "retract") -> None:
         """Pause every worker behind the router (it does not forward the pause routes)."""
@@ -245,6 +274,11 @@ class SGLangRouter(RemoteEngine):
     def close(self) -> None:
         for worker in self.workers:
             worker.close()
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._async_http.aclose(), self._loop).result(timeout=30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._io.join(timeout=30)
+            self._loop.close()
         super().close()
 
     def remove_workers(self, urls: Collection[str]) -> None:
