@@ -17,13 +17,16 @@ from sparserl_mcore.trainer.engine_pool import EnginePool, NoEngineLeftError, Po
 class EchoEngine:
     """Answers each request with its own prompt; can be told to fail or hang after some calls."""
 
-    def __init__(self, *, fail_after: int | None = None, hang_after: int | None = None):
+    def __init__(self, *, fail_after: int | None = None, hang_after: int | None = None, concurrency: int = 1):
         self.calls = 0
         self.fail_after, self.hang_after = fail_after, hang_after
+        self.concurrency = concurrency
         self.release = threading.Event()
+        self.rids: list[list[str]] = []  # per call
 
     def generate(self, requests):
         self.calls += 1
+        self.rids.append([r.rid for r in requests])
         if self.fail_after is not None and self.calls > self.fail_after:
             raise ConnectionError("engine died")
         if self.hang_after is not None and self.calls > self.hang_after:
@@ -80,50 +83,46 @@ def test_bad_pool_config_names_the_field():
         PoolConfig(chunk_timeout_s=0)
 
 
-class SlotEngine(EchoEngine):
-    """Takes `concurrency` chunks at once (as the SGLang router does); records the most in flight."""
-
-    def __init__(self, concurrency: int, **kwargs):
-        super().__init__(**kwargs)
-        self.concurrency = concurrency
-        self.in_flight = self.peak = 0
-        self.lock = threading.Lock()
-        self.all_in = threading.Barrier(concurrency, timeout=5)
-
-    def generate(self, requests):
-        with self.lock:
-            self.in_flight += 1
-            self.peak = max(self.peak, self.in_flight)
-        try:
-            self.all_in.wait()  # every slot is busy at once, or this raises BrokenBarrierError
-            return super().generate(requests)
-        finally:
-            with self.lock:
-                self.in_flight -= 1
-
-
-def test_an_engine_with_concurrency_takes_that_many_chunks_at_once():
-    engine = SlotEngine(3)
-    samples = EnginePool({"router": engine}, PoolConfig(chunk_size=2)).generate(_requests(12))
+def test_an_engine_with_concurrency_takes_that_many_chunks_at_once_in_one_call():
+    engine = EchoEngine(concurrency=3)
+    samples = EnginePool({"server": engine}, PoolConfig(chunk_size=2)).generate(_requests(12))
     assert [s.rid for s in samples] == [f"r{i}" for i in range(12)]
-    assert engine.peak == 3 and engine.calls == 6
+    assert engine.rids == [[f"r{i}" for i in range(6)], [f"r{i}" for i in range(6, 12)]]
 
 
 def test_chunks_go_out_one_per_engine_in_turn():
     """Two servers with room for the whole step share it: neither takes all before the other."""
-    a, b = EchoEngine(), EchoEngine()
-    a.concurrency = b.concurrency = 8
+    a, b = EchoEngine(concurrency=8), EchoEngine(concurrency=8)
     samples = EnginePool({"a": a, "b": b}, PoolConfig(chunk_size=2)).generate(_requests(12))
     assert [s.rid for s in samples] == [f"r{i}" for i in range(12)]
-    assert (a.calls, b.calls) == (3, 3)
+    assert a.rids == [["r0", "r1", "r4", "r5", "r8", "r9"]] and b.rids == [
+        ["r2", "r3", "r6", "r7", "r10", "r11"]
+    ]
+
+
+class ShortEngine(EchoEngine):
+    """Drops the last sample of every call."""
+
+    def generate(self, requests):
+        return super().generate(requests)[:-1]
+
+
+def test_a_call_answering_short_fails_its_chunks_and_nothing_is_misattributed():
+    """A call carries several chunks and its answer is cut back into them by position: a short
+    answer must fail the chunks it no longer matches, never hand one chunk another's samples."""
+    pool = EnginePool({"short": ShortEngine(concurrency=4), "ok": EchoEngine()}, PoolConfig(chunk_size=2))
+    samples = pool.generate(_requests(8))
+    assert [s.rid for s in samples] == [f"r{i}" for i in range(8)]
+    assert [s.prompt_ids for s in samples] == [(i + 1,) for i in range(8)]
+    assert list(pool.dead) == ["short"] and "other requests than asked" in pool.dead["short"]
 
 
 def test_a_failing_concurrent_engine_leaves_with_all_its_chunks():
     """Its chunks in flight go to the other engine; with it alone the step fails at once."""
-    router = SlotEngine(2, fail_after=0)
+    router = EchoEngine(concurrency=2, fail_after=0)
     pool = EnginePool({"router": router, "ok": EchoEngine()}, PoolConfig(chunk_size=2, max_attempts=2))
     samples = pool.generate(_requests(8))
     assert [s.rid for s in samples] == [f"r{i}" for i in range(8)] and list(pool.dead) == ["router"]
-    alone = EnginePool({"router": SlotEngine(2, fail_after=0)}, PoolConfig(chunk_size=2))
+    alone = EnginePool({"router": EchoEngine(concurrency=2, fail_after=0)}, PoolConfig(chunk_size=2))
     with pytest.raises(NoEngineLeftError, match="router.*engine died"):
         alone.generate(_requests(8))

@@ -3,12 +3,13 @@
 The trainer sees ONE engine interface (`RolloutEngine` from `sparserl_mcore.rollout.protocol`):
 an in-process `EmbeddedEngine` or `RemoteEngine` HTTP clients. `EnginePool.generate` splits a
 step's requests into chunks (one GRPO group per chunk by default, so a group's prompt KV stays
-shared in one engine's radix cache) and lets one worker thread per live engine pull chunks from a
-shared queue; an engine with a `concurrency` attribute takes that many chunks at once, so a server
-batches many groups (remote servers: `rollout.server_concurrency` requests; the SGLang router,
-`sglang.client.SGLangRouter`: its workers' sum). Chunks go out one per engine in turn, so servers
-share a step evenly. The embedded engine takes one chunk at a time: its sampling then consumes
-its generator in request order, so a seeded run repeats exactly.
+shared in one engine's radix cache) and hands them out from a shared queue, one per live engine in
+turn, so servers share a step evenly. An engine with a `concurrency` attribute takes that many
+chunks at once, so a server batches many groups (remote servers: `rollout.server_concurrency`
+requests; the SGLang router, `sglang.client.SGLangRouter`: its workers' sum); the chunks it takes in
+one round go out in one call, on a worker thread of their own. The embedded engine takes one chunk
+at a time: its sampling then consumes its generator in request order, so a seeded run repeats
+exactly.
 
 Faults: a chunk whose engine raises, or does not answer within `chunk_timeout_s`, goes back to
 the queue and that engine leaves the pool (a hung thread is abandoned; whatever it returns later
@@ -64,6 +65,8 @@ class _Chunk:
 
 # chunks in flight: (engine name, chunk index) -> (chunk, when it was sent)
 _Busy = dict[tuple[str, int], tuple[_Chunk, float]]
+# one chunk's answer: (chunk, its samples or None, the error or "")
+_Result = tuple[_Chunk, list[Any] | None, str]
 
 
 def _no_events(kind: str, fields: dict[str, Any]) -> None:
@@ -121,7 +124,7 @@ class EnginePool:
             pending.put(_Chunk(index=n_chunks, requests=list(requests[start : start + size])))
             n_chunks += 1
         done: dict[int, list[Any]] = {}
-        finished: queue.Queue[tuple[str, _Chunk, list[Any] | None, str]] = queue.Queue()
+        finished: queue.Queue[tuple[str, list[_Result]]] = queue.Queue()
         busy: _Busy = {}
         while len(done) < n_chunks:
             self._dispatch(pending, busy, finished)
@@ -133,34 +136,61 @@ class EnginePool:
         return [sample for index in range(n_chunks) for sample in done[index]]
 
     def _dispatch(self, pending: queue.Queue, busy: _Busy, finished: queue.Queue) -> None:
-        """Hand out pending chunks one per engine in turn, each engine up to its `concurrency`."""
+        """Hand out pending chunks one per engine in turn, each engine up to its `concurrency`; an
+        engine's chunks of one round go out in ONE call (per-call HTTP and JSON work is CPU on the
+        learner's host, which in the asynchronous modes is the learner's own core)."""
         live = list(self.live.items())  # a weight sync may remove one meanwhile
         free = {name: getattr(engine, "concurrency", 1) for name, engine in live}
         for owner, _ in busy:
             if owner in free:
                 free[owner] -= 1
+        calls: dict[str, list[_Chunk]] = {name: [] for name, _ in live}
         while not pending.empty() and any(n > 0 for n in free.values()):
-            for name, engine in live:
+            for name, _ in live:
                 if free[name] <= 0 or pending.empty():
                     continue
                 free[name] -= 1
                 chunk = pending.get_nowait()
                 chunk.attempts += 1
                 busy[(name, chunk.index)] = (chunk, time.monotonic())
+                calls[name].append(chunk)
+        for name, engine in live:
+            if calls[name]:
                 threading.Thread(
-                    target=_call_engine, args=(name, engine, chunk, finished), daemon=True
+                    target=_call_engine, args=(name, engine, calls[name], finished), daemon=True
                 ).start()
 
     def _collect(self, pending: queue.Queue, busy: _Busy, finished: queue.Queue, done: dict) -> None:
+        """Wait for an answer (or a timeout), then take every answer already in: the chunks of one
+        call finish together, and their slots go out again together."""
         oldest = min(started for _, started in busy.values())
         wait_s = max(0.0, oldest + self.cfg.chunk_timeout_s - time.monotonic())
         try:
-            name, chunk, samples, error = finished.get(timeout=wait_s)
+            answer = finished.get(timeout=wait_s)
         except queue.Empty:
             for (name, _), (chunk, started) in list(busy.items()):
                 if (name, chunk.index) in busy and time.monotonic() - started >= self.cfg.chunk_timeout_s:
                     self._fail(name, chunk, busy, pending, f"no answer within {self.cfg.chunk_timeout_s:g} s")
             return
+        while True:
+            name, results = answer
+            for chunk, samples, error in results:
+                self._accept(name, chunk, samples, error, pending, busy, done)
+            try:
+                answer = finished.get_nowait()
+            except queue.Empty:
+                return
+
+    def _accept(
+        self,
+        name: str,
+        chunk: _Chunk,
+        samples: list[Any] | None,
+        error: str,
+        pending: queue.Queue,
+        busy: _Busy,
+        done: dict,
+    ) -> None:
         key = (name, chunk.index)
         if key not in busy or busy[key][0] is not chunk:
             return  # a late answer from an engine already declared hung or failed: discarded
@@ -199,10 +229,17 @@ class EnginePool:
         pending.put(chunk)
 
 
-def _call_engine(name: str, engine: Any, chunk: _Chunk, finished: queue.Queue) -> None:
+def _call_engine(name: str, engine: Any, chunks: list[_Chunk], finished: queue.Queue) -> None:
+    """One `generate` for all of `chunks`, answered as one item of per-chunk results (a short
+    answer is then caught per chunk by the request ids)."""
     try:
-        samples = list(engine.generate(chunk.requests))
+        samples = list(engine.generate([r for chunk in chunks for r in chunk.requests]))
     except Exception as exc:  # reported to the pool, which retries elsewhere
-        finished.put((name, chunk, None, f"generate failed: {type(exc).__name__}: {exc}"))
+        error = f"generate failed: {type(exc).__name__}: {exc}"
+        finished.put((name, [(chunk, None, error) for chunk in chunks]))
         return
-    finished.put((name, chunk, samples, ""))
+    results, start = [], 0
+    for chunk in chunks:
+        results.append((chunk, samples[start : start + len(chunk.requests)], ""))
+        start += len(chunk.requests)
+    finished.put((name, results))
