@@ -4,6 +4,7 @@
     python -m benchmarks.bench_async --seeds 0 --steps 8 --section loop    # a short check
     python -m benchmarks.bench_async --section pause              # only the in-flight pause vs patch size
     python -m benchmarks.bench_async --section sglang_pause       # the same into a live SGLang server
+    python -m benchmarks.bench_async --section client             # the learner host's CPU per step
 
 Section "loop": the demo task (examples/demo.yaml, from `sparserl demo --seed S`'s warm start) on
 this box as a disaggregated job in miniature: one learner rank pinned to core 0, one `sparserl
@@ -23,6 +24,11 @@ Section "sglang_pause": the same model and patches into a live SGLang 0.5.23 ser
 (`sparserl sglang-serve --device cpu`) decoding 16 streamed requests, through the trainer's
 in-flight bracket (`SGLangDelivery(in_flight=True)`: pause in place, begin, the patch through our
 loader, end, continue): ms from the pause to the continue's answer, on the host's clock.
+
+Section "client": the CPU the learner's host process spends taking one demo-sized step (128
+requests) from `sparserl serve` on the other core, as 16 calls of a GRPO group, as one call, and
+through the trainer's `EnginePool`: in the asynchronous modes that work runs on the learner's core
+beside the update.
 
 Writes OUT/results.json; results and the command in docs/benchmarks.md ("Asynchronous RL").
 """
@@ -70,7 +76,7 @@ PAUSE_MODEL = dict(layers=4, hidden=256, heads=8, kv_heads=2, ffn=1024, vocab=20
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_async", description=__doc__.splitlines()[0])
-    p.add_argument("--section", choices=["all", "loop", "pause", "sglang_pause"], default="all")
+    p.add_argument("--section", choices=["all", "loop", "pause", "sglang_pause", "client"], default="all")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     p.add_argument("--steps", type=int, default=30, help="RL steps per run")
@@ -335,6 +341,71 @@ def pause_section(repeats: int = 11) -> dict:
     return {d: {str(k): v for k, v in rows.items()} for d, rows in results.items()}
 
 
+# ---- client section ----------------------------------------------------------------------------
+def client_section(steps: int = 40) -> dict:
+    """CPU the learner's host process spends per step taking a demo-sized step from a server: 16
+    prompts x G=8 (26 tokens each) from `sparserl serve` on SERVER_CORE, this process pinned to
+    LEARNER_CORE. In the asynchronous modes that work shares the learner's core with the update, so
+    every millisecond of it is one the update loses. Rows: the step as calls of 8 requests (a GRPO
+    group, all 16 at once, what the pool did before 7998362), as one call, and through the
+    trainer's `EnginePool` (its default server concurrency)."""
+    import tempfile
+
+    import torch
+
+    from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
+
+    os.sched_setaffinity(0, {int(LEARNER_CORE)})
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        with _server(make_tiny(TinyModelConfig(), Path(tmp) / "model"), {}) as url:
+            results = {how: _client_cost(url, how, steps) for how in ("8 per call", "1 call", "EnginePool")}
+    print("\nclient: the host process's CPU per step (128 requests x 26 tokens), median over steps 4..")
+    print("| how | client CPU ms per step | step wall ms |")
+    print("|---|---|---|")
+    for how, r in results.items():
+        print(f"| {how} | {r['cpu_ms']:.1f} | {r['wall_ms']:.0f} |")
+    return results
+
+
+def _client_cost(url: str, how: str, steps: int) -> dict[str, float]:
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from sparserl_mcore.rollout.client import RemoteEngine
+    from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
+    from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
+
+    g = torch.Generator().manual_seed(0)
+    remote = RemoteEngine(url, concurrency=512 // 8)
+    pool = EnginePool({"server": remote}, PoolConfig(chunk_size=8))
+    calls = ThreadPoolExecutor(16)
+    cpu, wall = [], []
+    for step in range(steps):
+        requests = [
+            GenerateRequest(
+                input_ids=tuple(torch.randint(0, 100, (10,), generator=g).tolist()),
+                sampling=SamplingParams(max_new_tokens=26, ignore_eos=True, seed=step * 128 + i),
+                rid=f"{how}-{step}-{i}",
+            )
+            for i in range(128)
+        ]
+        c0, w0 = time.process_time(), time.perf_counter()
+        if how == "EnginePool":
+            pool.generate(requests)
+        elif how == "1 call":
+            remote.generate(requests)
+        else:
+            list(calls.map(remote.generate, [requests[k : k + 8] for k in range(0, 128, 8)]))
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    calls.shutdown()
+    pool.close()
+    return {"cpu_ms": 1e3 * statistics.median(cpu[3:]), "wall_ms": 1e3 * statistics.median(wall[3:])}
+
+
 # ---- sglang_pause section ----------------------------------------------------------------------
 SGLANG_TOKEN = "bench-async-sglang-token"
 # the overlap scheduler off, as in-flight updates need it (preflight refuses it otherwise)
@@ -504,6 +575,8 @@ def main(argv: list[str]) -> int:
     found: dict = {}
     if a.section in ("all", "pause") and not a.report:
         found["pause"] = pause_section()
+    if a.section in ("all", "client") and not a.report:
+        found["client"] = client_section()
     if a.section in ("all", "sglang_pause") and not a.report:
         found["sglang_pause"] = sglang_pause_section(out)
     if a.section in ("all", "loop"):
