@@ -65,7 +65,7 @@ class _Chunk:
 
 # chunks in flight: (engine name, chunk index) -> (chunk, when it was sent)
 _Busy = dict[tuple[str, int], tuple[_Chunk, float]]
-# one chunk's answer: (chunk, its samples or None, the error or "")
+# one chunk's answer: (chunk, its samples, "") or (chunk, None, the error)
 _Result = tuple[_Chunk, list[Any] | None, str]
 
 
@@ -194,7 +194,7 @@ class EnginePool:
         key = (name, chunk.index)
         if key not in busy or busy[key][0] is not chunk:
             return  # a late answer from an engine already declared hung or failed: discarded
-        if error:
+        if samples is None:
             self._fail(name, chunk, busy, pending, error)
         elif [s.rid for s in samples] != [r.rid for r in chunk.requests]:
             why = f"returned samples for other requests than asked ({len(samples)} samples)"
