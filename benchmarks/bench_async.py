@@ -204,7 +204,10 @@ def _records(run_dir: Path) -> list[dict]:
     """A run's step records (those with a reward) from its metrics.jsonl."""
     from sparserl_mcore.telemetry import read_metrics
 
-    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("rollout/reward_mean") is not None]
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"bench_async: no run at {run_dir} (--report reads the --seeds and --modes given)")
+    return [r for r in read_metrics(path) if r.get("rollout/reward_mean") is not None]
 
 
 def _mean_min_max(values: list[float], fmt: str) -> str:
