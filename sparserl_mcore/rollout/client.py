@@ -180,7 +180,7 @@ class RemoteEngine:
         attempts = (self.retries if retries is None else retries) + 1
         for attempt in range(attempts):
             if attempt:
-                time.sleep(self._backoff(attempt, retry_after))
+                time.sleep(max(self.backoff_s * 2 ** (attempt - 1), retry_after))
             try:
                 response = self._http.request(method, route, **kwargs)
             except httpx.TransportError as exc:
@@ -190,10 +190,6 @@ class RemoteEngine:
                 return response
             last, retry_after = self._retryable(route, response)
         raise self._gave_up(route, attempts, last)
-
-    def _backoff(self, attempt: int, retry_after: float) -> float:
-        """Seconds before retry `attempt` (1 = the first retry): doubling, no sooner than asked."""
-        return max(self.backoff_s * 2 ** (attempt - 1), retry_after)
 
     def _retryable(self, route: str, response: httpx.Response) -> tuple[str, float]:
         """A failed answer: raised at once when it is 4xx, else (the error, its Retry-After)."""

@@ -192,7 +192,8 @@ class SGLangRouter(RemoteEngine):
     `rollout.server_concurrency` together) run on one asyncio loop in a thread of its own, not a
     thread each, so the learner's host process does not carry thousands of threads competing for
     its GIL beside training. The router retries a failed call on another worker
-    itself; a call that still fails, or an unreachable router, fails the chunk, and the pool then
+    itself, so each call is sent once; a call that still fails, or an unreachable router, fails the
+    chunk, and the pool then
     has no engine left: the run checkpoints and stops with the router's error. The router
     forwards generation only, so `pause` / `resume` (a stop aborting what runs) go to `workers`,
     the servers behind it.
@@ -208,11 +209,10 @@ class SGLangRouter(RemoteEngine):
         concurrency: int,
         chunk_size: int,
         timeout: float = 600.0,
-        retries: int = 0,
         workers: Sequence[RemoteEngine] = (),
     ) -> None:
         self.workers = list(workers)
-        super().__init__(url, timeout=timeout, retries=retries, concurrency=concurrency)
+        super().__init__(url, timeout=timeout, retries=0, concurrency=concurrency)
         self._async_http = httpx.AsyncClient(
             base_url=self.url,
             timeout=self._http.timeout,
@@ -235,32 +235,27 @@ class SGLangRouter(RemoteEngine):
         try:
             async with asyncio.TaskGroup() as calls:
                 tasks = [calls.create_task(self._generate_one(r)) for r in requests]
-        except BaseExceptionGroup as group:  # the first failure, as the threaded calls raised it
+        except BaseExceptionGroup as group:  # the first failure, raised as one call raises it
             raise group.exceptions[0] from None
         return [t.result() for t in tasks]
 
     async def _generate_one(self, request: GenerateRequest) -> Sample:
-        answer = (await self._acall("/generate", wire.single_body(request, self.prefix_key))).json()
+        answer = (await self._post("/generate", wire.single_body(request, self.prefix_key))).json()
         try:
             return self._read_sample(answer, request)
         except (KeyError, TypeError, ValueError) as exc:
             raise RemoteEngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
 
-    async def _acall(self, route: str, body: dict[str, Any]) -> httpx.Response:
-        """`_call` for a POST on the I/O loop (the same retries, errors and backoff)."""
-        last, retry_after = "", 0.0
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(self._backoff(attempt, retry_after))
-            try:
-                response = await self._async_http.post(route, json=body)
-            except httpx.TransportError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if response.status_code < 400:
-                return response
-            last, retry_after = self._retryable(route, response)
-        raise self._gave_up(route, self.retries + 1, last)
+    async def _post(self, route: str, body: dict[str, Any]) -> httpx.Response:
+        """One POST on the I/O loop, failing with the errors `_call` raises (no retry: the router
+        has already tried another worker)."""
+        try:
+            response = await self._async_http.post(route, json=body)
+        except httpx.TransportError as exc:
+            raise self._gave_up(route, 1, f"{type(exc).__name__}: {exc}") from None
+        if response.status_code >= 400:
+            raise self._gave_up(route, 1, self._retryable(route, response)[0])
+        return response
 
     def pause(self, mode: str = "retract") -> None:
         """Pause every worker behind the router (it does not forward the pause routes)."""
