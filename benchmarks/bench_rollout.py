@@ -20,7 +20,7 @@ load; a ratio is the median over rounds of the same-round ratio, with its min-ma
 4. radix sharing: pool pages holding the prompts of G samples per prompt, radix on vs off (goal:
    <= 1/G + one page per sample);
 5. the matmul layout behind the engine's fp32 CPU weights: F.linear (HF layout) vs input-major;
-6. decode attention alone at this model's shape: the native kernel (rollout/native.py, pages read in
+6. decode attention alone at this model's shape: the native kernel (rollout/engine/native.py, pages read in
    place) vs the torch path (page gather + SDPA), with each one's max error vs a float64 reference.
 
 `python -m benchmarks bench_rollout` (defaults); results are recorded in docs/benchmarks.md ("## Rollout
@@ -45,10 +45,9 @@ import torch
 import torch.nn.functional as F
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
-from sparserl_mcore.rollout import native
-from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
+from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig, native
+from sparserl_mcore.rollout.engine.paged_attention import DecodeLayout, decode_attention
 from sparserl_mcore.rollout.kvcompress import METHODS, KVCompressionConfig
-from sparserl_mcore.rollout.paged_attention import DecodeLayout, decode_attention
 from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
 
 TABLES = ("throughput", "compression", "fixed_pool", "radix", "gemm", "decode_attention")

@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "sync": ("sparserl_mcore.sync.cli", "sparse BF16 weight patches: diff, apply, inspect, bench"),
     "serve": (
-        "sparserl_mcore.rollout.cli",
+        "sparserl_mcore.rollout.http.cli",
         "run the embedded rollout engine behind an SGLang-style HTTP API",
     ),
     "sglang-serve": (

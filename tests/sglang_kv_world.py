@@ -150,16 +150,16 @@ def compactor(w: World, method: str | KVCompressionConfig):
 
 
 class EmbeddedReference:
-    """The embedded engine's compaction (`rollout/compaction.py: Compactor`) of ONE request on its
+    """The embedded engine's compaction (`rollout/engine/compaction.py: Compactor`) of ONE request on its
     own paged pool (page size 1) and query lanes, fed the same K/V and window queries as the SGLang
     request: the reference for "the same policy keeps the same positions"."""
 
     def __init__(self, kv_cfg: KVCompressionConfig, *, pages: int, q_heads: int = HQ) -> None:
-        from sparserl_mcore.rollout.compaction import Compactor
-        from sparserl_mcore.rollout.compression_lanes import CompressionLanes
-        from sparserl_mcore.rollout.kv_pool import KVPool
+        from sparserl_mcore.rollout.engine.compaction import Compactor
+        from sparserl_mcore.rollout.engine.compression_lanes import CompressionLanes
+        from sparserl_mcore.rollout.engine.kv_pool import KVPool
+        from sparserl_mcore.rollout.engine.request_state import RequestState
         from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
-        from sparserl_mcore.rollout.request_state import RequestState
 
         kv_heads = HK
         self.cfg = kv_cfg

@@ -11,7 +11,7 @@ from hf_reference import hf_greedy
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
-from sparserl_mcore.rollout.hf_model import CausalLM
+from sparserl_mcore.rollout.engine.hf_model import CausalLM
 from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)

@@ -15,8 +15,8 @@ from waiting import wait_until
 
 from sparserl_mcore.rollout.client import RemoteEngine
 from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
+from sparserl_mcore.rollout.http.server import BackgroundServer, ServerConfig, create_app
 from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
-from sparserl_mcore.rollout.server import BackgroundServer, ServerConfig, create_app
 from sparserl_mcore.sync.codec import encode_patch
 from sparserl_mcore.sync.diff import make_patch
 

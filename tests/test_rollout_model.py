@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from model_providers.hf_config import parse_hf_config
-from sparserl_mcore.rollout.hf_model import CausalLM
+from sparserl_mcore.rollout.engine.hf_model import CausalLM
 
 COMMON = dict(
     hidden_size=64,

@@ -1,4 +1,4 @@
-"""The native paged decode kernel (csrc/paged_decode.c via rollout/native.py) against a float64
+"""The native paged decode kernel (csrc/paged_decode.c via rollout/engine/native.py) against a float64
 reference on scattered pages, and its fallbacks: SPARSERL_NATIVE=0 and a compiler that fails both
 leave `decode_attention` on the torch path with the same results."""
 
@@ -11,8 +11,8 @@ import shutil
 import pytest
 import torch
 
-from sparserl_mcore.rollout import native
-from sparserl_mcore.rollout.paged_attention import DecodeLayout, decode_attention
+from sparserl_mcore.rollout.engine import native
+from sparserl_mcore.rollout.engine.paged_attention import DecodeLayout, decode_attention
 
 PAGE = 16
 needs_cc = pytest.mark.skipif(

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from sparserl_mcore.rollout.paged_attention import DecodeLayout, decode_attention, prefill_attention
+from sparserl_mcore.rollout.engine.paged_attention import DecodeLayout, decode_attention, prefill_attention
 
 PAGE = 4
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from sparserl_mcore.rollout.kv_pool import KVPool
+from sparserl_mcore.rollout.engine.kv_pool import KVPool
+from sparserl_mcore.rollout.engine.radix_cache import RadixCache
+from sparserl_mcore.rollout.engine.sampler import sample
 from sparserl_mcore.rollout.protocol import SamplingParams
-from sparserl_mcore.rollout.radix_cache import RadixCache
-from sparserl_mcore.rollout.sampler import sample
 
 PS = 4
 

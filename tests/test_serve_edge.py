@@ -23,11 +23,11 @@ from waiting import wait_until
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
-from sparserl_mcore.rollout.server import BackgroundServer, ServerConfig, create_app
+from sparserl_mcore.rollout.http.server import BackgroundServer, ServerConfig, create_app
 
 TOKEN = "edge-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-SERVER_LOG = "sparserl_mcore.rollout.server"
+SERVER_LOG = "sparserl_mcore.rollout.http.server"
 TIMEOUT_S = 0.5
 GENERATE = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
 

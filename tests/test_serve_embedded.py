@@ -27,9 +27,9 @@ from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.cli import main
 from sparserl_mcore.rollout.client import RemoteEngine, RemoteEngineError
 from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
+from sparserl_mcore.rollout.http.server import BackgroundServer, ServerConfig, create_app
+from sparserl_mcore.rollout.http.worker import EngineWorker
 from sparserl_mcore.rollout.protocol import GenerateRequest, RolloutEngine, SamplingParams
-from sparserl_mcore.rollout.serve_worker import EngineWorker
-from sparserl_mcore.rollout.server import BackgroundServer, ServerConfig, create_app
 from sparserl_mcore.sync.codec import encode_patch
 from sparserl_mcore.sync.diff import make_patch
 from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig

@@ -31,9 +31,9 @@ from safetensors.torch import load_file, save_file
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
 from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
+from sparserl_mcore.rollout.http.server import BackgroundServer, ServerConfig, create_app
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
 from sparserl_mcore.rollout.protocol import GenerateRequest, RequestsFailed, Sample, SamplingParams
-from sparserl_mcore.rollout.server import BackgroundServer, ServerConfig, create_app
 from sparserl_mcore.sync.codec import encode_patch
 from sparserl_mcore.sync.diff import make_patch
 
@@ -41,7 +41,7 @@ TOKEN = "hostile-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 POISON_POS = 50  # a step computing this RoPE position raises (see _poisoned)
 SNAPKV = KVCompressionConfig(method="snapkv", budget=24, interval=8, window=4)
-SERVER_LOG = "sparserl_mcore.rollout.server"
+SERVER_LOG = "sparserl_mcore.rollout.http.server"
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from waiting import event_after_call, wait_until
 
 from sparserl_mcore.ckpt.tiny import TinyModelConfig, build_tokenizer, make_tiny
 from sparserl_mcore.rollout.client import RemoteEngine, RemoteEngineError, RemoteValueError
+from sparserl_mcore.rollout.http.server import BackgroundServer, ServerConfig, bind_socket, create_app
 from sparserl_mcore.rollout.protocol import GenerateRequest, KVStats, Sample, SamplingParams
-from sparserl_mcore.rollout.server import BackgroundServer, ServerConfig, bind_socket, create_app
 from sparserl_mcore.sync.apply import HFReceiver
 from sparserl_mcore.sync.codec import encode_patch
 from sparserl_mcore.sync.diff import make_patch

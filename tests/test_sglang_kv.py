@@ -6,7 +6,7 @@ Built from SGLang's own classes and request lifecycle functions: `MHATokenToKVPo
 `mem_cache/common.py: checkpoint_kv_cache` (as after a prefill), request B matches it through
 `Req.init_next_round_input` (so B's `cache_protected_len` comes from SGLang), B decodes past the
 budget, our compactor compresses it, and B is released through SGLang's own `release_kv_cache`.
-The reference for what is kept is the embedded engine's compaction (`rollout/compaction.py`) fed
+The reference for what is kept is the embedded engine's compaction (`rollout/engine/compaction.py`) fed
 the same K/V and queries. What is not built here: `ScheduleBatch` and the scheduler
 (a live scheduler runs them in tests/test_sglang_live.py); the hook
 wiring is tested on the objects it receives in tests/test_sglang_kv_hooks.py.

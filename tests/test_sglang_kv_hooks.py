@@ -97,7 +97,7 @@ def test_window_queries_captured_in_attention_reach_the_policy(cache):
 
 
 def test_a_prefill_puts_each_prompts_last_queries_into_the_ring():
-    """As the embedded engine does (`rollout/batch_forward.py`), so a compression right after the
+    """As the embedded engine does (`rollout/engine/batch_forward.py`), so a compression right after the
     prompt scores with its last `window` queries, not with none."""
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode

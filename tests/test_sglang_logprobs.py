@@ -1,6 +1,6 @@
 """SGLang 0.5.23's returned token log-probs against the convention our loss correction assumes.
 
-Ours (`rollout/sampler.py`): a token's log-prob is log_softmax(logits / T)[token] BEFORE top-k /
+Ours (`rollout/engine/sampler.py`): a token's log-prob is log_softmax(logits / T)[token] BEFORE top-k /
 top-p truncation (T = 1 for greedy), which the learner recomputes with `loss/vocab_parallel.py:
 vocab_parallel_logprobs(temperature=T)`. SGLang's real `layers/sampler.py: Sampler.forward` runs
 on CPU (pytorch sampling backend) in tests/sglang_sampler_worker.py on a batch of our requests
@@ -26,8 +26,8 @@ from e2e_support import free_port
 from sglang_cpu import require_sglang
 
 from sparserl_mcore.loss.vocab_parallel import vocab_parallel_logprobs
+from sparserl_mcore.rollout.engine.sampler import sample
 from sparserl_mcore.rollout.protocol import SamplingParams
-from sparserl_mcore.rollout.sampler import sample
 
 HERE = Path(__file__).parent
 TEMPERATURE = {"top_p": 0.7, "top_k": 1.3, "greedy": 1.0}  # the worker's KINDS; greedy is T=1

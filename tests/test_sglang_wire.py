@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from sglang_cpu import require_sglang
 
-from sparserl_mcore.rollout import http_wire
+from sparserl_mcore.rollout.http import wire as http_wire
 from sparserl_mcore.rollout.protocol import GenerateRequest, KVStats, SamplingParams
 from sparserl_mcore.sglang import wire
 

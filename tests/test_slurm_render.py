@@ -18,7 +18,7 @@ from e2e_support import PY, REPO, make_assets, write_config
 
 from sparserl_mcore.cli import main
 from sparserl_mcore.config import load_config
-from sparserl_mcore.rollout import cli as serve_cli
+from sparserl_mcore.rollout.http import cli as serve_cli
 from sparserl_mcore.slurm import cli as slurm_cli
 from sparserl_mcore.slurm.layout import LayoutError, time_limit_seconds
 from sparserl_mcore.slurm.servers import task_server

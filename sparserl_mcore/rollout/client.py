@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import torch
 
-from sparserl_mcore.rollout.http_wire import generate_body, read_sample
+from sparserl_mcore.rollout.http.wire import generate_body, read_sample
 from sparserl_mcore.rollout.protocol import GenerateRequest, PauseMode, Sample
 
 

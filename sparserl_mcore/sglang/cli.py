@@ -22,7 +22,7 @@ import os
 import sys
 
 from sparserl_mcore.cli_args import port, positive_float, positive_int
-from sparserl_mcore.rollout.cli import KV_FLAGS, TOKEN_ENV, _given
+from sparserl_mcore.rollout.http.cli import KV_FLAGS, TOKEN_ENV, _given
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ UnifiedRadixCache` alike (only the base-class methods above are used).
 The budget is the embedded engine's, on the request's WHOLE cache (prompt included, shared or not):
 a request holding `budget` entries is compressed to `keep_tokens = budget - interval` entries per
 layer and KV head, chosen by the shared policy over all of them (`KVCompressor.select`), so the same
-request keeps the same positions here and in `rollout/compaction.py`. Radix-shared slots are never
+request keeps the same positions here and in `rollout/engine/compaction.py`. Radix-shared slots are never
 written, moved or freed (copy-on-write, as in the embedded engine): the kept entries are written
 into the request's OWN slots [cache_protected_len, n), in entry order, plus freshly allocated ones
 when a long shared prompt leaves the request fewer own slots than it keeps. Only the leading entries

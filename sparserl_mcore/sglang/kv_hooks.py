@@ -67,7 +67,7 @@ class QueryRing:
     """The last `window` queries of every req_to_token row, per layer: [L, rows, w, Hq, d],
     allocated whole when built (`for_model`, at model load), never inside a forward. A prefill
     (extend) forward writes the last `window` queries of each request's new tokens, a decode forward
-    one query per request: the queries the embedded engine keeps (`rollout/batch_forward.py`), so a
+    one query per request: the queries the embedded engine keeps (`rollout/engine/batch_forward.py`), so a
     compression right after the prompt scores with the prompt's last queries there and here."""
 
     def __init__(

@@ -44,8 +44,8 @@ from typing import Any
 
 import httpx
 
+from sparserl_mcore.rollout.http.server import is_loopback
 from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
-from sparserl_mcore.rollout.server import is_loopback
 from sparserl_mcore.sglang.loader import LOADER_PATH
 
 DEVICES = ("cuda", "cpu")
@@ -257,7 +257,7 @@ def plugin_settings(cfg: LaunchConfig) -> dict[str, Any]:
 
 # SGLang 0.5.23 (`srt/layers/sampler.py: Sampler.forward`) returns log_softmax(logits / T) of the
 # sampled token unless this is true, when it returns log_softmax(logits) (no temperature): not the
-# quantity the learner recomputes (`rollout/sampler.py`), so the servers we start never set it.
+# quantity the learner recomputes (`rollout/engine/sampler.py`), so the servers we start never set it.
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 
 

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sparserl_mcore.rollout import http_wire
+from sparserl_mcore.rollout.http import wire as http_wire
 from sparserl_mcore.rollout.protocol import GenerateRequest, KVStats, Sample, SamplingParams
 from sparserl_mcore.sglang import kv_report
 

@@ -13,7 +13,7 @@ import sys
 from typing import Literal
 
 from sparserl_mcore.config import RunConfig
-from sparserl_mcore.rollout.cli import KV_FLAGS
+from sparserl_mcore.rollout.http.cli import KV_FLAGS
 from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
 
 ServerKind = Literal["sglang", "embedded"]

@@ -35,8 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sparserl_mcore.rollout.hf_model import CausalLM
-from sparserl_mcore.rollout.kv_pool import KVPool
+from sparserl_mcore.rollout.engine.hf_model import CausalLM
+from sparserl_mcore.rollout.engine.kv_pool import KVPool
+from sparserl_mcore.rollout.engine.radix_cache import RadixCache
+from sparserl_mcore.rollout.engine.request_state import CompressionListener, RequestState
+from sparserl_mcore.rollout.engine.scheduler import Scheduler
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, build_compressor
 from sparserl_mcore.rollout.protocol import (
     PAUSE_MODES,
@@ -47,9 +50,6 @@ from sparserl_mcore.rollout.protocol import (
     Sample,
     WeightVersionConflict,
 )
-from sparserl_mcore.rollout.radix_cache import RadixCache
-from sparserl_mcore.rollout.request_state import CompressionListener, RequestState
-from sparserl_mcore.rollout.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from sparserl_mcore.rollout.request_state import RequestState
+from sparserl_mcore.rollout.engine.request_state import RequestState
 
-log = logging.getLogger("sparserl_mcore.rollout.scheduler")
+log = logging.getLogger("sparserl_mcore.rollout.engine.scheduler")
 _logged_failures: set[str] = set()
 
 

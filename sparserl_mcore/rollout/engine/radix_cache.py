@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparserl_mcore.rollout.kv_pool import KVPool
+from sparserl_mcore.rollout.engine.kv_pool import KVPool
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from sparserl_mcore.rollout.host_ints import long_tensor
+from sparserl_mcore.rollout.engine.host_ints import long_tensor
 
 
 class PoolExhaustedError(RuntimeError):
@@ -66,7 +66,7 @@ class KVPool:
 
     @property
     def free_pages(self) -> tuple[int, ...]:
-        """The free list (a copy), for the resource invariants (rollout/invariants.py)."""
+        """The free list (a copy), for the resource invariants (rollout/engine/invariants.py)."""
         return tuple(self._free)
 
     @property

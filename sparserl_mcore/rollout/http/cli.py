@@ -111,7 +111,7 @@ def _limits(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Exit 2 when the server cannot start (bad flags, an unreadable checkpoint, a port in use)."""
     from sparserl_mcore.ckpt.preflight import check_hf_checkpoint
-    from sparserl_mcore.rollout.server import ServerConfig
+    from sparserl_mcore.rollout.http.server import ServerConfig
 
     try:
         check_hf_checkpoint(args.hf_dir, label="--hf-dir")
@@ -146,7 +146,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
 def _serve(hf_dir: str, server_cfg: Any, engine_cfg: Any, log_level: str) -> int:
     from sparserl_mcore.rollout.engine import EmbeddedEngine
-    from sparserl_mcore.rollout.server import bind_socket, create_app, make_uvicorn
+    from sparserl_mcore.rollout.http.server import bind_socket, create_app, make_uvicorn
 
     try:
         sock = bind_socket(server_cfg.host, server_cfg.port)

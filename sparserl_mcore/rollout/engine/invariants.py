@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from sparserl_mcore.rollout.compression_lanes import CompressionLanes
-from sparserl_mcore.rollout.kv_pool import KVPool
-from sparserl_mcore.rollout.radix_cache import RadixCache
-from sparserl_mcore.rollout.request_state import RequestState
+from sparserl_mcore.rollout.engine.compression_lanes import CompressionLanes
+from sparserl_mcore.rollout.engine.kv_pool import KVPool
+from sparserl_mcore.rollout.engine.radix_cache import RadixCache
+from sparserl_mcore.rollout.engine.request_state import RequestState
 
 
 def resource_problems(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sparserl_mcore.rollout.host_ints import long_tensor
+from sparserl_mcore.rollout.engine.host_ints import long_tensor
 from sparserl_mcore.rollout.protocol import SamplingParams
 
 

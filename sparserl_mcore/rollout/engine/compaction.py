@@ -14,10 +14,10 @@ from collections.abc import Callable
 import torch
 
 from model_providers.hf_config import HFModelConfig
-from sparserl_mcore.rollout.compression_lanes import CompressionLanes
-from sparserl_mcore.rollout.kv_pool import KVPool
+from sparserl_mcore.rollout.engine.compression_lanes import CompressionLanes
+from sparserl_mcore.rollout.engine.kv_pool import KVPool
+from sparserl_mcore.rollout.engine.request_state import CompressionListener, RequestState
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
-from sparserl_mcore.rollout.request_state import CompressionListener, RequestState
 
 # (pages wanted, requester) -> pages, or None when memory ran so short that the requester itself
 # was retracted (Scheduler.alloc; it may retract other running requests too)

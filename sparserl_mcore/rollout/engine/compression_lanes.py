@@ -57,7 +57,7 @@ class CompressionLanes:
 
     @property
     def free_lanes(self) -> tuple[int, ...]:
-        """The free lanes (a copy), for the resource invariants (rollout/invariants.py)."""
+        """The free lanes (a copy), for the resource invariants (rollout/engine/invariants.py)."""
         return tuple(self._free)
 
     def acquire(self, mass_capacity: int) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-log = logging.getLogger("sparserl_mcore.rollout.server")
+log = logging.getLogger("sparserl_mcore.rollout.http.server")
 
 
 class StallTimeoutH11(H11Protocol):

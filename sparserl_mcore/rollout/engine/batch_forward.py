@@ -13,19 +13,19 @@ import itertools
 
 import torch
 
-from sparserl_mcore.rollout.compression_lanes import CompressionLanes
-from sparserl_mcore.rollout.hf_model import CausalLM
-from sparserl_mcore.rollout.host_ints import long_tensor
-from sparserl_mcore.rollout.kv_pool import KVPool
-from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
-from sparserl_mcore.rollout.paged_attention import (
+from sparserl_mcore.rollout.engine.compression_lanes import CompressionLanes
+from sparserl_mcore.rollout.engine.hf_model import CausalLM
+from sparserl_mcore.rollout.engine.host_ints import long_tensor
+from sparserl_mcore.rollout.engine.kv_pool import KVPool
+from sparserl_mcore.rollout.engine.paged_attention import (
     CROSS_HEAD_MAX_KV_HEADS,
     DecodeLayout,
     decode_attention,
     native_decode_kernel,
     prefill_attention,
 )
-from sparserl_mcore.rollout.request_state import RequestState
+from sparserl_mcore.rollout.engine.request_state import RequestState
+from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
 
 
 class BatchForward:

@@ -31,18 +31,18 @@ from dataclasses import dataclass
 
 import torch
 
-from sparserl_mcore.rollout.batch_forward import BatchForward
-from sparserl_mcore.rollout.compaction import Compactor
-from sparserl_mcore.rollout.compression_lanes import CompressionLanes
-from sparserl_mcore.rollout.hf_model import CausalLM
-from sparserl_mcore.rollout.invariants import resource_problems
-from sparserl_mcore.rollout.kv_pool import KVPool, PoolExhaustedError
+from sparserl_mcore.rollout.engine.batch_forward import BatchForward
+from sparserl_mcore.rollout.engine.compaction import Compactor
+from sparserl_mcore.rollout.engine.compression_lanes import CompressionLanes
+from sparserl_mcore.rollout.engine.hf_model import CausalLM
+from sparserl_mcore.rollout.engine.invariants import resource_problems
+from sparserl_mcore.rollout.engine.kv_pool import KVPool, PoolExhaustedError
+from sparserl_mcore.rollout.engine.quarantine import Quarantine, log_step_failure
+from sparserl_mcore.rollout.engine.radix_cache import RadixCache
+from sparserl_mcore.rollout.engine.request_state import CompressionListener, RequestState
+from sparserl_mcore.rollout.engine.sampler import sample
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig, KVCompressor
 from sparserl_mcore.rollout.protocol import FinishReason
-from sparserl_mcore.rollout.quarantine import Quarantine, log_step_failure
-from sparserl_mcore.rollout.radix_cache import RadixCache
-from sparserl_mcore.rollout.request_state import CompressionListener, RequestState
-from sparserl_mcore.rollout.sampler import sample
 
 __all__ = ["CompressionListener", "RequestState", "Scheduler", "SchedulerStats"]
 
@@ -220,7 +220,7 @@ class Scheduler:
             self.pool.decref(pages)
 
     def resource_problems(self) -> list[str]:
-        """Violated resource invariants (rollout/invariants.py), one line each."""
+        """Violated resource invariants (rollout/engine/invariants.py), one line each."""
         return resource_problems(self.pool, self.radix, self.lanes, self.running, self.waiting)
 
     # ---- pause modes -----------------------------------------------------------------------------

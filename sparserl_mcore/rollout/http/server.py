@@ -40,11 +40,11 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import PlainTextResponse
 from starlette.requests import ClientDisconnect
 
-from sparserl_mcore.rollout.http_errors import ServeError, add_error_handlers, answers
-from sparserl_mcore.rollout.http_timeouts import stall_timeout_protocol
-from sparserl_mcore.rollout.http_wire import Decode, Encode, parse_generate, parse_pause, render_sample
+from sparserl_mcore.rollout.http.errors import ServeError, add_error_handlers, answers
+from sparserl_mcore.rollout.http.timeouts import stall_timeout_protocol
+from sparserl_mcore.rollout.http.wire import Decode, Encode, parse_generate, parse_pause, render_sample
+from sparserl_mcore.rollout.http.worker import EngineWorker
 from sparserl_mcore.rollout.protocol import RequestLimits, RolloutEngine
-from sparserl_mcore.rollout.serve_worker import EngineWorker
 
 log = logging.getLogger(__name__)
 

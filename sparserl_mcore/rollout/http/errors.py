@@ -18,10 +18,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from sparserl_mcore.rollout.http.worker import DeadlineExceeded, Overloaded, ShuttingDown
 from sparserl_mcore.rollout.protocol import WeightVersionConflict
-from sparserl_mcore.rollout.serve_worker import DeadlineExceeded, Overloaded, ShuttingDown
 
-log = logging.getLogger("sparserl_mcore.rollout.server")
+log = logging.getLogger("sparserl_mcore.rollout.http.server")
 
 RETRY_AFTER_S = 1
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparserl_mcore.rollout.kv_pool import KVPool
+from sparserl_mcore.rollout.engine.kv_pool import KVPool
 from sparserl_mcore.rollout.protocol import FinishReason, GenerateRequest, KVStats, Sample
 
 # Called after each compression with (rid, original positions kept [layers, kv_heads, n_keep], the

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sparserl_mcore.rollout import native
-from sparserl_mcore.rollout.host_ints import long_tensor
+from sparserl_mcore.rollout.engine import native
+from sparserl_mcore.rollout.engine.host_ints import long_tensor
 
 # The cross-head mass path (`_cross_head_attention`) costs Hk times the score flops: it pays off
 # while op count dominates, i.e. few KV heads (Qwen2.5-0.5B/1.5B and the bench model have 2).
