@@ -1,7 +1,7 @@
 """THE reader of HF config.json files and THE registry of supported architectures.
 
 Pure Python (no torch): the megatron model (`build_spec`), the Megatron <-> HF layout, the
-converter, the sparse sync and the rollout engine's own forward (`rollout.hf_model.CausalLM`) all
+converter, the sparse sync and the rollout engine's own forward (`rollout.engine.hf_model.CausalLM`) all
 read one `HFModelConfig`. The registry `ARCHITECTURES` is explicit and keyed by HF `model_type`;
 `architectures` class names (e.g. "Qwen2ForCausalLM") resolve through `HF_CLASS_TO_ARCH`; tiny
 test checkpoints (`ckpt.tiny`) take their transformers config class from it too.
