@@ -51,22 +51,36 @@ def test_the_trainer_model_lives_on_the_gpu(runtime, tmp_path, arch, params_dtyp
     assert misplaced(model, runtime.device, spec.params_dtype) == []
 
 
-def test_engine_greedy_equals_hf_generate_in_fp32_on_cuda(tmp_path):
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_engine_greedy_equals_hf_generate_in_fp32_on_cuda(tmp_path, cuda_graph):
+    """Also: decode steps replayed as CUDA graphs give HF's tokens, and survive a weight update
+    (parameters are written in place, so the graphs read the new weights)."""
     import transformers
 
     from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
     from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
 
     path = make_tiny(TinyModelConfig(arch="qwen2", layers=2, hidden=64, vocab=160), tmp_path / "m")
-    engine = EmbeddedEngine(path, EngineConfig(device="cuda", dtype="float32", page_size=4))
+    cfg = EngineConfig(device="cuda", dtype="float32", page_size=4, cuda_graph=cuda_graph)
+    engine = EmbeddedEngine(path, cfg)
     assert str(engine.model.device).startswith("cuda")
+    assert engine.decode_graphs.endswith(" graphs") if cuda_graph else engine.decode_graphs == "off"
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 150, (n,), generator=g).tolist() for n in (5, 11, 17, 8)]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
-    samples = engine.generate([GenerateRequest(input_ids=p, sampling=greedy) for p in prompts])
-    for prompt, sample in zip(prompts, samples, strict=True):
-        assert list(sample.output_ids) == hf_greedy(hf, prompt, greedy.max_new_tokens, device="cuda")
+    requests = [GenerateRequest(input_ids=p, sampling=greedy) for p in prompts]
+    for round_ in range(2):
+        samples = engine.generate(requests)
+        for prompt, sample in zip(prompts, samples, strict=True):
+            assert list(sample.output_ids) == hf_greedy(hf, prompt, greedy.max_new_tokens, device="cuda")
+        if round_ == 0:  # the same new weights into both models
+            with torch.no_grad():
+                for p in hf.parameters():
+                    p.mul_(1.25)
+            new = {n: t.detach() for n, t in hf.state_dict().items() if n in engine.model.params}
+            engine.update_weights(new, version=1)
+    assert (engine.scheduler._forward.static_steps > 0) == cuda_graph
 
 
 def test_bf16_sync_into_a_gpu_engine_is_bit_identical(tmp_path):

@@ -7,6 +7,8 @@ tokens (ignore EOS), so both systems generate the same number of tokens. Rows:
   KV cache, SDPA);
 - RL shape: `--rl-prompts` prompts x G=`--group` samples at temperature 1 (engine: one request
   per sample, its radix cache shares each prompt; HF: `num_return_sequences=G`);
+- decode graphs: greedy `--batch` x `--gen` with decode steps replayed as CUDA graphs vs eager
+  (`EngineConfig.cuda_graph`), and how many sequences come out token-identical;
 - compression: every KV policy at a budget of half the generated length, at
   `--compression-batch` x `--compression-gen`, tokens/s relative to `none` (goal >= 0.9x).
 Wall tokens/s = generated tokens / wall seconds between device synchronisations; each system is
@@ -156,6 +158,39 @@ def _throughput_rows(args, path: Path, device: torch.device, dtype: torch.dtype,
     return rows
 
 
+def _graph_row(args, path: Path, device: torch.device, dtype: torch.dtype, vocab: int) -> dict:
+    """Greedy at `--batch` x `--gen`: decode steps as CUDA graph replays vs eager, and how many
+    sequences come out token-identical (bf16: padded rows change GEMM shapes, so an argmax tie
+    may flip; fp32 must match)."""
+    from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
+    from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
+
+    prompts = _prompts(args.batch, args.prompt_len, vocab, seed=1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.gen, ignore_eos=True)
+    requests = [GenerateRequest(input_ids=tuple(p), sampling=params) for p in prompts]
+    rates, outputs = {}, {}
+    for name, graphs in (("graph", True), ("eager", False)):
+        cfg = EngineConfig(
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            max_running_requests=args.batch,
+            cuda_graph=graphs,
+        )
+        engine = EmbeddedEngine(path, cfg)
+        rates[name] = _rate(_engine_run(engine, prompts, args.gen, 0.0), device, args.repeats)[0]
+        engine.flush_cache()
+        outputs[name] = [s.output_ids for s in engine.generate(requests)]
+        print(f"greedy decode, {name}: {rates[name]:,.0f} tokens/s", flush=True)
+    same = sum(a == b for a, b in zip(outputs["graph"], outputs["eager"], strict=True))
+    return {
+        "case": f"greedy {args.batch} x {args.gen}",
+        "graph_tok_s": rates["graph"],
+        "eager_tok_s": rates["eager"],
+        "graph_vs_eager": rates["graph"] / rates["eager"],
+        "identical_sequences": f"{same}/{len(prompts)}",
+    }
+
+
 def _compression_rows(args, path: Path, device: torch.device, dtype: torch.dtype, vocab: int) -> list[dict]:
     from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
     from sparserl_mcore.rollout.kvcompress import METHODS, KVCompressionConfig
@@ -198,6 +233,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = _checkpoint(args, Path(tmp))
         rows = _throughput_rows(args, path, device, dtype, vocab)
+        graphs = [_graph_row(args, path, device, dtype, vocab)]
         compression = _compression_rows(args, path, device, dtype, vocab)
     notes = [f"{dtype}, prompts {args.prompt_len} tokens +-50 %", "wall tokens/s between device syncs"]
     if args.smoke:
@@ -206,9 +242,12 @@ def main(argv: list[str]) -> int:
     common.print_table(
         f"engine vs HF generate, {env['device']}", rows, [*columns, ("engine_vs_hf", "engine/HF")]
     )
+    columns = [("case", "case"), ("graph_tok_s", "graph tok/s"), ("eager_tok_s", "eager tok/s")]
+    columns += [("graph_vs_eager", "graph/eager"), ("identical_sequences", "identical")]
+    common.print_table("decode steps as CUDA graphs vs eager", graphs, columns)
     columns = [("policy", "policy"), ("budget", "budget"), ("engine_tok_s", "tok/s"), ("vs_none", "vs none")]
     common.print_table("compression (budget = half the generated length)", compression, columns)
-    print(common.write_record(args.out, "engine", env, rows + compression, notes))
+    print(common.write_record(args.out, "engine", env, rows + graphs + compression, notes))
     return 0
 
 

@@ -14,6 +14,7 @@ import itertools
 import torch
 
 from sparserl_mcore.rollout.engine.compression_lanes import CompressionLanes
+from sparserl_mcore.rollout.engine.decode_graphs import DecodeGraphs
 from sparserl_mcore.rollout.engine.hf_model import CausalLM
 from sparserl_mcore.rollout.engine.host_ints import long_tensor
 from sparserl_mcore.rollout.engine.kv_pool import KVPool
@@ -38,13 +39,22 @@ class BatchForward:
         kv_cfg: KVCompressionConfig,
         compressor: KVCompressor | None,
         lanes: CompressionLanes | None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model, self.pool, self.kv_cfg, self.lanes = model, pool, kv_cfg, lanes
         self.want_mass = compressor is not None and compressor.needs_accumulated_attention
         self.want_queries = compressor is not None and compressor.needs_window_queries
+        # the static decode step serves pure-decode steps that feed compression nothing
+        self.graphs = None if self.want_mass or self.want_queries else graphs
+        self.static_steps = 0  # steps the static decode step (a graph replay on CUDA) ran
 
     def __call__(self, decodes: list[RequestState], prefills: list[RequestState]) -> torch.Tensor:
         """One mixed forward; writes the new K/V into the pool; returns logits [B, V] (decodes first)."""
+        if not prefills and self.graphs is not None and self.graphs.covers(decodes):
+            logits = self.graphs(decodes)
+            self.static_steps += 1
+            self._after_forward(decodes, [], [], None)
+            return logits
         dev, model, ps = self.pool.k.device, self.model, self.pool.page_size
         # token ids, RoPE positions and pool slots of every new token, as Python ints: one tensor
         ids, pos, write, prefill_tokens = [], [], [], []

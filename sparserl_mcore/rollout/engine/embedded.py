@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sparserl_mcore.rollout.engine.decode_graphs import DecodeGraphs
 from sparserl_mcore.rollout.engine.hf_model import CausalLM
 from sparserl_mcore.rollout.engine.kv_pool import KVPool
 from sparserl_mcore.rollout.engine.radix_cache import RadixCache
@@ -77,6 +78,10 @@ class EngineConfig:
     prefix_cache_across_versions: keep the prefix cache over weight updates, so requests admitted
     after an update may reuse prompt KV an older version computed (saves prefill; that staleness is
     invisible to the per-token versions, which name only the version that sampled each token).
+    cuda_graph: run pure-decode steps as one static step (`decode_graphs`), captured as CUDA graphs
+    on CUDA; None: on for dense models on CUDA, off elsewhere; True on the CPU runs the same static
+    step eagerly (tests). cuda_graph_max_bs / cuda_graph_max_context: the largest batch and context
+    a graph covers; larger steps run eagerly.
     """
 
     device: str = "auto"
@@ -93,6 +98,9 @@ class EngineConfig:
     stall_timeout_s: float = 300.0
     check_invariants: bool = False
     prefix_cache_across_versions: bool = False
+    cuda_graph: bool | None = None
+    cuda_graph_max_bs: int = 64
+    cuda_graph_max_context: int = 4096
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -113,6 +121,11 @@ class EngineConfig:
             raise ValueError(
                 f"unhealthy_after_failed_steps={self.unhealthy_after_failed_steps}, stall_timeout_s="
                 f"{self.stall_timeout_s}: must be >= 1 and > 0"
+            )
+        if self.cuda_graph_max_bs < 1 or self.cuda_graph_max_context < 1:
+            raise ValueError(
+                f"cuda_graph_max_bs={self.cuda_graph_max_bs}, cuda_graph_max_context="
+                f"{self.cuda_graph_max_context}: both must be >= 1"
             )
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise ValueError(
@@ -147,7 +160,18 @@ class EmbeddedEngine:
         device = cfg.resolved_device()
         self.model = CausalLM.from_pretrained(hf_dir, device=device, dtype=cfg.resolved_dtype(device))
         self.tokenizer = _load_tokenizer(hf_dir)
-        self.pool = self._build_pool()
+        static_decode = self._static_decode(device)
+        self.pool = self._build_pool(extra_pages=1 if static_decode else 0)
+        graphs = (
+            DecodeGraphs(
+                self.model,
+                self.pool,
+                max_bs=min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
+                max_context=cfg.cuda_graph_max_context,
+            )
+            if static_decode
+            else None
+        )
         self.radix = RadixCache(self.pool) if cfg.radix_cache else None
         self.scheduler = Scheduler(
             self.model,
@@ -158,7 +182,11 @@ class EmbeddedEngine:
             max_running=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens,
             stop_text=self.tokenizer.decode if self.tokenizer is not None else None,
+            graphs=graphs,
         )
+        self.decode_graphs = "off" if graphs is None else "eager"  # what model_info reports
+        if graphs is not None and device.type == "cuda":
+            self._capture(graphs)
         self._generator = torch.Generator(device=device).manual_seed(cfg.seed)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # held by a decode step, or by a control op between steps
@@ -174,13 +202,40 @@ class EmbeddedEngine:
         self.limits = RequestLimits(
             vocab_size=mc.vocab_size,
             context_length=mc.max_position_embeddings,
-            kv_tokens=self.pool.num_pages * self.pool.page_size,
+            kv_tokens=(self.pool.num_pages - len(self.pool.reserved)) * self.pool.page_size,
             kv_budget=kv.budget if kv.enabled else None,
         )
         self._last_progress = time.monotonic()  # last step end, or when work arrived at an idle engine
         self._resource_problem: str | None = None  # first broken invariant seen (never cleared)
 
-    def _build_pool(self) -> KVPool:
+    def _capture(self, graphs: DecodeGraphs) -> None:
+        """Capture the decode graphs; an engine that cannot still serves, eagerly, and says why
+        (in the log and in model_info's `decode_graphs`)."""
+        started = time.perf_counter()
+        try:
+            graphs.capture()
+        except Exception as exc:  # a driver or kernel that refuses capture: slower, not broken
+            log.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
+            self.scheduler.disable_decode_graphs()
+            self.decode_graphs = f"capture failed: {exc}"
+            return
+        self.decode_graphs = f"{len(graphs.batches) * len(graphs.widths)} graphs"
+        log.info("captured %s in %.1f s", self.decode_graphs, time.perf_counter() - started)
+
+    def _static_decode(self, device: torch.device) -> bool:
+        """Whether pure-decode steps run the static step (`EngineConfig.cuda_graph`)."""
+        moe = self.model.cfg.moe is not None
+        if self.cfg.cuda_graph and moe:
+            raise ValueError(
+                "cuda_graph=True: the mixture-of-experts forward picks its experts on the host, "
+                "which a static decode step cannot; leave cuda_graph unset for MoE models"
+            )
+        if self.cfg.cuda_graph is None:
+            return device.type == "cuda" and not moe
+        return self.cfg.cuda_graph
+
+    def _build_pool(self, *, extra_pages: int) -> KVPool:
+        """The KV pool of the configured capacity, plus `extra_pages` the engine reserves itself."""
         mc, cfg = self.model.cfg, self.cfg
         dims = dict(
             num_layers=mc.num_layers, page_size=cfg.page_size, kv_heads=mc.num_kv_heads, head_dim=mc.head_dim
@@ -190,7 +245,7 @@ class EmbeddedEngine:
         else:
             page_bytes = KVPool.page_bytes_for(**dims, dtype=self.model.dtype)
             pages = max(1, (cfg.capacity_bytes or 256 * 2**20) // page_bytes)
-        return KVPool(**dims, num_pages=pages, dtype=self.model.dtype, device=self.model.device)
+        return KVPool(**dims, num_pages=pages + extra_pages, dtype=self.model.dtype, device=self.model.device)
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
@@ -410,6 +465,7 @@ class EmbeddedEngine:
             "page_size": self.pool.page_size,
             "pool_pages": self.pool.num_pages,
             "page_bytes": self.pool.page_bytes,
+            "decode_graphs": self.decode_graphs,
         }
 
     def stats(self) -> dict[str, Any]:

@@ -253,9 +253,14 @@ class CausalLM:
         return F.embedding(ids, self.params["model.embed_tokens.weight"])
 
     def rope(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, 1, d] for integer positions [T], all < end.
+        """cos and signed sin [T, 1, d] for integer positions [T], all < end (`reserve_rope(end)`,
+        then `rope_at`)."""
+        self.reserve_rope(end)
+        return self.rope_at(positions)
 
-        Looked up in a table grown on demand (doubling), so a decode step costs one index_select.
+    def reserve_rope(self, end: int) -> None:
+        """Grow the RoPE table (doubling) to hold positions < end.
+
         The sign of HF's rotate_half is folded into the sin table: rotate_half(x) * sin ==
         roll(x, d/2) * signed_sin exactly (a sign flip rounds exactly).
         """
@@ -267,6 +272,10 @@ class CausalLM:
             sin = emb.sin()
             sin[:, :half].neg_()
             self._rope_table = torch.stack((emb.cos(), sin), dim=1)[:, :, None].to(self.dtype)
+
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, d] looked up in the table (one index_select, no host read:
+        the caller reserved the table past every position)."""
         both = self._rope_table.index_select(0, positions)  # [T, 2, 1, d]
         return both[:, 0], both[:, 1]
 

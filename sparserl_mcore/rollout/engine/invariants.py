@@ -5,8 +5,8 @@ Checked when the scheduler falls idle (cheap: O(pages + requests)), and after ev
 release: the engine reports it through its health and the tests fail on it.
 
 - Pages: the reference count of every page equals the number of holders (each request whose
-  page table lists it, plus the radix tree when it caches it); the free list holds exactly the
-  pages nobody holds, each once. So free + held == capacity.
+  page table lists it, the radix tree when it caches it, the pool for its reserved pages); the
+  free list holds exactly the pages nobody holds, each once. So free + held == capacity.
 - Lanes: the free lanes plus the lanes of running requests are all lanes, each exactly once;
   every running request holds one (when lanes exist), no waiting or finished request does.
 - Requests: none is both waiting and running; none of them is finished.
@@ -56,6 +56,7 @@ def _page_problems(pool: KVPool, radix: RadixCache | None, requests: list[Reques
         holders.update(r.pages)
     tree_pages = list(radix.cached_pages()) if radix is not None else []
     holders.update(tree_pages)
+    holders.update(pool.reserved)
     out = []
     if radix is not None and len(tree_pages) != radix.num_pages:
         out.append(f"radix tree holds {len(tree_pages)} pages but counts {radix.num_pages}")

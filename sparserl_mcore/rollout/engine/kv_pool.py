@@ -48,6 +48,7 @@ class KVPool:
         self.refs = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))
         self.peak_used = 0
+        self.reserved: list[int] = []  # pages taken for good by the engine itself (`reserve`)
 
     @staticmethod
     def page_bytes_for(
@@ -95,6 +96,13 @@ class KVPool:
         for p in pages:
             self.refs[p] = 1
         self.peak_used = max(self.peak_used, self.num_used)
+        return pages
+
+    def reserve(self, n: int) -> list[int]:
+        """n pages the pool gives away for good (held by `reserved`, never freed): scratch space
+        that padded rows of a static decode step may read and write."""
+        pages = self.alloc(n)
+        self.reserved.extend(pages)
         return pages
 
     def incref(self, pages: list[int]) -> None:

@@ -34,6 +34,7 @@ import torch
 from sparserl_mcore.rollout.engine.batch_forward import BatchForward
 from sparserl_mcore.rollout.engine.compaction import Compactor
 from sparserl_mcore.rollout.engine.compression_lanes import CompressionLanes
+from sparserl_mcore.rollout.engine.decode_graphs import DecodeGraphs
 from sparserl_mcore.rollout.engine.hf_model import CausalLM
 from sparserl_mcore.rollout.engine.invariants import resource_problems
 from sparserl_mcore.rollout.engine.kv_pool import KVPool, PoolExhaustedError
@@ -75,6 +76,7 @@ class Scheduler:
         max_running: int,
         max_prefill_tokens: int,
         stop_text: StopTextFn | None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model, self.pool, self.radix = model, pool, radix
         self.kv_cfg, self.compressor = kv_cfg, compressor
@@ -101,7 +103,7 @@ class Scheduler:
             if compressor is not None
             else None
         )
-        self._forward = BatchForward(model, pool, kv_cfg, compressor, self.lanes)
+        self._forward = BatchForward(model, pool, kv_cfg, compressor, self.lanes, graphs)
         self._compactor = (
             Compactor(model.cfg, pool, kv_cfg, compressor, self.lanes, self.listeners)
             if compressor is not None and self.lanes is not None
@@ -112,6 +114,10 @@ class Scheduler:
         self.last_failure: str | None = None
         self._quarantine = Quarantine()
         self._order = 0
+
+    def disable_decode_graphs(self) -> None:
+        """Run every step on the eager path from now on (graph capture failed)."""
+        self._forward.graphs = None
 
     @property
     def idle(self) -> bool:
