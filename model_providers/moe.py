@@ -44,11 +44,12 @@ _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 class TorchGatingRouter(TopKRouter):
     """megatron's `TopKRouter` with its gating as a torch linear (see the module docstring), which
-    also counts what it routes in training passes (forward with gradients; not the log-prob
-    recompute): `tokens_per_expert` [E] (token-to-expert assignments of this rank's tokens) and the
-    load-balancing loss it computed (`aux_loss_sum` = [sum, micro-batches], without its coefficient,
-    megatron's logging convention; under TP each rank's value is its tokens' part of the
-    micro-batch's loss). `take_stats` reads and resets them."""
+        also counts what it routes in training passes (forward with gradients; not the log-prob
+        recompute): `tokens_per_expert` [E] (token-to-expert assignments of this rank's real tokens,
+    padding left out when the forward passes megatron's padding mask) and the
+        load-balancing loss it computed (`aux_loss_sum` = [sum, micro-batches], without its coefficient,
+        megatron's logging convention; under TP each rank's value is its tokens' part of the
+        micro-batch's loss). `take_stats` reads and resets them."""
 
     def __init__(self, config: Any, pg_collection: Any = None) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
@@ -65,8 +66,9 @@ class TorchGatingRouter(TopKRouter):
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         probs, routing_map = super().routing(logits, padding_mask=padding_mask)
         if self.training and torch.is_grad_enabled():
-            with torch.no_grad():
-                self.tokens_per_expert += routing_map.sum(dim=0)
+            with torch.no_grad():  # real tokens only: padding routes somewhere, but counts nowhere
+                real = routing_map if padding_mask is None else routing_map & ~padding_mask.reshape(-1, 1)
+                self.tokens_per_expert += real.sum(dim=0)
         return probs, routing_map
 
     def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, *args, **kwargs):

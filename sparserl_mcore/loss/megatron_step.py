@@ -39,7 +39,7 @@ from sparserl_mcore.loss.policy import PolicyLossConfig, policy_loss
 from sparserl_mcore.loss.totals import LossTotals, reduce_metrics
 from sparserl_mcore.loss.vocab_parallel import vocab_parallel_logprobs
 from sparserl_mcore.loss.weight_change import WeightChange
-from sparserl_mcore.parallel.forward import forward_only, model_forward, run_schedule
+from sparserl_mcore.parallel.forward import forward_only, model_forward, padding_mask, run_schedule
 from sparserl_mcore.parallel.runtime import Runtime
 
 
@@ -79,6 +79,9 @@ class UpdateBatch:
     logp_sparse_BT: Tensor  # the sampler's log-probs, 0 outside the mask
     logp_ref_BT: Tensor | None = None  # reference log-probs (last stage) for the KL term
     lag_BT: Tensor | None = None  # policy versions between each token's sampler and the learner (async)
+    # real tokens per row (the rest is right padding): MoE routers leave padding out of their aux
+    # loss, z-loss and counts. None: every position is real.
+    lengths_B: Tensor | None = None
 
     def check(self, cfg: UpdateConfig) -> None:
         b, t = self.tokens_BT.shape
@@ -86,6 +89,8 @@ class UpdateBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, t):
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, tokens_BT {(b, t)}")
+        if self.lengths_B is not None and tuple(self.lengths_B.shape) != (b,):
+            raise ValueError(f"lengths_B has shape {tuple(self.lengths_B.shape)}, expected {(b,)}")
         if (self.lag_BT is None) != (cfg.max_staleness is None):
             raise ValueError(
                 "lag_BT and UpdateConfig.max_staleness go together (asynchronous RL) or are both None"
@@ -191,7 +196,7 @@ def _loss_func(
 
 def _forward_step(loss_fn, data_iterator, model):
     mb = next(data_iterator)
-    output, cut = model_forward(model, mb["tokens"])
+    output, cut = model_forward(model, mb["tokens"], padding_BT=mb["padding"])
     return output, lambda logits: loss_fn(mb, cut(logits))
 
 
@@ -403,6 +408,7 @@ def _stage_data(batch: UpdateBatch, logp_old: Tensor | None, runtime: Runtime) -
         "logp_ref": batch.logp_ref_BT.to(to) if last and batch.logp_ref_BT is not None else None,
         "mask": None,
         "weights": None,
+        "padding": None if batch.lengths_B is None else padding_mask(batch.tokens_BT, batch.lengths_B).to(to),
     }
 
 

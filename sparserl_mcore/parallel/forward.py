@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import get_model_config
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 PostFn = Callable[[torch.Tensor, torch.Tensor], Any]
 
@@ -39,15 +39,44 @@ def sequence_parallel_tokens(model: torch.nn.Module, tokens: torch.Tensor) -> to
     return torch.nn.functional.pad(tokens, (0, pad)) if pad else tokens
 
 
-def model_forward(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[Any, Callable[[Any], Any]]:
+def padding_mask(tokens_BT: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+    """[b, s] bool, True on right padding (position >= the row's length): megatron's convention."""
+    positions = torch.arange(tokens_BT.shape[1], device=lengths_B.device)
+    return positions[None, :] >= lengths_B[:, None]
+
+
+def model_forward(
+    model: torch.nn.Module, tokens: torch.Tensor, *, padding_BT: torch.Tensor | None = None
+) -> tuple[Any, Callable[[Any], Any]]:
     """The GPT forward of one micro-batch of token ids [b, s] (positions 0..s-1, causal mask):
     (megatron's output, a function cutting its logits back to s positions). The one place a
-    micro-batch enters the model, for forward-only passes and for the training pass."""
+    micro-batch enters the model, for forward-only passes and for the training pass.
+
+    `padding_BT` (True on padding) reaches megatron's MoE routers, which then leave padding out of
+    the aux loss, the z-loss and their token counts; causal attention already keeps it out of
+    every real token's output. Dense models ignore it."""
     seq = tokens.shape[1]
     tokens = sequence_parallel_tokens(model, tokens)
     position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    output = model(tokens, position_ids, None)
+    if padding_BT is None or get_model_config(model).num_moe_experts is None:
+        output = model(tokens, position_ids, None)
+    else:
+        output = model(
+            tokens, position_ids, None, padding_mask=_stage_padding(model, padding_BT, tokens.shape[1])
+        )
     return output, lambda logits: logits[:, :seq]
+
+
+def _stage_padding(model: torch.nn.Module, padding_BT: torch.Tensor, padded_seq: int) -> torch.Tensor:
+    """The padding mask as this stage's MoE layers read it: the sequence-parallel pad positions
+    are padding too; megatron splits the mask over TP itself on the first stage only, so later
+    stages get their own sequence chunk here."""
+    padding_BT = torch.nn.functional.pad(padding_BT, (0, padded_seq - padding_BT.shape[1]), value=True)
+    config = get_model_config(model)
+    if not config.sequence_parallel or get_attr_wrapped_model(model, "pre_process"):
+        return padding_BT
+    tp = get_attr_wrapped_model(model, "pg_collection").tp
+    return padding_BT.tensor_split(tp.size(), dim=1)[tp.rank()]
 
 
 def _step(post_fn: PostFn, data_iterator, model):

@@ -6,6 +6,7 @@ Shapes (legend): B sequences, T = longest prompt + response in the batch.
     logp_sparse_BT   the sampler's log-prob of tokens_BT[:, t] (0 outside mask_BT)
     advantages_B     GRPO advantage of each sequence
     versions_BT      the weight version that sampled tokens_BT[:, t] (0 outside mask_BT)
+    lengths_B        real tokens of each row (prompt + response); the rest is padding
 Per-token arrays are indexed by the position of the token they score, the convention of
 `sparserl_mcore.loss` (the log-prob of token t comes from the logits at position t - 1).
 """
@@ -29,6 +30,7 @@ class RolloutBatch:
     advantages_B: torch.Tensor
     rewards_B: torch.Tensor
     versions_BT: torch.Tensor
+    lengths_B: torch.Tensor
 
     @property
     def size(self) -> int:
@@ -71,4 +73,5 @@ def build_batch(
         versions_BT[row, p : p + n] = torch.tensor(sample.token_versions(), dtype=torch.long)
     rewards_B = torch.tensor(list(rewards), dtype=torch.float32)
     advantages_B = grpo_advantages(rewards_B, group_size, normalize_std=normalize_std)
-    return RolloutBatch(tokens_BT, mask_BT, logp_sparse_BT, advantages_B, rewards_B, versions_BT)
+    lengths_B = torch.tensor(lengths, dtype=torch.long)
+    return RolloutBatch(tokens_BT, mask_BT, logp_sparse_BT, advantages_B, rewards_B, versions_BT, lengths_B)

@@ -391,6 +391,7 @@ class Trainer:
             logp_sparse_BT=local.logp_sparse_BT,
             logp_ref_BT=logp_ref,
             lag_BT=self.versions.lag(local.versions_BT) if asynchronous else None,
+            lengths_B=local.lengths_B,
         )
         cfg = dataclasses.replace(learner.update_cfg, minibatches_per_epoch=updates_per_epoch)
         self.progress.phase(f"update (<= {updates_per_epoch * cfg.epochs} optimizer steps)")
