@@ -63,7 +63,7 @@ class HostSyncCounter(TorchDispatchMode):
             self._originals[name] = original
             setattr(torch.Tensor, name, self._counted(name, original))
         self._originals["tensor"] = torch.tensor
-        torch.tensor = self._counted_constructor(torch.tensor)  # type: ignore[assignment]
+        torch.tensor = self._counted_constructor(torch.tensor)
         return super().__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
