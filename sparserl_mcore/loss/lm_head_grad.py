@@ -72,6 +72,7 @@ def lm_head_grad_energy(
         grad = _owned_grad(lm_head_weight(model), optimizer, dp_group)
         if grad is not None:
             local = grad.detach().double().square().sum()
-            local = local / float(optimizer.get_loss_scale()) ** 2
+            scale = optimizer.get_loss_scale().to(torch.float64).reshape(())
+            local = local / scale**2  # on the device: no host read
     dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
     return float(local)
