@@ -12,10 +12,11 @@ gradient on top. Here, over megatron's own gradient lists and groups:
   reach the host in ONE copy, the only host sync of a step;
 - clipping multiplies with one `torch._foreach_mul_` by megatron's own host coefficient.
 
-Numerics: the norm is megatron's `get_grad_norm_fp32` value bit for bit (the same per-tensor norms,
-the same fp32 vector norm, square, all-reduce and `** 0.5` on the host; `ChainedOptimizer`'s rule
-for optimizers with different groups), and the clip writes what `clip_grad_by_total_norm_fp32`
-writes; both are checked against megatron in tests/test_optim_step.py.
+Numerics: on CPU the norm is megatron's `get_grad_norm_fp32` value bit for bit (the same
+per-tensor norms, fp32 vector norm, square, all-reduce and `** 0.5` on the host; `ChainedOptimizer`'s
+rule for optimizers with different groups) and the clip writes what `clip_grad_by_total_norm_fp32`
+writes, both checked against megatron in tests/test_optim_step.py. On GPU the foreach norm kernel
+sums each tensor in its own order (last bits of the norm differ from per-tensor `torch.norm`).
 """
 
 from __future__ import annotations
