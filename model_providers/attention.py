@@ -4,6 +4,11 @@ Megatron's own `DotProductAttention` allocates from a CUDA memory buffer and mat
 matrix; this module calls `torch.nn.functional.scaled_dot_product_attention`, which runs everywhere
 and uses fused kernels when the device has them. Attention dropout draws from megatron's
 model-parallel RNG stream, as `DotProductAttention` does.
+
+Grouped-query attention: on GPU, SDPA's `enable_gqa` reads each K/V head for its whole query group
+(no copy); on CPU the K/V heads are repeated (`repeat_interleave`), which keeps the recorded CPU
+numbers: the two agree bit for bit in fp32, forward and backward, and in bf16 forward, but bf16
+K/V gradients are summed in another order (tests/test_sdpa_gqa.py).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class SDPACoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.native_gqa: bool | None = None  # SDPA's enable_gqa; None: on GPU (module docstring)
 
     def forward(
         self,
@@ -60,7 +66,8 @@ class SDPACoreAttention(MegatronModule):
         s_q, b, h_q, d = query.shape
         h_kv = key.shape[2]
         q_bhsd, k_bhsd, v_bhsd = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if h_kv != h_q:
+        native_gqa = h_kv != h_q and (query.is_cuda if self.native_gqa is None else self.native_gqa)
+        if h_kv != h_q and not native_gqa:
             k_bhsd = k_bhsd.repeat_interleave(h_q // h_kv, dim=1)
             v_bhsd = v_bhsd.repeat_interleave(h_q // h_kv, dim=1)
         mask_type = attn_mask_type or self.attn_mask_type
@@ -77,5 +84,6 @@ class SDPACoreAttention(MegatronModule):
                 dropout_p=dropout_p,
                 is_causal=is_causal,
                 scale=self.softmax_scale,
+                enable_gqa=native_gqa,
             )
         return out_bhsd.permute(2, 0, 1, 3).reshape(s_q, b, h_q * d)

@@ -65,7 +65,13 @@ def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int
 
 
 def _transformer_config(
-    hf: HFModelConfig, parallel: ParallelConfig, dtype: torch.dtype, cpu: bool, moe: MoEConfig, impl: str
+    hf: HFModelConfig,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+    cpu: bool,
+    moe: MoEConfig,
+    impl: str,
+    wgrad_fusion: bool,
 ) -> TransformerConfig:
     stages = parallel.stage_layers(hf.num_layers)
     uneven = len(set(stages)) > 1  # megatron's own default is equal stages
@@ -100,7 +106,8 @@ def _transformer_config(
         bias_dropout_fusion=not cpu,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
+        # TE fuses it itself; the local spec calls the top-level `fused_weight_gradient_mlp_cuda`
+        gradient_accumulation_fusion=wgrad_fusion,
         persist_layer_norm=False,
         **moe_transformer_fields(hf, parallel, moe, grouped_gemm=impl == "transformer_engine"),
     )
@@ -115,6 +122,7 @@ def build_spec(
     transformer_impl: str | None = None,
     cpu: bool | None = None,
     moe: MoEConfig | None = None,
+    wgrad_fusion: bool | None = None,
 ) -> ModelSpec:
     """Translate an HF config (dict, config.json or checkpoint dir) into a `ModelSpec` for `parallel`.
 
@@ -122,6 +130,8 @@ def build_spec(
     `cpu` (default: no CUDA available) selects CPU initialisation and turns fused kernels off.
     `moe`: how MoE routers train (the run config's `model.moe`; default `MoEConfig()`; unused for
     dense models).
+    `wgrad_fusion` (default: not `cpu`): megatron's gradient-accumulation fusion, weight gradients
+    added straight into DDP's fp32 `main_grad` (the model must be trained wrapped in megatron DDP).
     """
     hf = parse_hf_config(hf_config)
     moe = moe or MoEConfig()
@@ -143,7 +153,9 @@ def build_spec(
         arch=hf.arch,
         hf=hf,
         parallel=parallel,
-        config=_transformer_config(hf, parallel, dtype, cpu, moe, impl),
+        config=_transformer_config(
+            hf, parallel, dtype, cpu, moe, impl, (not cpu) if wgrad_fusion is None else wgrad_fusion
+        ),
         layer_spec=layer_spec(impl, qk_norm=hf.qk_norm, num_experts=hf.moe.num_experts if hf.moe else None),
         transformer_impl=impl,
         params_dtype=dtype,

@@ -8,9 +8,14 @@ megatron's distributed optimizer (the trainer's GPU default), built with the tra
   step: the standard training step MFU is quoted for;
 - `rl update`: `loss.megatron_step.train_on_batch` as the trainer runs it (K=1): the pi_old
   recompute (forward only) plus the same update with the policy loss, Sparse-RL weights and DGG.
+  The sampler's log-probs it corrects against (in a real run they come with the rollouts) are a
+  forward pass of the initial weights computed once before the clock starts, not inside the row.
 MFU = model FLOPs (common.train_flops_per_token; the rl row adds the recompute's forward third)
 per second / the device's dense BF16 peak. `--impls local,transformer_engine` adds megatron's TE
-spec when transformer_engine is importable.
+spec when transformer_engine is importable. Adam is torch's fused kernel (as on any GPU run of the
+trainer). Two counts per row from one more, untimed call (`parallel.host_syncs`): `syncs/opt` the
+host syncs of the optimizer step alone (fwd+bwd+adam row; at most 1), `syncs/step` of the whole
+call.
 
     python -m benchmarks.gpu.learner [--micro-batch 4 --micro-batches 2 --seq 2048]
 """
@@ -58,13 +63,13 @@ def _learner(hf: dict, impl: str, rt, *, lr: float = 1e-6):
     )
     ddp = learner_lib.wrap_ddp(model, spec, rt, distributed_optimizer=True)
     optimizer, scheduler = learner_lib.build_optimizer(
-        ddp, OptimizerConfig(lr=lr, weight_decay=0.0), spec, rt
+        ddp, OptimizerConfig(lr=lr, weight_decay=0.0), spec, rt, fused_adam=True
     )
     return spec, ddp, optimizer, scheduler
 
 
-def _nll_step(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int) -> None:
-    """One optimizer step over `batches` (micro-batches) with the token NLL."""
+def _nll_backward(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int) -> None:
+    """Forward and backward over `batches` (micro-batches) with the token NLL, grads reduced."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
@@ -97,12 +102,36 @@ def _nll_step(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int) -> No
     optimizer.zero_grad()
     b, s = batches[0].shape
     run_schedule(ddp, batches, step, groups=rt.groups, micro_batch_size=b, seq_length=s, forward_only=False)
+
+
+def _nll_step(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int) -> None:
+    """One optimizer step over `batches` (micro-batches) with the token NLL."""
+    _nll_backward(ddp, optimizer, batches, rt, vocab)
     optimizer.step()
 
 
-def _rl_update(ddp, optimizer, scheduler, tokens: torch.Tensor, rt, micro_batch: int, vocab: int) -> None:
+def _optimizer_syncs(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int) -> int:
+    """Host syncs of one optimizer step (prepare, norm, clip, Adam, copy back), after a backward."""
+    from sparserl_mcore.parallel.host_syncs import HostSyncCounter
+
+    _nll_backward(ddp, optimizer, batches, rt, vocab)
+    with HostSyncCounter() as syncs:
+        optimizer.step()
+    return syncs.count
+
+
+def _rl_update(ddp, optimizer, scheduler, batch, rt, micro_batch: int, vocab: int) -> None:
     from sparserl_mcore.loss import megatron_step
     from sparserl_mcore.loss.dgg import DGGConfig, DynamicGradientGate
+
+    cfg = megatron_step.UpdateConfig(micro_batch_size=micro_batch, vocab_size=vocab)
+    gate = DynamicGradientGate(DGGConfig())  # cfg.epochs=1: one update
+    megatron_step.train_on_batch(ddp, optimizer, batch, cfg=cfg, gate=gate, runtime=rt, scheduler=scheduler)
+
+
+def _rl_batch(ddp, tokens: torch.Tensor, rt, micro_batch: int, vocab: int):
+    """The update's batch; the sampler log-probs stand-in is one forward pass, run here, untimed."""
+    from sparserl_mcore.loss import megatron_step
 
     logp = megatron_step.compute_logprobs(
         ddp, tokens, micro_batch_size=micro_batch, temperature=1.0, vocab_size=vocab, runtime=rt
@@ -110,15 +139,12 @@ def _rl_update(ddp, optimizer, scheduler, tokens: torch.Tensor, rt, micro_batch:
     assert logp is not None  # one pipeline stage: it is the last
     mask = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
     mask[:, 0] = 0
-    batch = megatron_step.UpdateBatch(
+    return megatron_step.UpdateBatch(
         tokens_BT=tokens,
         mask_BT=mask,
         advantages_B=torch.randn(tokens.shape[0], device=tokens.device),
         logp_sparse_BT=logp * mask,
     )
-    cfg = megatron_step.UpdateConfig(micro_batch_size=micro_batch, vocab_size=vocab)
-    gate = DynamicGradientGate(DGGConfig())  # cfg.epochs=1: one update
-    megatron_step.train_on_batch(ddp, optimizer, batch, cfg=cfg, gate=gate, runtime=rt, scheduler=scheduler)
 
 
 def _measure(args, hf: dict, impl: str, rt, peak: float | None) -> list[dict]:
@@ -128,17 +154,22 @@ def _measure(args, hf: dict, impl: str, rt, peak: float | None) -> list[dict]:
     tokens = torch.randint(0, vocab, (n, args.seq), device=rt.device, generator=g)
     batches = list(tokens.split(args.micro_batch))
     per_token = common.train_flops_per_token(hf, args.seq)
+    batch = _rl_batch(ddp, tokens, rt, args.micro_batch, vocab)
+
+    def nll() -> None:
+        _nll_step(ddp, optimizer, batches, rt, vocab)
 
     def rl() -> None:
-        _rl_update(ddp, optimizer, scheduler, tokens, rt, args.micro_batch, vocab)
+        _rl_update(ddp, optimizer, scheduler, batch, rt, args.micro_batch, vocab)
 
-    runs = {  # the rl row's recompute is a forward pass: a third of the fwd+bwd FLOPs on top
-        "fwd+bwd+adam": (lambda: _nll_step(ddp, optimizer, batches, rt, vocab), per_token),
-        "rl update": (rl, per_token * 4 / 3),
-    }
+    # The rl row's pi_old recompute is a forward pass: a third of the fwd+bwd FLOPs on top; the
+    # sampler log-probs stand-in is outside the timed call, so nothing else runs in it.
+    runs = {"fwd+bwd+adam": (nll, per_token), "rl update": (rl, per_token * 4 / 3)}
     rows = []
     for name, (fn, flops_per_token) in runs.items():
         times = common.wall_times(fn, rt.device, warmup=args.warmup, repeats=args.repeats)
+        step_syncs = _syncs(fn)
+        opt_syncs = _optimizer_syncs(ddp, optimizer, batches, rt, vocab) if fn is nll else None
         if args.profile:
             _profile(fn, rt.device, args.out / "learner_profile.txt", f"{impl} {name}")
         seconds = common.median(times)
@@ -154,9 +185,19 @@ def _measure(args, hf: dict, impl: str, rt, peak: float | None) -> list[dict]:
                 "model_tflops": tflops,
                 "mfu_pct": 100 * tflops * 1e12 / peak if peak else None,
                 "peak_mem_gib": _peak_gib(rt.device),
+                "opt_syncs": opt_syncs,
+                "step_syncs": step_syncs,
             }
         )
     return rows
+
+
+def _syncs(fn) -> int:
+    from sparserl_mcore.parallel.host_syncs import HostSyncCounter
+
+    with HostSyncCounter() as syncs:
+        fn()
+    return syncs.count
 
 
 def _profile(fn, device: torch.device, path: Path, title: str) -> None:
@@ -209,6 +250,8 @@ def main(argv: list[str]) -> int:
         ("model_tflops", "TFLOP/s"),
         ("mfu_pct", "MFU %"),
         ("peak_mem_gib", "peak GiB"),
+        ("opt_syncs", "syncs/opt"),
+        ("step_syncs", "syncs/step"),
     ]
     common.print_table(f"learner, bf16, {env['device']}", rows, columns)
     print(common.write_record(args.out, "learner", env, rows, notes))

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from sparserl_mcore.diloco.config import DiLoCoConfig
 from sparserl_mcore.diloco.outer import OuterStep
 from sparserl_mcore.diloco.shards import MainShards
+from sparserl_mcore.parallel.optim_step import GradCheck, prepare_and_check
 
 
 class IslandOptimizer:
@@ -29,10 +31,15 @@ class IslandOptimizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer_, name)
 
-    def prepare_grads(self) -> bool:
-        found = torch.tensor([float(bool(self.optimizer_.prepare_grads()))], device=self.device)
+    def prepare_and_check(self) -> GradCheck:
+        """The inner optimizer's verdict and grad norm, the verdict OR-ed over every learner rank."""
+        check = prepare_and_check(self.optimizer_)
+        found = torch.tensor([float(check.found_inf)], device=self.device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(found.item() > 0)
+        return replace(check, found_inf=bool(found.item() > 0))
+
+    def prepare_grads(self) -> bool:
+        return self.prepare_and_check().found_inf
 
     def step(self):
         raise TypeError(

@@ -24,6 +24,10 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.utils import unwrap_model
 from torch import Tensor
 
+from sparserl_mcore.parallel.optim_step import leaf_optimizers
+
+__all__ = ["leaf_optimizers", "lm_head_grad_energy", "lm_head_weight"]
+
 
 def lm_head_weight(model: torch.nn.Module) -> torch.nn.Parameter:
     """The (TP-local) lm_head weight of a last-stage GPTModel, wrapped in DDP or not."""
@@ -31,11 +35,6 @@ def lm_head_weight(model: torch.nn.Module) -> torch.nn.Parameter:
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()
     return gpt.output_layer.weight
-
-
-def leaf_optimizers(optimizer) -> list:
-    """The megatron optimizers inside a ChainedOptimizer (or the optimizer itself)."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _owned_grad(param: torch.nn.Parameter, optimizer, dp_group: dist.ProcessGroup) -> Tensor | None:
@@ -73,6 +72,7 @@ def lm_head_grad_energy(
         grad = _owned_grad(lm_head_weight(model), optimizer, dp_group)
         if grad is not None:
             local = grad.detach().double().square().sum()
-            local = local / float(optimizer.get_loss_scale()) ** 2
+            scale = optimizer.get_loss_scale().to(torch.float64).reshape(())
+            local = local / scale**2  # on the device: no host read
     dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
     return float(local)

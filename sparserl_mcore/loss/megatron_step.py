@@ -27,18 +27,18 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from sparserl_mcore.loss import staleness
 from sparserl_mcore.loss.correction import CorrectionConfig, CorrectionTotals, sparse_rl_correction
 from sparserl_mcore.loss.dgg import DynamicGradientGate, GateDecision
-from sparserl_mcore.loss.lm_head_grad import leaf_optimizers, lm_head_grad_energy
+from sparserl_mcore.loss.lm_head_grad import lm_head_grad_energy
 from sparserl_mcore.loss.policy import PolicyLossConfig, policy_loss
 from sparserl_mcore.loss.totals import LossTotals, reduce_metrics
 from sparserl_mcore.loss.vocab_parallel import vocab_parallel_logprobs
 from sparserl_mcore.loss.weight_change import WeightChange
+from sparserl_mcore.parallel import optim_step
 from sparserl_mcore.parallel.forward import forward_only, model_forward, padding_mask, run_schedule
 from sparserl_mcore.parallel.runtime import Runtime
 
@@ -230,17 +230,6 @@ def _wire_model_config(model, optimizer) -> None:
     config.finalize_model_grads_func = finalize_model_grads
 
 
-def _clip_and_norm(optimizer) -> float:
-    """Global grad norm (and clipping when clip_grad > 0), as ChainedOptimizer.step does it."""
-    grad_norm = float(optimizer.get_grad_norm())
-    for leaf in leaf_optimizers(optimizer):
-        params = leaf.get_parameters() if not getattr(leaf, "is_stub_optimizer", False) else []
-        if params and leaf.config.clip_grad > 0:
-            decoupled = leaf.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-            clip_grad_by_total_norm_fp32(params, leaf.config.clip_grad, grad_norm, decoupled)
-    return grad_norm
-
-
 def _agree(flag: bool, device: torch.device, group: dist.ProcessGroup) -> bool:
     """OR of a boolean over `group` (the learner's ranks): collective control flow must not diverge."""
     t = torch.tensor([1.0 if flag else 0.0], device=device)
@@ -292,7 +281,8 @@ def _one_update(
     scale = float(len(micro_batches) * runtime.dp_size)
     loss_fn = partial(_loss_func, totals=totals, scale=scale, runtime=runtime, cfg=cfg)
     pieces = _forward_backward(model, micro_batches, loss_fn, runtime)
-    found_inf = bool(optimizer.prepare_grads())
+    check = optim_step.prepare_and_check(optimizer)  # the verdict and the grad norm: one host sync
+    found_inf = check.found_inf
     energy = lm_head_grad_energy(
         model,
         optimizer,
@@ -304,7 +294,8 @@ def _one_update(
     decision = replace(decision, gate=_agree(decision.gate, runtime.device, runtime.learner_group))
     record = {**decision.as_metrics(), "train/found_inf": float(found_inf)}
     if not decision.gate and not found_inf:
-        record["train/grad_norm"] = _clip_and_norm(optimizer)
+        record["train/grad_norm"] = check.grad_norm
+        optim_step.clip_grads(optimizer, check.grad_norm)
         if dwd is not None:
             dwd.before_step()
         optimizer.step_with_ready_grads()

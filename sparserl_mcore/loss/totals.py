@@ -78,9 +78,11 @@ def reduce_metrics(
                 sums[name] = sums[name] + value if name in sums else value
     if group is not None and dist.get_world_size(group) > 1:
         sums, maxes = _all_reduce_dicts(sums, maxes, group)
-    out = {name: float(v) for name, v in sums.items()}
-    out.update({name: float(v) for name, v in maxes.items()})
-    return out
+    named = {**sums, **maxes}
+    if not named:
+        return {}
+    values = torch.stack(list(named.values())).tolist()  # one host read for every metric
+    return dict(zip(named, values, strict=True))
 
 
 def _all_reduce_dicts(

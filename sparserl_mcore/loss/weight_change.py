@@ -113,7 +113,7 @@ class WeightChange:
                 sums[2 * i + 1] += _norm_sq(then)
                 sums[2 * i] += _norm_sq(then.sub_(now.detach()))  # the copy becomes the change
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self._group)
-        rel = {name: float((sums[2 * i] / sums[2 * i + 1]).sqrt()) for i, name in enumerate(GROUPS)}
+        rel = dict(zip(GROUPS, (sums[0::2] / sums[1::2]).sqrt().tolist(), strict=True))  # one host read
         out = {f"dwd/{name}_rel_change": value for name, value in rel.items()}
         out["dwd/ratio"] = rel["lm_head"] / rel["middle"] if rel["middle"] > 0 else float("nan")
         return out
