@@ -98,3 +98,24 @@ def test_a_failed_batch_raises_when_taken(group):
     producer.submit(1, _prompts(1), {})
     with pytest.raises(RuntimeError, match="engine lost during batch 1"):
         producer.take(1)
+
+
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_a_checkpoint_after_a_failed_batch_draws_its_prompts_again(group, ahead):
+    """Batch 2 fails when taken (the loop then checkpoints and stops): the data position saved is
+    the one before batch 2, not after it, synchronous (drawn at take) or ahead (drawn at submit)."""
+
+    def engines(step, prompts):
+        if step == 2:
+            raise RuntimeError("no rollout engine left mid-batch")
+        return [], []
+
+    producer = RolloutProducer(engines, ahead=ahead, host=True, group=group, abort=lambda: None)
+    producer.submit(1, _prompts(1), {"offset": 0})
+    producer.take(1)
+    for step in range(2, 3 + ahead):
+        producer.submit(step, _prompts(step), {"offset": 2 * (step - 1)})
+    with pytest.raises(RuntimeError, match="no rollout engine left"):
+        producer.take(2)
+    assert producer.resume_data_state() == {"offset": 2}  # batch 2's prompts are drawn again
+    producer.close()
