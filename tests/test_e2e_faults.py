@@ -2,11 +2,14 @@
 
 Two servers; the first is SIGKILLed once step 1 is logged (its next requests fail mid-batch and
 are retried on the other), the second once step 2 is logged: the run then checkpoints and stops
-with a clear error and exit code 3. No sample is lost or duplicated on the way.
+with a clear error and exit code 3. No sample is lost or duplicated on the way, and the
+checkpoint's data position is that of the trained batches (the failed one is drawn again on
+resume).
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 
@@ -90,3 +93,7 @@ def test_dead_engines_fail_over_then_checkpoint_and_stop(tmp_path):
     assert len(steps) >= 2
     latest = tmp_path / "faults" / "ckpt" / "latest"
     assert latest.is_file() and latest.read_text().strip() == f"step_{len(steps):08d}"
+    # the batch that failed was drawn but never trained: the checkpoint resumes before its prompts
+    data = json.loads((latest.parent / latest.read_text().strip() / "run.json").read_text())["data"]
+    drawn = 4 * len(steps)
+    assert (data["epoch"], data["offset"]) == (drawn // data["n"], drawn % data["n"]), data

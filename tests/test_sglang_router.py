@@ -183,6 +183,7 @@ def test_a_worker_dropped_by_the_weight_sync_leaves_the_router(stack):
     pool = EnginePool({router_url: router}, PoolConfig(chunk_size=4))
     syncer = WeightSyncer.__new__(WeightSyncer)
     syncer._dropped, syncer._remote, syncer._router_url = set(), set(urls), router_url
+    syncer.in_flight = False  # nothing paused to release
     syncer._drop([pool, None], {urls[0]})
     assert list(pool.live) == [router_url]  # the router itself stays
     deadline = time.monotonic() + 30  # the router removes it in the background (202)

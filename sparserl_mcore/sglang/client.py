@@ -115,16 +115,18 @@ class SGLangWorker(RemoteEngine):
             self.end_weight_update()
             self.begin_weight_update()
 
-    def close_update_session(self, *, flush: bool = True) -> None:
+    def close_update_session(self, *, flush: bool = True, keep_paused: bool = False) -> None:
         """End the session, flush the radix cache (its KV came from the old weights), continue
-        generation: each tried even when an earlier one failed, so a worker never stays paused;
-        raises RuntimeError naming every step that failed. `flush=False` after an in-place pause:
-        0.5.23 refuses a flush while requests hold pages (`Scheduler.flush_cache`: not idle);
-        `prefix_key` keeps the versions' prefixes apart instead."""
+        generation: each tried even when an earlier one failed, so a worker never stays paused by
+        accident; raises RuntimeError naming every step that failed. `flush=False` after an
+        in-place pause: 0.5.23 refuses a flush while requests hold pages (`Scheduler.flush_cache`:
+        not idle); `prefix_key` keeps the versions' prefixes apart instead. `keep_paused`: the
+        worker failed the update and may hold part of it; it stays paused for the fallback."""
         steps = [("end_weight_update", self.end_weight_update)]
         steps += [("flush_cache", self.flush_cache)] if flush else []
+        steps += [] if keep_paused else [("continue_generation", self.resume)]
         problems = []
-        for what, call in (*steps, ("continue_generation", self.resume)):
+        for what, call in steps:
             try:
                 call()
             except Exception as exc:  # noqa: BLE001 - the next step must still run

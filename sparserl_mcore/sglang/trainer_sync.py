@@ -18,12 +18,17 @@ session (`SchedulerWeightUpdaterManager.update_weights_from_tensor`). So one syn
    fragments in ONE `send_fragments` call per worker;
 4. the failures of all ranks are gathered (so the host closes the session only after every rank
    has sent), then the host: `/end_weight_update`, `/flush_cache`, `/continue_generation`, for
-   every worker whose session it opened, failed or not (a worker must never stay paused).
+   every worker whose session it opened, failed or not (a worker must never stay paused; in
+   flight, below, one that failed stays paused for the trainer's fallback).
 
 In-flight updates (`in_flight`, asynchronous RL) pause `{"mode": "in_place"}` instead: running
 requests keep their KV and continue under the new version (SGLang records the version change per
 request: `meta_info.weight_versions`), and there is no flush (0.5.23 refuses one while requests
-hold pages); requests carry the run and version as `extra_key` instead (`SGLangWorker.prefix_key`).
+hold pages); requests carry the run and version as `extra_key` instead (`SGLangWorker.prefix_key`),
+set by the host (`while_paused`) once the workers are paused, so no request sent after they
+continue carries the old version's key. A worker that failed an in-flight delivery (it may hold
+the fragments of some ranks) ends its session but is not continued: it decodes nothing on those
+weights until the trainer's full fallback lands, or drops it (`WeightSyncer._release`).
 The host times each bracket, pause to continue: `pause_ms`.
 
 Collective over the default group (the learner ranks); every rank returns the same failure map.
@@ -126,10 +131,12 @@ class SGLangDelivery:
         version: int,
         pieces: int = 1,
         only: set[str] | None,
+        while_paused: Callable[[], None] | None = None,
     ) -> dict[str, str]:
         """Collective: this rank's `changes` of `version` to every worker (or those in `only`), as
         `pieces` fragments (one POST each; `full_sync_pieces` for a full sync); the workers that
-        failed, with why, the same map on every rank."""
+        failed, with why, the same map on every rank. `while_paused`: called on the host once the
+        workers are paused, before any continues (in flight: the requests' prefix-cache key)."""
         targets = [u for u in self.workers if only is None or u in only]
         if not targets:
             return {}
@@ -142,6 +149,8 @@ class SGLangDelivery:
         # the first piece (all of a sparse patch) is encoded before the workers pause
         by_tp = self._encode(shares[0], (rank * pieces, world * pieces), live, encode, mine)
         opened, paused_at = self._open_all(live, failed)
+        if while_paused is not None and rank == self._host_rank:
+            while_paused()
         for piece in range(pieces):
             if piece:
                 fragment = (rank * pieces + piece, world * pieces)
@@ -158,7 +167,7 @@ class SGLangDelivery:
         for part in everyone:
             failed.update(part or {})
         for url in opened:
-            problem = self._close(url)
+            problem = self._close(url, keep_paused=self.in_flight and url in failed)
             self.pause_ms[url] = (time.perf_counter() - paused_at[url]) * 1e3
             if problem and url not in failed:
                 failed[url] = problem
@@ -216,9 +225,9 @@ class SGLangDelivery:
         failed.update(box[0])
         return opened, paused_at
 
-    def _close(self, url: str) -> str:
+    def _close(self, url: str, *, keep_paused: bool) -> str:
         try:
-            self.workers[url].close_update_session(flush=not self.in_flight)
+            self.workers[url].close_update_session(flush=not self.in_flight, keep_paused=keep_paused)
         except Exception as exc:  # noqa: BLE001 - reported as this worker's failure
             return str(exc)
         return ""

@@ -35,6 +35,10 @@ class NoEngineLeftError(RuntimeError):
     """Every rollout engine has failed; the loop checkpoints and stops."""
 
 
+class GenerationStopped(RuntimeError):
+    """The run is stopping (`EnginePool.stop`): a batch still generating is dropped."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PoolConfig:
     """How requests are spread over engines and how long a failing engine is tolerated."""
@@ -84,6 +88,7 @@ class EnginePool:
         self.dead: dict[str, str] = {}  # name -> reason it left the pool
         self._on_event = on_event
         self.on_chunk_done: Callable[[int], None] = lambda n: None  # progress display hook
+        self._stopping = threading.Event()
 
     def __len__(self) -> int:
         return len(self.live)
@@ -93,6 +98,11 @@ class EnginePool:
         if self.live.pop(name, None) is not None:
             self.dead[name] = reason
             self._on_event("engine_removed", {"engine": name, "reason": reason, "live": len(self.live)})
+
+    def stop(self) -> None:
+        """The run is stopping: no `generate` starts another chunk; each one in progress raises
+        GenerationStopped at its next answer (the caller aborts what the engines run)."""
+        self._stopping.set()
 
     def close(self) -> None:
         """Close every engine that holds resources (HTTP clients); the pool is done with."""
@@ -127,6 +137,8 @@ class EnginePool:
         finished: queue.Queue[tuple[str, list[_Result]]] = queue.Queue()
         busy: _Busy = {}
         while len(done) < n_chunks:
+            if self._stopping.is_set():
+                raise GenerationStopped(f"the run is stopping ({len(done)}/{n_chunks} chunks done)")
             self._dispatch(pending, busy, finished)
             if not busy:
                 raise NoEngineLeftError(

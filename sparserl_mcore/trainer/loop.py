@@ -275,8 +275,12 @@ class Trainer:
         )
 
     def _abort_generation(self) -> None:
-        """Host: finish every request the engines are running as "abort" (stopping mid-run)."""
+        """Host, stopping mid-run: the pool starts no more chunks (the embedded engine runs one at
+        a time: the batch's others would follow the aborted one), and every request the engines
+        run finishes as "abort"."""
         pool = self.parts.pool
+        if pool is not None:
+            pool.stop()
         for name, engine in list(pool.live.items()) if pool is not None else []:
             try:
                 engine.pause("abort")

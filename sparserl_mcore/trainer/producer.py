@@ -15,9 +15,9 @@ Collective discipline: only the main thread of every rank calls `take` (one broa
 learner group); worker threads only talk to the engines.
 
 Checkpoints regenerate what is in flight instead of carrying it: `resume_data_state()` is the data
-sampler's position before the oldest batch not yet taken, so a resumed run draws exactly those
-prompts again (same request ids and seeds, sampled under the resumed weights). No sample is trained
-twice, none is skipped. `close()` aborts what is still generating.
+sampler's position before the oldest batch not yet trained (not taken, or taken and failed), so a
+resumed run draws exactly those prompts again (same request ids and seeds, sampled under the
+resumed weights). No sample is trained twice, none is skipped. `close()` aborts what is still generating.
 """
 
 from __future__ import annotations
@@ -95,17 +95,22 @@ class RolloutProducer:
         self._pending[step] = batch
 
     def take(self, step: int) -> Produced:
-        """Collective over the learner group: batch `step` (the oldest submitted) on every rank."""
+        """Collective over the learner group: batch `step` (the oldest submitted) on every rank.
+        A batch that failed (raised here on every rank) stays the oldest submitted: a checkpoint
+        taken after the failure records the data position before it, so its prompts are drawn
+        again on resume, never skipped."""
         if not self._pending or next(iter(self._pending)) != step:
             raise ValueError(f"batch {step} taken, but the oldest submitted is {self.submitted[:1]}")
-        batch = self._pending.popitem(last=False)[1]
+        batch = self._pending[step]
         payload: Any = None
         if self._host:
             try:
                 payload = batch.future.result() if batch.future else self._produce(step, batch.prompts)
             except Exception as exc:  # shared: every rank raises it
                 payload = exc
-        return share_from_host(payload, self._group)
+        produced = share_from_host(payload, self._group)
+        del self._pending[step]  # trained from here on: a checkpoint's data position is past it
+        return produced
 
     def _produce_into(self, batch: _Batch) -> None:
         assert batch.future is not None
@@ -126,8 +131,9 @@ class RolloutProducer:
         wait_futures(futures)
 
     def resume_data_state(self) -> dict[str, Any] | None:
-        """The data position a checkpoint records: before the oldest batch not yet taken (None:
-        nothing submitted ahead, the sampler's own position is right)."""
+        """The data position a checkpoint records: before the oldest batch not yet trained (one not
+        taken, or one whose `take` failed); None: nothing is pending, the sampler's own position
+        is right."""
         return next(iter(self._pending.values())).data_before if self._pending else None
 
     def close(self, timeout_s: float = 30.0) -> None:

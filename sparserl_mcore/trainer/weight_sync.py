@@ -17,7 +17,9 @@ In-flight updates (`in_flight`, asynchronous RL): requests keep running while a 
 in-process engine applies the whole version in one call between two decode steps; remote
 `sparserl serve` engines, which get one fragment per learner rank, are paused `in_place` by the
 host first (running requests keep their KV and wait) and continued after every rank has sent, so no
-decode step sees half a version. How long each engine stood still comes back as `time/sync_pause_ms`.
+decode step sees half a version; one that failed the delivery (it may hold the fragments of some
+ranks) stays paused until its full fallback lands, or is dropped (its requests aborted, then
+continued). How long each engine stood still comes back as `time/sync_pause_ms`.
 Any failure (digest mismatch, wrong base, unreachable) is shared by one `all_gather_object` of
 names, and the failed engines get a full sync made the same way (each rank its owned elements,
 `overwrite`); an engine failing that too leaves the pool. An fp32 learner (CPU) is diffed through a
@@ -30,7 +32,7 @@ holds exactly bf16(learner) and a resumed run continues from the same engine wei
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -178,13 +180,16 @@ class WeightSyncer:
         self._shards = self._new_shard_syncer(version)
         failed, _ = self._deliver(self._full_changes(), version, None, pools, None, "full weight sync")
         self._drop(pools, failed)
-        self._key_prefixes(pools, version)
+        self._key_prefixes(pools, version)  # also after a broadcast (nothing generates yet)
 
     def _key_prefixes(self, pools: list[EnginePool | None], version: int) -> None:
         """In-flight updates into SGLang (no flush while requests run in place): the host's SGLang
         clients key later requests' prefix cache by this run and version (`SGLangWorker.prefix_key`):
         the run's nonce keeps a resumed or later run from matching KV an earlier run cached under the
-        same version number (its full sync does not flush either)."""
+        same version number (its full sync does not flush either). Called while the workers are
+        paused for the version (`SGLangDelivery.deliver`'s `while_paused`): set after they continue,
+        requests sent in between would run the new weights under the old key, matching the prefix KV
+        the old weights computed."""
         if not self.in_flight or self._sglang is None:
             return
         for pool in pools:
@@ -208,7 +213,6 @@ class WeightSyncer:
                 self._full_changes(), version, None, pools, failed, "full fallback sync"
             )
             self._drop(pools, failed)
-        self._key_prefixes(pools, version)
         sent = torch.tensor([size], dtype=torch.int64)
         dist.all_reduce(sent)
         metrics = {
@@ -241,7 +245,10 @@ class WeightSyncer:
         remote -= set(failed)
         size = 0
         if self._sglang is not None:
-            sglang_failed, size = self._deliver_sglang(changes, encode, version, base_version is None, remote)
+            keyed = lambda: self._key_prefixes(pools, version)  # noqa: E731
+            sglang_failed, size = self._deliver_sglang(
+                changes, encode, version, base_version is None, remote, keyed
+            )
             failed.update(sglang_failed)
         local = self._local_engines(pools, only)
         any_local = self._any_local(local)
@@ -262,7 +269,7 @@ class WeightSyncer:
         everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, failed)  # also: every rank has sent
         merged = {k: v for part in everyone for k, v in (part or {}).items()}
-        merged.update(self._continue(bracketed))
+        merged.update(self._continue(bracketed, set(merged)))
         for name, reason in sorted(merged.items()):
             self._on_event("sync_engine_failed", {"engine": name, "what": what, "reason": reason})
         return set(merged), size
@@ -292,14 +299,16 @@ class WeightSyncer:
         dist.broadcast_object_list(box, src=HOST_RANK)
         return box[0]
 
-    def _continue(self, bracketed: list[str] | None) -> dict[str, str]:
-        """Collective when bracketed: the host continues every engine it paused (failed or not: none
-        may stay paused) and records how long each stood still; returns, on every rank, those that
-        could not be continued."""
+    def _continue(self, bracketed: list[str] | None, failed_here: set[str]) -> dict[str, str]:
+        """Collective when bracketed: the host continues every engine it paused that took the
+        version and records how long each stood still; returns, on every rank, those that could
+        not be continued. An engine in `failed_here` may hold part of the version (the fragments
+        of some ranks landed): it stays paused, so it decodes nothing on those weights, until the
+        full fallback lands (continued then) or it is dropped (`_release`)."""
         if bracketed is None:
             return {}
         failed: dict[str, str] = {}
-        for name in bracketed:
+        for name in (n for n in bracketed if n not in failed_here):
             engine = self._senders[name]
             try:
                 engine.resume()
@@ -312,8 +321,28 @@ class WeightSyncer:
         dist.broadcast_object_list(box, src=HOST_RANK)
         return box[0]
 
+    def _release(self, dropped: set[str]) -> None:
+        """Host, in flight: the dropped engines a bracket left paused finish what they run as
+        "abort" and continue: none decodes a token on the weights it could not take, and no
+        request waits on a paused engine (a later full sync is what could bring one back)."""
+        if not self.in_flight or self.runtime.rank != HOST_RANK:
+            return
+        clients: dict[str, Any] = {**self._senders, **(self._sglang.workers if self._sglang else {})}
+        for name in sorted(dropped & set(clients)):
+            try:
+                clients[name].pause("abort")
+                clients[name].resume()
+            except Exception as exc:  # noqa: BLE001 - dropped already; its requests fail at their timeout
+                self._on_event("abort_failed", {"engine": name, "reason": f"{type(exc).__name__}: {exc}"})
+
     def _deliver_sglang(
-        self, changes: Sequence[Change], encode: Encode, version: int, full: bool, remote: set[str]
+        self,
+        changes: Sequence[Change],
+        encode: Encode,
+        version: int,
+        full: bool,
+        remote: set[str],
+        while_paused: Callable[[], None],
     ) -> tuple[dict[str, str], int]:
         """Collective: into the SGLang workers in `remote`, a full sync by broadcast when
         `sync.broadcast` is set, else per-rank fragments; (failed workers, this rank's bytes sent)."""
@@ -328,7 +357,9 @@ class WeightSyncer:
             return blob
 
         pieces = full_sync_pieces(self._meta.numel, self.runtime.world_size) if full else 1
-        failed = self._sglang.deliver(changes, counted, version=version, pieces=pieces, only=remote)
+        failed = self._sglang.deliver(
+            changes, counted, version=version, pieces=pieces, only=remote, while_paused=while_paused
+        )
         self._pauses.update(self._sglang.pause_ms)
         return failed, sum(sizes)
 
@@ -366,6 +397,7 @@ class WeightSyncer:
 
     def _drop(self, pools: list[EnginePool | None], failed: set[str]) -> None:
         self._dropped |= failed
+        self._release(failed)
         for pool in pools:
             if pool is not None:
                 for name in failed & set(pool.live):
