@@ -8,6 +8,8 @@
 #                        OUT/res/learner_profile.txt the learner step's top operators
 # Exit status: non-zero when any part failed or hit its limit.
 #   GPU_PYTHON=python3 GPU_OUT=gpu-results TEST_S=300 BENCH_S=150 ENGINE_ARGS="..." tools/gpu_check.sh
+# A part's own limit, <PART>_S (TRAINER_S, LEARNER_S, SYNC_S, ENGINE_S), overrides BENCH_S, so one
+# lease can give the engine's long greedy run more time than the quick parts.
 set -uo pipefail
 PY=${GPU_PYTHON:-python3}
 OUT=${GPU_OUT:-gpu-results}
@@ -17,6 +19,8 @@ BENCH_S=${BENCH_S:-150}
 # The engine benchmark's shapes (its defaults, 64 x 512 greedy, take minutes on one GPU).
 ENGINE_ARGS=${ENGINE_ARGS:---batch 32 --gen 128 --rl-prompts 4 --group 8 --repeats 1 --compression-batch 16 --compression-gen 128}
 read -ra engine_args <<<"$ENGINE_ARGS"
+TRAINER_ARGS=${TRAINER_ARGS:---steps 5}
+read -ra trainer_args <<<"$TRAINER_ARGS"
 RES="$OUT/res"
 mkdir -p "$RES"
 export PYTHONUNBUFFERED=1
@@ -37,10 +41,12 @@ part() {  # part NAME LIMIT_S CMD...: timeout signals its whole process group (t
     # past their limits. pytest-timeout fails a stuck test with its traceback instead.
     part tests "$TEST_S" "$PY" -m pytest -q -m gpu tests -p no:cacheprovider -rfE --durations=15 \
         --timeout="$TEST_TIMEOUT_S" >"$OUT/tests.log" 2>&1 || failed+=(tests)
-    part trainer "$BENCH_S" "$PY" -m benchmarks.gpu.trainer --out "$RES" --steps 5 || failed+=(trainer)
-    part learner "$BENCH_S" "$PY" -m benchmarks.gpu.learner --out "$RES" --profile || failed+=(learner)
-    part sync "$BENCH_S" "$PY" -m benchmarks.gpu.sync --out "$RES" || failed+=(sync)
-    part engine "$BENCH_S" "$PY" -m benchmarks.gpu.engine --out "$RES" "${engine_args[@]}" || failed+=(engine)
+    part trainer "${TRAINER_S:-$BENCH_S}" "$PY" -m benchmarks.gpu.trainer --out "$RES" "${trainer_args[@]}" ||
+        failed+=(trainer)
+    part learner "${LEARNER_S:-$BENCH_S}" "$PY" -m benchmarks.gpu.learner --out "$RES" --profile || failed+=(learner)
+    part sync "${SYNC_S:-$BENCH_S}" "$PY" -m benchmarks.gpu.sync --out "$RES" || failed+=(sync)
+    part engine "${ENGINE_S:-$BENCH_S}" "$PY" -m benchmarks.gpu.engine --out "$RES" "${engine_args[@]}" ||
+        failed+=(engine)
     "$PY" -m benchmarks.gpu --out "$RES" --summary-only
     tail -n 25 "$OUT/tests.log"
     if ((${#failed[@]})); then
