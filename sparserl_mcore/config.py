@@ -40,7 +40,7 @@ from sparserl_mcore.loss.dgg import DGGConfig
 from sparserl_mcore.loss.policy import PolicyLossConfig
 from sparserl_mcore.parallel.config import ParallelConfig
 from sparserl_mcore.rollout.kvcompress.config import KVCompressionConfig
-from sparserl_mcore.rollout.protocol import SamplingParams
+from sparserl_mcore.rollout.protocol import SamplingParams, check_temperature
 from sparserl_mcore.sync.codec import CodecConfig
 
 if TYPE_CHECKING:
@@ -397,14 +397,25 @@ class RolloutConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     """Which verifier scores a completion: a key of `sparserl_mcore.rewards.REWARDS` or a
-    `package.module:function` import path; kwargs are passed to it by name."""
+    `package.module:function` import path; kwargs are passed to it by name.
+
+    timeout_s: the longest one call may take; the verifier runs in a process of its own
+    (`rewards.runner`), killed past it, and the run stops naming the reward and the sample.
+    skip_nonfinite: a NaN or infinite reward stops the run naming the sample (default); true drops
+    that sample's whole group from the step instead, counted (`reward/nonfinite_skipped`) and logged.
+    """
 
     name: str = "math_boxed"
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timeout_s: float = 60.0
+    skip_nonfinite: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name is empty: use a registered reward or module:function")
+        _positive(self, "timeout_s")
+        if self.timeout_s > threading.TIMEOUT_MAX:
+            raise ValueError(f"timeout_s={self.timeout_s:g}: must be <= {threading.TIMEOUT_MAX:g}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -413,6 +424,9 @@ class DataConfig:
 
     eval_path: held-out split; without it, `eval_fraction` of the train file is held out
     (deterministically, by the data seed) and never trained on.
+    skip_bad_rows: a row whose prompt is empty, or too long to leave room for
+    rollout.sampling.max_new_tokens in the model's context, is refused before launch naming its
+    file and line (default); true drops such rows from either split, counted.
     """
 
     train_path: str
@@ -421,6 +435,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     shuffle: bool = True
+    skip_bad_rows: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -452,8 +467,7 @@ class EvalConfig:
             raise ValueError(f"every={self.every}: must be >= 0 (0 = start and end only)")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num_prompts={self.num_prompts}: must be >= 1 or null (all)")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        check_temperature(self.temperature)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -528,6 +542,9 @@ MAX_SEED = 2**31  # train.seed: numpy's legacy seeding takes [0, 2**32), minus s
 
 
 ASYNC_MODES = ("off", "one_step", "in_flight")
+# train.async.max_staleness at most: the loss and the metrics hold one histogram bin per lag, and a
+# batch generated further ahead trains on a policy this many updates old (docs/async.md).
+MAX_STALENESS = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -557,6 +574,11 @@ class AsyncConfig:
                 f"max_staleness={self.max_staleness}: must be >= 1 (staleness 0 is mode=off, the "
                 "synchronous loop)"
             )
+        if self.max_staleness > MAX_STALENESS:
+            raise ValueError(
+                f"max_staleness={self.max_staleness}: must be <= {MAX_STALENESS} (each lag is one bin of "
+                "the loss's staleness histogram, and tokens that old carry little signal)"
+            )
         if self.mode == "one_step" and self.max_staleness != 1:
             raise ValueError(
                 f"max_staleness={self.max_staleness} with mode=one_step, which runs exactly one batch "
@@ -574,7 +596,12 @@ class TrainConfig:
     """The loop's size. A step samples prompts_per_step * rollout.group_size sequences, then
     updates on them in optimizer steps of global_batch_size sequences, micro_batch_size sequences
     per forward/backward on each data-parallel rank, for reuse_epochs passes over the batch
-    (K, batch reuse: 1 = single-use GRPO; with `dgg.enabled` DGG may end the reuse early)."""
+    (K, batch reuse: 1 = single-use GRPO; with `dgg.enabled` DGG may end the reuse early).
+
+    max_empty_steps: the run stops (exit code 5, naming the cause) after this many consecutive
+    steps that trained nothing: no tokens generated, no reward variance, or every update skipped as
+    non-finite (0 = never stop).
+    """
 
     steps: int = 100
     seed: int = 1234
@@ -583,10 +610,13 @@ class TrainConfig:
     micro_batch_size: int = 4
     reuse_epochs: int = 1
     filter_zero_variance_groups: bool = True
+    max_empty_steps: int = 3
     async_: AsyncConfig = dataclasses.field(default_factory=AsyncConfig, metadata={"key": "async"})
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "prompts_per_step", "global_batch_size", "micro_batch_size", "reuse_epochs")
+        if self.max_empty_steps < 0:
+            raise ValueError(f"max_empty_steps={self.max_empty_steps}: must be >= 0 (0 = never stop)")
         if not 0 <= self.seed < MAX_SEED:
             raise ValueError(
                 f"seed={self.seed}: must be in [0, {MAX_SEED - 1}] (numpy seeds take 32 bits, and "

@@ -130,7 +130,7 @@ def test_nonfinite_loss_skips_every_update_and_leaves_weights_and_sync_untouched
         tmp_path,
         hf,
         "nan",
-        reward={"name": "e2e_support:nan_reward"},
+        reward={"name": "e2e_support:overflow_reward"},
         train={"steps": 2, "filter_zero_variance_groups": False},
         checkpoint={"every": 0},
     )
