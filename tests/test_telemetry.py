@@ -298,7 +298,7 @@ def test_the_kv_saving_compares_whole_pages_with_whole_pages(tmp_path: Path) -> 
     from types import SimpleNamespace
 
     from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
-    from sparserl_mcore.trainer.loop import rollout_metrics
+    from sparserl_mcore.trainer.step_metrics import rollout_metrics
 
     for kv, saving in (
         (KVCompressionConfig(), "(1.0x less)"),

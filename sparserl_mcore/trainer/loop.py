@@ -60,6 +60,7 @@ from sparserl_mcore.trainer.run_summary import (
     step_info,
 )
 from sparserl_mcore.trainer.setup import Parts, build_parts, resume_checkpoint
+from sparserl_mcore.trainer.step_metrics import StepTimer, rollout_metrics
 from sparserl_mcore.trainer.versions import PolicyVersions
 
 
@@ -173,7 +174,7 @@ class Trainer:
     def step(self) -> None:
         """One RL step, as a list of named steps."""
         cfg, p, step = self.cfg, self.parts, self.state.step + 1
-        timer, started = _Timer(), time.perf_counter()
+        timer, started = StepTimer(), time.perf_counter()
         self._admit(step)
         if self.producer.ahead:
             self.progress.phase("rollouts (generated ahead)")
@@ -541,48 +542,3 @@ class Trainer:
             stopped_by=stopped_by,
             updates=self._updates_applied,
         )
-
-
-def rollout_metrics(samples: Sequence[Any], batch: Any, kv_bytes_per_token: int) -> dict[str, float]:
-    """Reward and KV statistics of one step's samples (before the zero-variance filter).
-
-    peak_kv_bytes: the most KV one request held, in the engine's whole pool pages. dense_kv_bytes:
-    what the longest request would hold uncompressed (every cached position: prompt + output but
-    the last token), in whole pages of the same size, so the two compare like with like.
-    """
-    peak = max(samples, key=lambda s: s.kv_stats.peak_kv_bytes)
-    cached = max(max(len(s.prompt_ids), len(s.prompt_ids) + len(s.output_ids) - 1) for s in samples)
-    dense = cached * kv_bytes_per_token
-    if peak.kv_stats.peak_pages:  # round up to the pages the engine allocates
-        page_bytes = peak.kv_stats.peak_kv_bytes // peak.kv_stats.peak_pages
-        dense = -(-dense // page_bytes) * page_bytes
-    lengths = torch.tensor([len(s.output_ids) for s in samples], dtype=torch.float32)
-    return {
-        "rollout/reward_mean": float(batch.rewards_B.mean()),
-        "rollout/response_len_mean": float(lengths.mean()),
-        "rollout/peak_kv_bytes": float(peak.kv_stats.peak_kv_bytes),
-        "rollout/dense_kv_bytes": float(dense),
-        "rollout/peak_retained_tokens": float(max(s.kv_stats.peak_retained_tokens for s in samples)),
-        "rollout/truncated_frac": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
-    }
-
-
-class _Timer:
-    """Wall time of named phases, reported as time/<phase>_s."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._name = ""
-
-    def __call__(self, name: str) -> _Timer:
-        self._name = name
-        return self
-
-    def __enter__(self) -> None:
-        self._start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds[self._name] = time.perf_counter() - self._start
-
-    def metrics(self) -> dict[str, float]:
-        return {f"time/{k}_s": v for k, v in self.seconds.items()}
