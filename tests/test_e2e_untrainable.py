@@ -6,7 +6,8 @@
 - steps that train nothing (no token generated; every reward equal) stop the run after
   train.max_empty_steps of them, naming the cause (exit 5), each step's line saying it trained 0;
 - with reward.skip_nonfinite and data.skip_bad_rows the same kind of faults are skipped, counted
-  and logged, and the run trains and reports how many updates it applied.
+  and logged, and the run trains and reports how many updates it applied (asynchronously: each
+  step line shows the mode and the lag, and the plot has a staleness panel).
 Each run is one process (TP 1, no torchrun) and a few steps of the tiny model: what matters is the
 outcome, not the learning.
 """
@@ -21,6 +22,9 @@ import time
 import psutil
 import pytest
 from e2e_support import PY, make_assets, metrics, subprocess_env, write_config
+
+from sparserl_mcore.telemetry import read_metrics
+from sparserl_mcore.telemetry.plot import drawable_panels
 
 ONE_RANK = {"tensor_model_parallel_size": 1}
 NO_SAVE = {"dir": None, "every": 0, "save_hf": None}
@@ -101,7 +105,8 @@ def test_steps_that_train_nothing_stop_the_run_naming_the_cause(assets, override
 
 
 def test_skipped_rewards_and_rows_are_counted_and_the_run_trains(assets):
-    """Odd rows answer "nan" (the reward returns NaN there) and line 5 has an empty prompt."""
+    """Odd rows answer "nan" (the reward returns NaN there) and line 5 has an empty prompt. The run
+    is asynchronous (one_step): its step lines show the mode and the lag, its plot a staleness panel."""
     root, hf = assets
     rows = [{"prompt": f"say {i}:", "answer": "nan" if i % 2 else "a"} for i in range(32)]
     rows[4]["prompt"] = ""
@@ -114,7 +119,9 @@ def test_skipped_rewards_and_rows_are_counted_and_the_run_trains(assets):
         "reward.skip_nonfinite=true",
         "data.skip_bad_rows=true",
         "train.steps=2",
+        "train.async.mode=one_step",
         data={"train_path": str(root / "skip.jsonl"), "eval_fraction": 0.0},
+        telemetry={"dir": str(root / "skip" / "metrics"), "plot": True, "progress": True},
     )
     assert proc.returncode == 0, proc.stderr
     assert re.search(
@@ -132,6 +139,14 @@ def test_skipped_rewards_and_rows_are_counted_and_the_run_trains(assets):
     assert all(re.fullmatch(r"step\d-p\d-g\d", rid) for e in skipped for rid in e["samples"])
     updates = sum(r["train/updates"] for r in steps if "train/updates" in r)
     assert updates > 0 and f", {updates:.0f} optimizer updates applied" in proc.stdout, proc.stdout
-    assert re.findall(r"^step (\d) .*trained (\d+) seq", proc.stdout, re.M) == [
-        (str(r["step"]), f"{r['train/sequences']:.0f}") for r in steps
+    assert re.findall(r"^step (\d) .*trained (\d+) seq  one_step lag ([\d.]+) \(max", proc.stdout, re.M) == [
+        (str(r["step"]), f"{r['train/sequences']:.0f}", f"{r['staleness/lag_mean']:.2f}") for r in steps
     ]
+    assert [r["staleness/lag_max"] for r in steps] == [0, 1]  # batch 2 was sampled a version back
+    plotted = {
+        title for title, _, _ in drawable_panels(read_metrics(root / "skip" / "metrics" / "metrics.jsonl"))
+    }
+    assert (
+        "staleness: lag of trained tokens" in plotted
+        and (root / "skip" / "metrics" / "summary.png").is_file()
+    )
