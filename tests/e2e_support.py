@@ -118,3 +118,15 @@ def hung_reward(completion: str, answer: str) -> float:
 
     time.sleep(3600)
     return 0.0
+
+
+def misbehaving_reward(completion: str, answer: str) -> float:
+    """Misbehaves as `completion` says ("raise", "text", "huge", "exit"); else 0.5."""
+    del answer
+    if completion == "raise":
+        raise ValueError("cannot parse the answer")
+    if completion == "exit":
+        import os
+
+        os._exit(3)
+    return {"text": "high", "huge": 1e300}.get(completion, 0.5)  # type: ignore[return-value]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -33,6 +34,11 @@ def _score(reward: Any, request: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
+    # Its runner owns its lifetime (kill past the timeout, end of input when the trainer exits): a
+    # Ctrl-C or SIGTERM reaching the whole process group must not end it under a stopping trainer,
+    # which finishes its step (and may score rewards) before it stops.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the reward's prints go to stderr
     from sparserl_mcore.rewards import build_reward
