@@ -188,9 +188,9 @@ def run(args: argparse.Namespace) -> int:
     cfg_path = out / "demo.yaml"
     cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
     metrics.unlink(missing_ok=True)
-    console.print(
-        f"GRPO: TP={args.nproc} over {args.nproc} gloo processes, config {cfg_path}", soft_wrap=True
-    )
+    tp, islands = config["parallel"]["tensor_model_parallel_size"], config["parallel"]["islands"]
+    layout = f"TP={tp}" + (f", {islands} islands" if islands > 1 else "")
+    console.print(f"GRPO: {layout} over {args.nproc} gloo processes, config {cfg_path}", soft_wrap=True)
     code = train(str(cfg_path), ["checkpoint.resume=false"], nproc=args.nproc)
     if code != 0:
         console.print(f"[red]training failed with exit code {code}[/]")

@@ -87,7 +87,7 @@ def metrics(root: Path, name: str) -> list[dict]:
 
 
 def nan_reward(completion: str, answer: str) -> float:
-    """A broken verifier: every reward NaN, so every loss and gradient is NaN."""
+    """A broken verifier: every reward NaN (the run stops at the first, naming the sample)."""
     del completion, answer
     return float("nan")
 
@@ -96,3 +96,37 @@ def zero_reward(completion: str, answer: str) -> float:
     """Every completion scores 0: no group has reward variance, so no optimizer step happens."""
     del completion, answer
     return 0.0
+
+
+def overflow_reward(completion: str, answer: str) -> float:
+    """Finite as a float32, but a group of them overflows the mean: every advantage, loss and
+    gradient is NaN (the learner's non-finite update path)."""
+    del completion, answer
+    return 3e38
+
+
+def nan_when_asked(completion: str, answer: str) -> float:
+    """NaN for the prompts whose answer is "nan" (a verifier that fails on some rows), else
+    `lowercase_fraction`."""
+    return float("nan") if answer == "nan" else lowercase_fraction(completion, answer)
+
+
+def hung_reward(completion: str, answer: str) -> float:
+    """A verifier that never returns (a catastrophic regex, a dead remote judge)."""
+    del completion, answer
+    import time
+
+    time.sleep(3600)
+    return 0.0
+
+
+def misbehaving_reward(completion: str, answer: str) -> float:
+    """Misbehaves as `completion` says ("raise", "text", "huge", "exit"); else 0.5."""
+    del answer
+    if completion == "raise":
+        raise ValueError("cannot parse the answer")
+    if completion == "exit":
+        import os
+
+        os._exit(3)
+    return {"text": "high", "huge": 1e300}.get(completion, 0.5)  # type: ignore[return-value]

@@ -10,6 +10,7 @@ exception no check turned into a message) is one line naming the file with its t
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 
@@ -74,6 +75,34 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
         ),
         ([*TRAIN, "rollout.sampling.max_new_tokens=5000"], 2, "the model's context holds 2048 positions"),
         ([*TRAIN, "data.train_path={file}"], 2, "data: .*file: unsupported dataset format ''"),
+        # issue 36: bad rows are refused before launch naming file, line and lengths (either split)
+        (
+            [*TRAIN, "data.eval_fraction=0", "data.train_path={empty_prompt}"],
+            2,
+            r"data: .*empty.jsonl:4: the prompt is empty \(0 tokens\)",
+        ),
+        (
+            [*TRAIN, "data.eval_fraction=0", "data.train_path={long_prompt}"],
+            2,
+            r"data: .*long.jsonl:2: the prompt has 2040 tokens, and with rollout.sampling.max_new_tokens=12 "
+            r"it exceeds the model's context of 2048 positions; .* set data.skip_bad_rows=true",
+        ),
+        (
+            [*TRAIN, "data.eval_fraction=0", "data.eval_path={long_prompt}"],
+            2,
+            r"data: .*long.jsonl:2: the prompt has 2040 tokens",
+        ),
+        # issue 36: every callback and wait has a bound
+        ([*TRAIN, "reward.timeout_s=0"], 2, "reward: timeout_s=0.0: must be > 0"),
+        ([*TRAIN, "reward.timeout_s=1e300"], 2, "reward: timeout_s=1e.300: must be <="),
+        ([*TRAIN, "train.max_empty_steps=-1"], 2, "max_empty_steps=-1: must be >= 0"),
+        (
+            [*TRAIN, "train.async.mode=in_flight", "train.async.max_staleness=1000000"],
+            2,
+            "max_staleness=1000000: must be <= 8",
+        ),
+        ([*TRAIN, "rollout.sampling.temperature=1e-300"], 2, "temperature=1e-300: below 1e-06"),
+        ([*TRAIN, "eval.temperature=1e-300"], 2, "eval: temperature=1e-300: below 1e-06"),
     ],
     "demo": [
         ([*DEMO, "train.stepz=1"], 2, "unknown key train.stepz"),
@@ -312,6 +341,10 @@ def paths(tmp_path_factory) -> dict[str, str]:
     (root / "file").write_text("not what any command wants\n")
     (root / "bad.yaml").write_text("model: [\n")
     (root / "garbage.patch").write_bytes(b"garbage")
+    rows = ['{"prompt": "say 1:", "answer": "a"}', "", '{"prompt": "say 2:", "answer": "a"}']
+    (root / "empty.jsonl").write_text("\n".join([*rows, '{"prompt": "", "answer": "a"}']) + "\n")
+    long = json.dumps({"prompt": "x" * 2040, "answer": "a"})  # the tiny tokenizer: a token a character
+    (root / "long.jsonl").write_text("\n".join([rows[0], long, *rows[2:]]) + "\n")
     weights = {"w": torch.zeros(4, 4, dtype=torch.bfloat16), "b": torch.ones(4, dtype=torch.bfloat16)}
     save_file(weights, root / "A.safetensors")
     save_file({k: v + 1 for k, v in weights.items()}, root / "B.safetensors")
@@ -326,6 +359,8 @@ def paths(tmp_path_factory) -> dict[str, str]:
         "other": str(root / "other.safetensors"),
         "garbage": str(root / "garbage.patch"),
         "bad_yaml": str(root / "bad.yaml"),
+        "empty_prompt": str(root / "empty.jsonl"),
+        "long_prompt": str(root / "long.jsonl"),
     }
 
 

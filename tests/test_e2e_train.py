@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from waiting import wait_until
 
 from sparserl_mcore.parallel.launch import launch_local
+from sparserl_mcore.telemetry import read_metrics
 
 TRAIN = str(REPO / "launchers" / "train.py")
 
@@ -91,8 +92,11 @@ def test_tp2_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path):
     )
     events = [r for r in metrics(tmp_path, "killed") if r.get("event") == "resumed"]
     assert [(e["step"], e["rng"]) for e in events] == [(2, "restored")]
-    # the re-run step 3 replaced the abandoned one: every step once, as in the uninterrupted run
+    # the re-run step 3 replaced the abandoned one: every step once, as in the uninterrupted run;
+    # updates.jsonl (the per-update DWD / DGG history) too, not cut at the resume (issue 36)
     assert _step_rewards(tmp_path, "killed") == _step_rewards(tmp_path, "full")
+    assert _update_rows(tmp_path, "killed") == _update_rows(tmp_path, "full")
+    assert {s for s, _ in _update_rows(tmp_path, "full")} == {1, 2, 3, 4}
 
     a, b = _weights(tmp_path / "full" / "hf"), _weights(tmp_path / "killed" / "hf")
     assert a.keys() == b.keys()
@@ -116,6 +120,10 @@ def _step_rewards(root, name: str) -> list[tuple[int, float]]:
     return [(r["step"], r["rollout/reward_mean"]) for r in metrics(root, name) if "rollout/reward_mean" in r]
 
 
+def _update_rows(root, name: str) -> list[tuple[int, int]]:
+    return [(r["step"], r["update"]) for r in read_metrics(root / name / "metrics" / "updates.jsonl")]
+
+
 def _logged(root, step: int, proc: subprocess.Popen) -> bool:
     assert proc.poll() is None, proc.communicate()
     try:
@@ -130,7 +138,7 @@ def test_nonfinite_loss_skips_every_update_and_leaves_weights_and_sync_untouched
         tmp_path,
         hf,
         "nan",
-        reward={"name": "e2e_support:nan_reward"},
+        reward={"name": "e2e_support:overflow_reward"},
         train={"steps": 2, "filter_zero_variance_groups": False},
         checkpoint={"every": 0},
     )

@@ -245,9 +245,9 @@ def _ranks_of(launcher: subprocess.Popen, entry: str, n: int) -> list[psutil.Pro
     return wait_until(ranks, timeout=120, what=f"{n} ranks running {entry}")
 
 
-def test_sigterm_of_sparserl_train_stops_every_rank(tmp_path):
-    """Mid-run, the ranks checkpoint and the run reports one outcome: stopped (not "done", not
-    "failed"), exit code 128 + SIGTERM."""
+def test_ctrl_c_of_sparserl_train_stops_every_rank_and_says_sigint(tmp_path):
+    """Mid-run, the ranks checkpoint and the run reports one outcome: stopped by SIGINT (not "done",
+    not "failed", not the SIGTERM of other stops), exit code 128 + SIGINT."""
     hf = make_assets(tmp_path)
     cfg = write_config(tmp_path, hf, "term", train={"steps": 20})
     cmd = [sys.executable, "-m", "sparserl_mcore", "train", "--config", str(cfg), "--nproc", "2"]
@@ -258,14 +258,14 @@ def test_sigterm_of_sparserl_train_stops_every_rank(tmp_path):
         _ranks_of(launcher, "sparserl_mcore.launch.train", 2)
         everyone = psutil.Process(launcher.pid).children(recursive=True)
         wait_until(lambda: _logged_step(tmp_path / "term", launcher), timeout=300, what="step 1")
-        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(signal.SIGINT)
         out, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert launcher.returncode == 128 + signal.SIGINT, err
     assert re.search(
-        r"^sparserl train: stopped by SIGTERM: steps 0 -> \d+ in .*; rerun the same", out, re.M
+        r"^sparserl train: stopped by SIGINT: steps 0 -> \d+ in .*; rerun the same", out, re.M
     ), out
     assert "done" not in out and err == "", (out, err)  # one outcome, said once
     assert _gone([p.pid for p in everyone], timeout=10) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -125,3 +126,37 @@ def test_registry_and_import_path_plugins(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(ValueError, match="import path looks like"):
         build_reward("my_rewards:")
     sys.modules.pop("my_rewards", None)
+
+
+def test_the_runner_names_the_reward_and_the_sample_for_every_misbehaviour():
+    """The reward runs in its own process (`rewards.runner`): whatever it does, the caller gets a
+    number or one line naming the reward and the sample, and the next call still works."""
+    import signal
+
+    from sparserl_mcore.rewards.runner import RewardError, RewardRunner
+
+    name = "e2e_support:misbehaving_reward"
+    runner = RewardRunner(name, {}, timeout_s=30)
+    try:
+        assert runner("fine", "a", sample="s0") == 0.5
+        for completion, said in [
+            ("raise", f"reward {name} raised ValueError: cannot parse the answer (sample s1)"),
+            ("text", f"reward {name} returned 'high', not a number (sample s1)"),
+            ("huge", f"reward {name} returned 1e+300 for sample s1 (completion 'huge'): a reward must be"),
+            ("exit", f"reward {name}: its process exited (code 3) scoring sample s1"),
+        ]:
+            with pytest.raises(RewardError) as err:
+                runner(completion, "a", sample="s1")
+            assert str(err.value).startswith(said) and "\n" not in str(err.value)
+            assert runner("fine", "a", sample="s2") == 0.5  # a fresh process if the last one died
+        worker = runner._proc
+        assert worker is not None
+        worker.send_signal(signal.SIGINT)  # Ctrl-C reaches the process group: the trainer decides
+        assert runner("fine", "a", sample="s3") == 0.5 and runner._proc is worker
+    finally:
+        runner.close()
+    skipping = RewardRunner(name, {}, timeout_s=30, skip_nonfinite=True)
+    try:
+        assert math.isnan(skipping("huge", "a", sample="s4"))  # beyond float32: dropped by the caller
+    finally:
+        skipping.close()

@@ -198,6 +198,7 @@ BAD_REQUESTS = [
     (_body({"max_new_tokens": 300}), "whole KV pool"),
     (_body({"temperature": "hot"}), "temperature"),
     (_body({"temperature": -0.5}), "temperature"),
+    (_body({"temperature": 1e-300}), "temperature=1e-300: below 1e-06"),  # underflows: never a 500
     (_body({"top_p": 0}), "top_p"),
     (_body({"top_p": 1.5}), "top_p"),
     (_body({"min_p": 2}), "min_p"),

@@ -59,6 +59,11 @@ def test_only_logged_panels_are_drawn_and_ratios_divide_their_two_metrics() -> N
     }  # no eval, KL, mismatch, DGG or correction panel: never logged
     saved = {label: data for data, label in panels["saved vs dense (x less)"]}
     assert saved == {"peak KV / request": ([1, 2], [1.75, 1.75]), "weight sync bytes": ([2], [5.0])}
+    # an asynchronous run (train.async) logs the lag of its trained tokens: it gets a staleness panel
+    records[1].update({"staleness/lag_mean": 0.75, "staleness/lag_max": 1.0})
+    panels = {title: curves for title, curves, _ in drawable_panels(records)}
+    lag = {label: data for data, label in panels["staleness: lag of trained tokens"]}
+    assert lag == {"mean lag": ([2], [0.75]), "max lag": ([2], [1.0])}
 
 
 def test_step_lines_are_short_and_human() -> None:
@@ -72,11 +77,21 @@ def test_step_lines_are_short_and_human() -> None:
             "sync/dense_bytes": 430080.0,
             "dgg/gates": 1.0,
             "correction/vetoed_sequences": 0.0,
+            "train/sequences": 48.0,
             "time/rollout_s": 1.0,
             "time/update_s": 3.1,
         },
     )
-    assert line == "step 12  reward 0.213  KV 16.4 KB (1.8x less)  sync 84.0 KB (5.1x less)  gated 1  4.1 s"
+    assert line == (
+        "step 12  reward 0.213  trained 48 seq  KV 16.4 KB (1.8x less)  sync 84.0 KB (5.1x less)  "
+        "gated 1  4.1 s"
+    )
+    # asynchronous: the mode and the lag of the trained tokens (none trained: the mode alone)
+    lagged = {"train/sequences": 16.0, "staleness/lag_mean": 0.4375, "staleness/lag_max": 1.0}
+    assert (
+        step_line(5, lagged, async_mode="in_flight") == "step 5  trained 16 seq  in_flight lag 0.44 (max 1)"
+    )
+    assert step_line(6, {"train/sequences": 0.0}, async_mode="one_step") == "step 6  trained 0 seq  one_step"
     assert step_line(0, {"eval/pass1_compressed": 0.0625, "eval/pass1_dense": 0.5}) == (
         "step 0  eval 0.062 compressed KV / 0.500 dense KV"
     )
@@ -225,11 +240,26 @@ def test_a_resumed_run_keeps_the_history_up_to_its_checkpoint_and_logs_each_step
         {"step": 4, "rollout/reward_mean": 0.4},
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in before) + '{"step": 5, "rollou')
+    updates = tmp_path / "updates.jsonl"  # the per-update history is kept the same way (issue 36)
+    updates.write_text(
+        "".join(
+            json.dumps({"step": s, "update": u, "dwd/ratio": s}) + "\n" for s in (1, 2, 3) for u in (1, 2)
+        )
+    )
     logger = MetricsLogger(cfg, resume_step=2)
     logger.event("resumed", {"step": 2})
     for step in (3, 4):
         logger.log({"rollout/reward_mean": step / 100}, step=step)
+        logger.log_updates([{"dwd/ratio": step * 10}], step=step)
     logger.close()
+    assert [(r["step"], r["update"], r["dwd/ratio"]) for r in read_metrics(updates)] == [
+        (1, 1, 1),
+        (1, 2, 1),
+        (2, 1, 2),
+        (2, 2, 2),
+        (3, 1, 30),
+        (4, 1, 40),
+    ]
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r.get("step"), r.get("event"), r.get("rollout/reward_mean")) for r in rows] == [
         (0, None, None),
@@ -240,7 +270,7 @@ def test_a_resumed_run_keeps_the_history_up_to_its_checkpoint_and_logs_each_step
         (3, None, 0.03),
         (4, None, 0.04),
     ]
-    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temp file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "updates.jsonl"]  # no temp file
     MetricsLogger(cfg).close()
     assert path.read_text() == ""
 
@@ -268,7 +298,7 @@ def test_the_kv_saving_compares_whole_pages_with_whole_pages(tmp_path: Path) -> 
     from types import SimpleNamespace
 
     from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
-    from sparserl_mcore.trainer.loop import rollout_metrics
+    from sparserl_mcore.trainer.step_metrics import rollout_metrics
 
     for kv, saving in (
         (KVCompressionConfig(), "(1.0x less)"),

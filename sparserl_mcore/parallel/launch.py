@@ -8,9 +8,10 @@ Two ways in, neither imports torch (callers stay cheap):
 - `launch_local` (tests, benchmarks): output captured into a `LaunchError` on failure.
 
 Lifetime (the contract a rank's checkpoint-on-SIGTERM handler can rely on):
-- SIGTERM or SIGINT (Ctrl-C) to the launching process: SIGTERM is forwarded to every rank, so a
-  rank can save a checkpoint and exit. Ranks still alive `grace_s` seconds later
-  (SPARSERL_STOP_GRACE_S, default 60) are SIGKILLed with torchrun; a second signal kills at once.
+- SIGTERM or SIGINT (Ctrl-C) to the launching process: the same signal is forwarded to every rank,
+  so a rank can save a checkpoint, exit and say which signal stopped it. Ranks still alive
+  `grace_s` seconds later (SPARSERL_STOP_GRACE_S, default 60) are SIGKILLed with torchrun; a second
+  signal kills at once.
   The launcher then exits 128 + the signal number.
 - SIGKILL of the launching process: the kernel sends torchrun SIGTERM (PR_SET_PDEATHSIG, set in the
   child before exec); torchrun SIGTERMs its ranks' process groups and SIGKILLs them 30 s later.
@@ -193,7 +194,7 @@ class _Stopper:
         self.signum = signum
         for proc in self._targets():
             with contextlib.suppress(psutil.NoSuchProcess):
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signum)
         self._timer = threading.Timer(self.grace_s, self.kill)
         self._timer.daemon = True
         self._timer.start()

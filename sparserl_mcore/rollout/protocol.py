@@ -70,8 +70,7 @@ class SamplingParams:
             set_("seed", _int("seed", self.seed))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r}: must be true or false")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature={self.temperature!r}: must be >= 0 (0 = greedy)")
+        check_temperature(self.temperature)
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]; use 1.0 to disable")
         if not (0.0 <= self.min_p <= 1.0):
@@ -97,6 +96,22 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling params {unknown}; known: {sorted(known)}")
         return cls(**{k: v for k, v in data.items() if v is not None or k == "max_new_tokens"})
+
+
+# The smallest sampling temperature taken (SGLang's _SAMPLING_EPS): logits / T overflows float32
+# for T much below it, so a smaller positive T is refused rather than turned into NaN draws.
+MIN_TEMPERATURE = 1e-6
+
+
+def check_temperature(temperature: float) -> None:
+    """0 (greedy) or at least MIN_TEMPERATURE; ValueError naming the value and the fix otherwise."""
+    if temperature < 0.0:
+        raise ValueError(f"temperature={temperature!r}: must be >= 0 (0 = greedy)")
+    if 0.0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature={temperature!r}: below {MIN_TEMPERATURE:g}, logits / temperature overflow; "
+            "use 0 for greedy decoding"
+        )
 
 
 def _int(name: str, value: Any) -> int:

@@ -5,8 +5,9 @@ GPU memory/utilisation when there is a GPU, prints a short human-formatted line 
 the live progress line, through the same console), records events (engine failures, skipped
 non-finite steps, ...) in the JSONL file, and draws the PNG at close.
 On other ranks build it with `enabled=False`: every method is then a no-op. A run that resumes from
-a checkpoint at step S passes `resume_step=S`: the file keeps its history up to S and drops what the
-interrupted run logged after it (`sinks.JsonlSink`); without it the file starts empty.
+a checkpoint at step S passes `resume_step=S`: metrics.jsonl and updates.jsonl keep their history
+up to S and drop what the interrupted run logged after it (`sinks.JsonlSink`); without it the files
+start empty.
 
     logger = MetricsLogger(cfg.telemetry, run_config=to_dict(cfg))
     logger.log({"rollout/reward_mean": 0.4, ...}, step=3)
@@ -43,12 +44,22 @@ def _saving(record: Mapping[str, float], used: str, dense: str, label: str) -> s
     return f"{label} {human_bytes(record[used])}{ratio}"
 
 
-def step_line(step: int, record: Mapping[str, float]) -> str:
-    """The one console line of a step: reward, eval (on eval steps), KV, sync and (islands) outer-step
-    bytes against dense, DGG gates and vetoed sequences when there were any, wall time."""
+def step_line(step: int, record: Mapping[str, float], *, async_mode: str = "off") -> str:
+    """The one console line of a step: reward, sequences trained, the async mode and the lag of the
+    trained tokens (async runs), eval (on eval steps), KV, sync and (islands) outer-step bytes
+    against dense, DGG gates and vetoed sequences when there were any, wall time."""
     parts = [f"step {step}"]
     if "rollout/reward_mean" in record:
         parts.append(f"reward {record['rollout/reward_mean']:.3f}")
+    if "train/sequences" in record:
+        parts.append(f"trained {record['train/sequences']:.0f} seq")
+    if async_mode != "off":
+        lag = record.get("staleness/lag_mean")
+        parts.append(
+            f"{async_mode} lag {lag:.2f} (max {record.get('staleness/lag_max', 0):.0f})"
+            if lag is not None
+            else async_mode
+        )
     evals = [
         f"{record[k]:.3f} {name} KV"
         for k, name in (("eval/pass1_compressed", "compressed"), ("eval/pass1_dense", "dense"))
@@ -87,8 +98,9 @@ class MetricsLogger:
         run_config: Mapping[str, Any] | None = None,
         device_index: int = 0,
         resume_step: int | None = None,
+        async_mode: str = "off",
     ) -> None:
-        self.cfg, self.enabled = cfg, enabled
+        self.cfg, self.enabled, self.async_mode = cfg, enabled, async_mode
         self.dir = Path(cfg.dir)
         self.path = self.dir / "metrics.jsonl"
         self._sinks: list[MetricsSink] = []
@@ -105,6 +117,8 @@ class MetricsLogger:
             self._sinks.append(WandbSink(cfg.wandb_project, cfg.wandb_run_name, run_config or {}, self.dir))
         self._gpu = GpuMonitor(device_index, enabled=cfg.gpu_stats)
         self._updates: JsonlSink | None = None  # updates.jsonl, opened at the first update
+        if resume_step is not None:  # its history through the checkpoint is kept, as metrics.jsonl's
+            self._updates = JsonlSink(self.dir / "updates.jsonl", keep_through_step=resume_step)
 
     def log_updates(self, updates: Sequence[Mapping[str, float]], *, step: int) -> None:
         """One updates.jsonl line per optimizer update of `step`: {"step", "update" (1-based), ...}."""
@@ -124,7 +138,9 @@ class MetricsLogger:
         for sink in self._sinks:
             sink.write(step, record)
         if self.cfg.progress:
-            self.console.print(step_line(step, record), highlight=False, soft_wrap=True)
+            self.console.print(
+                step_line(step, record, async_mode=self.async_mode), highlight=False, soft_wrap=True
+            )
         return record
 
     def event(self, kind: str, fields: Mapping[str, Any], *, show: bool = True) -> None:

@@ -65,6 +65,11 @@ PANELS: tuple[tuple[str, tuple[tuple[Series, str], ...], str], ...] = (
         (("sync/patch_bytes", "sparse patch"), ("sync/dense_bytes", "dense BF16")),
         "log",
     ),
+    (  # asynchronous runs only (train.async): how old the trained tokens were, in policy versions
+        "staleness: lag of trained tokens",
+        (("staleness/lag_mean", "mean lag"), ("staleness/lag_max", "max lag")),
+        "zero",
+    ),
 )
 
 

@@ -11,7 +11,8 @@ code 2, and a run already at train.steps says so and exits 0 without writing any
   `<telemetry.dir>/logs/rank<R>.log`, and a failure is summarised in one line per distinct error.
 The host rank ends the run with a short summary and the paths it wrote.
 Exit codes: 0 done (or already complete), 2 refused before start, 3 no rollout engine left,
-1 any other failure, 128+N stopped by signal N.
+4 a reward failed (raised, hung past reward.timeout_s, non-finite), 5 train.max_empty_steps steps in
+a row trained nothing, 1 any other failure, 128+N stopped by signal N.
 """
 
 from __future__ import annotations

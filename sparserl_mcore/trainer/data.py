@@ -27,11 +27,13 @@ SUFFIXES = (".jsonl", ".parquet")
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One prompt with its reference answer; `index` is its row in the source file."""
+    """One prompt with its reference answer; `index` is its row in the source file, `where` names
+    it for a message ("train.jsonl:17": the file's line; Parquet: "data.parquet:row 16")."""
 
     prompt: str
     answer: str
     index: int
+    where: str = ""
 
 
 def _check_value(value: Any, key: str, where: str) -> str:
@@ -59,7 +61,7 @@ def _read_jsonl(path: Path, prompt_key: str, answer_key: str) -> list[Example]:
             if missing:
                 raise ValueError(f"{where}: missing key {missing[0]!r}; keys present: {sorted(obj)}")
             prompt = _check_value(obj[prompt_key], prompt_key, where)
-            rows.append(Example(prompt, _check_value(obj[answer_key], answer_key, where), len(rows)))
+            rows.append(Example(prompt, _check_value(obj[answer_key], answer_key, where), len(rows), where))
     return rows
 
 
@@ -74,7 +76,10 @@ def _read_parquet(path: Path, prompt_key: str, answer_key: str) -> list[Example]
     prompts, answers = table.column(prompt_key).to_pylist(), table.column(answer_key).to_pylist()
     return [
         Example(
-            _check_value(p, prompt_key, f"{path}:row {i}"), _check_value(a, answer_key, f"{path}:row {i}"), i
+            _check_value(p, prompt_key, f"{path}:row {i}"),
+            _check_value(a, answer_key, f"{path}:row {i}"),
+            i,
+            f"{path}:row {i}",
         )
         for i, (p, a) in enumerate(zip(prompts, answers, strict=True))
     ]

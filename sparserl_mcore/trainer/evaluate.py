@@ -1,12 +1,14 @@
 """pass@1 on the held-out split under compressed KV (the rollout engines) and dense KV.
 
 Collective over the learner group: the host rank generates and scores, the numbers are broadcast
-to every learner rank.
+to every learner rank. A prompt whose reward is non-finite (kept as NaN only under
+reward.skip_nonfinite) is left out of the mean.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch.distributed as dist
@@ -36,7 +38,9 @@ class Evaluator:
             self.prompts, tag="eval", group_size=1, sampling=self.sampling, run_seed=self.seed
         )
         samples = pool.generate(requests)
-        return sum(self.reward_fn(s, p) for s, p in zip(samples, self.prompts, strict=True)) / len(samples)
+        scores = [self.reward_fn(s, p) for s, p in zip(samples, self.prompts, strict=True)]
+        scored = [x for x in scores if not math.isnan(x)]  # NaN: non-finite, skipped (reward.skip_nonfinite)
+        return sum(scored) / len(scored) if scored else math.nan
 
     def run(self, compressed: EnginePool | None, dense: EnginePool | None) -> dict[str, float]:
         out: list[Any] = [{}]

@@ -11,7 +11,7 @@ than `ahead` versions old when step b trains on it. `train.async.mode=off` is ah
 generated when taken, exactly the synchronous loop.
 
 Before each step the ranks agree whether a stop signal (SIGUSR1 ahead of a Slurm time limit,
-SIGTERM) arrived anywhere; if so they checkpoint and end cleanly (trainer/preemption.py).
+SIGTERM, SIGINT) arrived anywhere; if so they checkpoint and end cleanly (trainer/preemption.py).
 
 Collective discipline: every rank walks the same steps in the same order; whatever only the host
 rank knows (samples, rewards, engine failures, eval scores) reaches the others by broadcast.
@@ -33,20 +33,35 @@ import torch.distributed as dist
 from sparserl_mcore import parallel
 from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
+from sparserl_mcore.rewards.runner import RewardError
 from sparserl_mcore.rollout.protocol import Sample
 from sparserl_mcore.telemetry import RunProgress
 from sparserl_mcore.trainer import checkpoint, moe_routing, run_layout
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
+from sparserl_mcore.trainer.empty_steps import (
+    EmptySteps,
+    NothingTrainedError,
+    drop_nonfinite_groups,
+    empty_cause,
+    trained_signal,
+)
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
 from sparserl_mcore.trainer.preemption import StopRequest
-from sparserl_mcore.trainer.producer import RolloutProducer
+from sparserl_mcore.trainer.producer import Produced, RolloutProducer
 from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, score_on_host
 from sparserl_mcore.trainer.run_layout import RunLayout
 from sparserl_mcore.trainer.run_record import read_saved_run
+from sparserl_mcore.trainer.run_summary import (
+    EXIT_NO_ENGINE,
+    EXIT_NOTHING_TRAINED,
+    EXIT_OK,
+    EXIT_REWARD,
+    RunSummary,
+    step_info,
+)
 from sparserl_mcore.trainer.setup import Parts, build_parts, resume_checkpoint
+from sparserl_mcore.trainer.step_metrics import StepTimer, rollout_metrics
 from sparserl_mcore.trainer.versions import PolicyVersions
-
-EXIT_OK, EXIT_NO_ENGINE = 0, 3
 
 
 @dataclasses.dataclass
@@ -62,51 +77,6 @@ class LoopState:
     versions: list[int] = dataclasses.field(default_factory=list)  # published, see trainer/versions.py
     diloco: dict[str, Any] = dataclasses.field(default_factory=dict)  # outer-step counters (islands)
     synced_inner: float = 0.0  # islands: inner steps taken when the engines' anchor was made
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSummary:
-    """How a run ended; `report()` is what the host rank prints last."""
-
-    exit_code: int
-    steps: int
-    metrics_path: Path | None = None
-    plot_path: Path | None = None
-    checkpoint_path: Path | None = None
-    hf_path: Path | None = None
-    message: str = ""
-    first_step: int = 0  # the step this run started from (> 0 when it resumed)
-    seconds: float = 0.0
-    rewards: tuple[float, float] | None = None  # mean reward of this run's first and last step
-    stopped_by: str | None = None  # the signal that ended the run early ("SIGTERM", "SIGUSR1")
-
-    def report(self) -> list[str]:
-        """A short summary and the paths a user looks at next (those this run wrote)."""
-        if self.stopped_by:
-            head = f"stopped by {self.stopped_by}"
-        else:
-            head = "done" if self.exit_code == EXIT_OK else f"stopped (exit code {self.exit_code})"
-        line = f"{head}: steps {self.first_step} -> {self.steps} in {_duration(self.seconds)}"
-        if self.rewards is not None:
-            line += f", reward {self.rewards[0]:.3f} -> {self.rewards[1]:.3f}"
-        if self.stopped_by:
-            line += (
-                "; rerun the same command to resume"
-                if self.checkpoint_path
-                else "; no checkpoint.dir: nothing saved"
-            )
-        paths = {
-            "metrics": self.metrics_path,
-            "plot": self.plot_path,
-            "checkpoint": self.checkpoint_path,
-            "HF export": self.hf_path,
-        }
-        return [line] + [f"  {name + ':':<12}{path}" for name, path in paths.items() if path is not None]
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
 
 
 def train(cfg: RunConfig) -> RunSummary:
@@ -151,6 +121,8 @@ class Trainer:
             abort=self._abort_generation,
         )
         self._submitted_through = 0  # the last step whose batch was submitted
+        self._updates_applied = 0  # optimizer updates this process applied (the summary reports it)
+        self.empty_steps = EmptySteps(cfg.train.max_empty_steps)
 
     # -- the run -------------------------------------------------------------------------------
     def fit(self) -> RunSummary:
@@ -185,6 +157,10 @@ class Trainer:
             ckpt = self.save(sync_engines=False) if self.cfg.checkpoint.dir else None
             p.telemetry.event("stopped", {"reason": str(exc), "checkpoint": str(ckpt)})
             return self._summary(EXIT_NO_ENGINE, ckpt, message=f"no rollout engine left: {exc}")
+        except (RewardError, NothingTrainedError) as exc:  # nothing worth a checkpoint was made
+            p.telemetry.event("stopped", {"reason": str(exc), "step": self.state.step}, show=False)
+            code = EXIT_REWARD if isinstance(exc, RewardError) else EXIT_NOTHING_TRAINED
+            return self._summary(code, None, message=str(exc))
         if self.cfg.eval.every == 0 or self.state.step % self.cfg.eval.every:
             self._log_eval()
         ckpt = self.save() if self.cfg.checkpoint.dir else None
@@ -198,7 +174,7 @@ class Trainer:
     def step(self) -> None:
         """One RL step, as a list of named steps."""
         cfg, p, step = self.cfg, self.parts, self.state.step + 1
-        timer, started = _Timer(), time.perf_counter()
+        timer, started = StepTimer(), time.perf_counter()
         self._admit(step)
         if self.producer.ahead:
             self.progress.phase("rollouts (generated ahead)")
@@ -207,25 +183,24 @@ class Trainer:
         lag = self._policy_lag()
         with timer("rollout"):  # asynchronous: how long the learner waited for the batch
             produced = self.producer.take(step)
-        samples = produced.samples
-        batch = build_batch(
-            samples,
-            produced.rewards,
-            group_size=cfg.rollout.group_size,
-            normalize_std=cfg.loss.advantage_std_normalize,
-        )
-        metrics = rollout_metrics(samples, batch, p.kv_bytes_per_token)
+        samples, rewards, metrics = self._finite_groups(produced, step)
+        batch, informative, updates_per_epoch = self._train_batch(samples, rewards, metrics)
         if self.producer.ahead:
             metrics["rollout/generate_s"] = produced.generate_s
         metrics.update(lag)
-        if cfg.train.filter_zero_variance_groups:
-            batch = batch.select(informative_rows(batch.rewards_B, cfg.rollout.group_size))
-        batch, updates_per_epoch = self._trim(batch)
-        metrics["train/sequences"] = batch.size
-        if batch.size:
+        if batch is not None and batch.size:
             with timer("update"):
                 metrics.update(self.update(batch, updates_per_epoch))
             self._weights_changed |= metrics["train/updates"] > 0 and p.learner.outer is None
+        self._updates_applied += int(metrics.get("train/updates", 0))
+        cause = empty_cause(
+            samples,
+            rewards,
+            metrics,
+            informative=informative,
+            trained_signal=batch is not None and trained_signal(batch),
+            skipped_groups=len(produced.samples) // cfg.rollout.group_size,
+        )
         if p.learner.outer is not None:
             metrics.update(self._outer_steps(closing=step == cfg.train.steps))
         if step % cfg.sync.every == 0 and self._weights_changed:  # skipped/gated-only: version kept
@@ -235,12 +210,14 @@ class Trainer:
         if cfg.eval.every and step % cfg.eval.every == 0:
             with timer("eval"):
                 metrics.update(self.evaluate())
-        self.state.step, self.state.rollouts = step, self.state.rollouts + len(samples)
+        self.state.step, self.state.rollouts = step, self.state.rollouts + len(produced.samples)
         metrics.update(timer.metrics(), **{"train/rollouts": self.state.rollouts})
         metrics["time/step_s"] = time.perf_counter() - started
         p.telemetry.log(metrics, step=step)
-        self._rewards[1:] = [metrics["rollout/reward_mean"]]
-        self.progress.step_done(step, info=f"reward {metrics['rollout/reward_mean']:.3f}")
+        if "rollout/reward_mean" in metrics:
+            self._rewards[1:] = [metrics["rollout/reward_mean"]]
+        self.progress.step_done(step, info=step_info(metrics))
+        self.empty_steps.observe(cause)
 
     def close(self) -> None:
         """Stop generating ahead, release the engines (HTTP clients); the telemetry closes with the
@@ -249,8 +226,43 @@ class Trainer:
         for pool in (self.parts.pool, self.parts.dense_pool):
             if pool is not None:
                 pool.close()
+        self.parts.reward.close()
 
     # -- pieces ---------------------------------------------------------------------------------
+    def _finite_groups(self, produced: Produced, step: int) -> tuple[list[Sample], list[float], dict]:
+        """The step's samples and rewards without the groups holding a non-finite reward (NaN:
+        reward.skip_nonfinite kept it), those counted and logged; the step's first metrics."""
+        samples, rewards, skipped = drop_nonfinite_groups(
+            produced.samples, produced.rewards, self.cfg.rollout.group_size
+        )
+        if not skipped:
+            return samples, rewards, {}
+        self.parts.telemetry.event("nonfinite_reward_skipped", {"step": step, "samples": skipped})
+        return samples, rewards, {"reward/nonfinite_skipped": float(len(skipped))}
+
+    def _train_batch(
+        self, samples: Sequence[Sample], rewards: Sequence[float], metrics: dict[str, float]
+    ) -> tuple[RolloutBatch | None, int, int]:
+        """The batch to train on (None: no sample left), the sequences with reward variance in it
+        before the trim, and its optimizer updates per epoch; adds the rollout metrics."""
+        cfg = self.cfg
+        if not samples:
+            metrics["train/sequences"] = 0.0
+            return None, 0, 1
+        batch = build_batch(
+            samples,
+            rewards,
+            group_size=cfg.rollout.group_size,
+            normalize_std=cfg.loss.advantage_std_normalize,
+        )
+        metrics.update(rollout_metrics(samples, batch, self.parts.kv_bytes_per_token))
+        informative = informative_rows(batch.rewards_B, cfg.rollout.group_size)
+        if cfg.train.filter_zero_variance_groups:
+            batch = batch.select(informative)
+        batch, updates_per_epoch = self._trim(batch)
+        metrics["train/sequences"] = float(batch.size)
+        return batch, len(informative), updates_per_epoch
+
     def _admit(self, step: int) -> None:
         """Submit every batch up to step + ahead (within the run), prompts drawn in step order on
         every rank; see the module docstring for why this bounds the staleness."""
@@ -533,49 +545,5 @@ class Trainer:
             seconds=time.monotonic() - self._started,
             rewards=(self._rewards[0], self._rewards[-1]) if self._rewards else None,
             stopped_by=stopped_by,
+            updates=self._updates_applied,
         )
-
-
-def rollout_metrics(samples: Sequence[Any], batch: Any, kv_bytes_per_token: int) -> dict[str, float]:
-    """Reward and KV statistics of one step's samples (before the zero-variance filter).
-
-    peak_kv_bytes: the most KV one request held, in the engine's whole pool pages. dense_kv_bytes:
-    what the longest request would hold uncompressed (every cached position: prompt + output but
-    the last token), in whole pages of the same size, so the two compare like with like.
-    """
-    peak = max(samples, key=lambda s: s.kv_stats.peak_kv_bytes)
-    cached = max(max(len(s.prompt_ids), len(s.prompt_ids) + len(s.output_ids) - 1) for s in samples)
-    dense = cached * kv_bytes_per_token
-    if peak.kv_stats.peak_pages:  # round up to the pages the engine allocates
-        page_bytes = peak.kv_stats.peak_kv_bytes // peak.kv_stats.peak_pages
-        dense = -(-dense // page_bytes) * page_bytes
-    lengths = torch.tensor([len(s.output_ids) for s in samples], dtype=torch.float32)
-    return {
-        "rollout/reward_mean": float(batch.rewards_B.mean()),
-        "rollout/response_len_mean": float(lengths.mean()),
-        "rollout/peak_kv_bytes": float(peak.kv_stats.peak_kv_bytes),
-        "rollout/dense_kv_bytes": float(dense),
-        "rollout/peak_retained_tokens": float(max(s.kv_stats.peak_retained_tokens for s in samples)),
-        "rollout/truncated_frac": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
-    }
-
-
-class _Timer:
-    """Wall time of named phases, reported as time/<phase>_s."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._name = ""
-
-    def __call__(self, name: str) -> _Timer:
-        self._name = name
-        return self
-
-    def __enter__(self) -> None:
-        self._start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds[self._name] = time.perf_counter() - self._start
-
-    def metrics(self) -> dict[str, float]:
-        return {f"time/{k}_s": v for k, v in self.seconds.items()}

@@ -1,8 +1,10 @@
-"""Stop a run cleanly on SIGUSR1 or SIGTERM: checkpoint at the next step boundary, then exit 0.
+"""Stop a run cleanly on SIGUSR1, SIGTERM or SIGINT: checkpoint at the next step boundary, then exit 0.
 
 Slurm sends SIGUSR1 ahead of a job's time limit (the rendered job's `--signal=B:USR1@S`, which
 the batch script forwards to the learner step) and SIGTERM on preemption, `scancel` or the limit
-itself. A signal can reach any subset of the ranks, at any point of a step. So the handlers only
+itself; SIGINT is Ctrl-C (`sparserl train --nproc` forwards it to the ranks as it is, so the run
+says which signal stopped it), and a second SIGINT interrupts at once. A signal can reach any subset
+of the ranks, at any point of a step. So the handlers only
 set a flag, and at every step boundary all ranks take one all-reduce (MAX) of their flags: they
 agree to stop at the same step, whichever ranks saw the signal, and nothing is interrupted
 half-way (a collective, a checkpoint write, an HTTP weight push).
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGUSR1, signal.SIGTERM)
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 class StopRequest:
@@ -49,13 +51,15 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         del frame
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:  # Ctrl-C twice: do not wait
+            raise KeyboardInterrupt
         self.signum = self.signum or signum
 
     def agreed(self, device: torch.device, group: Any = None) -> signal.Signals | None:
         """Collective over `group` (default: the world): the stop signal if any rank received one.
 
         With different signals on different ranks the numerically largest wins (SIGTERM over
-        SIGUSR1); every rank returns the same value.
+        SIGUSR1 over SIGINT); every rank returns the same value.
         """
         flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

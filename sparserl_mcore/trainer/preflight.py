@@ -8,7 +8,10 @@ torchrun or srun run it themselves). It needs neither megatron nor a process gro
   on every data-parallel rank;
 - model.hf_path (and model.ref_path when the KL term is on): a complete HF checkpoint with a
   tokenizer (`ckpt.preflight.check_hf_checkpoint`, safetensors headers only);
-- data: the files exist, parse, have the prompt and answer keys, and split as configured;
+- data: the files exist, parse, have the prompt and answer keys, and split as configured; every
+  prompt of either split has a token and leaves room for rollout.sampling.max_new_tokens in the
+  model's context (`trainer.prompts.tokenize_rows`: refused naming file and line, or skipped and
+  counted under data.skip_bad_rows);
 - reward: the function imports and accepts reward.kwargs;
 - outputs: telemetry.dir, checkpoint.dir and checkpoint.save_hf are directories this process can
   create files in (tried, as the run will: `ckpt.atomic.output_problem`); a remote engine's token
@@ -62,13 +65,14 @@ class RunPlan:
 
 def check_run(cfg: RunConfig, *, world_size: int, probe_servers: bool = True) -> RunPlan:
     """Run every check of the module docstring; raises PreflightError on the first problem."""
-    _check_model(cfg, world_size)
-    n_train = _check_data(cfg)
+    context = _check_model(cfg, world_size)
+    n_train, data_notes = _check_data(cfg, context)
     _check_reward(cfg)
     _check_outputs(cfg)
     if probe_servers:
         _check_servers(cfg)
     plan = _resume_plan(cfg, world_size, n_train)
+    plan = dataclasses.replace(plan, notes=(*data_notes, *plan.notes))
     metrics = Path(cfg.telemetry.dir) / "metrics.jsonl"
     if not plan.complete and not plan.resumes and metrics.is_file() and metrics.stat().st_size:
         note = f"{metrics} holds an earlier run's metrics: this run starts it over"
@@ -169,7 +173,8 @@ def _check_layout(cfg: RunConfig, world_size: int) -> None:
         )
 
 
-def _check_model(cfg: RunConfig, world_size: int) -> None:
+def _check_model(cfg: RunConfig, world_size: int) -> int:
+    """The layout and the checkpoints; returns the model's context (max_position_embeddings)."""
     _check_layout(cfg, world_size)
     hf = _check_hf(cfg.model.hf_path, "model.hf_path", cfg)
     if cfg.loss.policy.kl_coef > 0 and cfg.model.ref_path:
@@ -188,6 +193,7 @@ def _check_model(cfg: RunConfig, world_size: int) -> None:
             "set optimizer.distributed=true (or one replica per island)"
         )
     _check_sampling(cfg, vocab_size=hf.vocab_size, context=hf.max_position_embeddings)
+    return int(hf.max_position_embeddings)
 
 
 def _check_sampling(cfg: RunConfig, *, vocab_size: int, context: int) -> None:
@@ -206,15 +212,32 @@ def _check_sampling(cfg: RunConfig, *, vocab_size: int, context: int) -> None:
         )
 
 
-def _check_data(cfg: RunConfig) -> int:
-    """The data loads and splits as configured; returns the number of training prompts."""
-    from sparserl_mcore.trainer.data import load_datasets
+def _check_data(cfg: RunConfig, context: int) -> tuple[int, tuple[str, ...]]:
+    """The data loads, splits and fits the context as configured; returns the number of training
+    prompts and a note per split whose bad rows are skipped."""
+    from sparserl_mcore.trainer.prompts import bad_rows_message, load_tokenizer, tokenized_splits
 
     try:
-        train, _ = load_datasets(cfg.data, seed=cfg.train.seed)
+        train, held_out = tokenized_splits(
+            cfg.data,
+            load_tokenizer(cfg.model.hf_path),
+            seed=cfg.train.seed,
+            max_new_tokens=cfg.rollout.sampling.max_new_tokens,
+            context=context,
+        )
     except (ValueError, OSError) as exc:
         raise PreflightError(f"data: {exc}") from None
-    return len(train)
+    refused = train.refused + held_out.refused
+    if refused and not cfg.data.skip_bad_rows:
+        raise PreflightError(f"data: {bad_rows_message(refused)}")
+    if not train.prompts:
+        raise PreflightError(f"data: every training row is skipped ({len(train.refused)} rows); fix the data")
+    notes = [
+        f"data.skip_bad_rows: skipping {len(split.refused)} {name} rows (first: {split.refused[0]})"
+        for name, split in (("training", train), ("eval", held_out))
+        if split.refused
+    ]
+    return len(train.prompts), tuple(notes)
 
 
 def _check_reward(cfg: RunConfig) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from model_providers.hf_config import parse_hf_config
 from sparserl_mcore.ckpt.convert import save_hf
 from sparserl_mcore.ckpt.hf_io import load_hf_weights
 from sparserl_mcore.ckpt.layout import layout_for
@@ -23,7 +24,7 @@ from sparserl_mcore.diloco.agreed import AgreedWeights
 from sparserl_mcore.diloco.optimizer import with_islands
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.loss.dgg import DynamicGradientGate
-from sparserl_mcore.rewards import build_reward
+from sparserl_mcore.rewards.runner import RewardRunner
 from sparserl_mcore.sglang.dense_sync import DenseSyncConfig, address_towards
 from sparserl_mcore.telemetry import MetricsLogger
 from sparserl_mcore.trainer import learner as learner_lib
@@ -175,6 +176,7 @@ class Parts:
     dense_pool: EnginePool | None
     data: PromptData
     reward_fn: Any
+    reward: RewardRunner  # the reward's process (host rank; started at the first call)
     syncer: WeightSyncer
     evaluator: Evaluator
     telemetry: MetricsLogger
@@ -212,6 +214,7 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         run_config=to_dict(cfg),
         device_index=runtime.local_rank,
         resume_step=read_saved_run(resume_from).step if resume_from else None,
+        async_mode=cfg.train.async_.mode,
     )
     pool_cfg = PoolConfig(
         chunk_size=cfg.rollout.group_size,
@@ -223,11 +226,18 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
     dense_pool = None
     if host and cfg.eval.dense:
         dense_pool = EnginePool(engines(compressed=False), pool_cfg, log.event)
-    data = PromptData(cfg.data, cfg.model.hf_path, seed=cfg.train.seed)
-    reward = build_reward(cfg.reward.name, cfg.reward.kwargs)
+    data = PromptData(
+        cfg.data,
+        cfg.model.hf_path,
+        seed=cfg.train.seed,
+        max_new_tokens=cfg.rollout.sampling.max_new_tokens,
+        context=parse_hf_config(cfg.model.hf_path).max_position_embeddings,
+    )
+    rc = cfg.reward
+    reward = RewardRunner(rc.name, rc.kwargs, timeout_s=rc.timeout_s, skip_nonfinite=rc.skip_nonfinite)
 
     def reward_fn(sample: Any, prompt: Prompt) -> float:
-        return float(reward(data.decode(sample.output_ids), prompt.answer))
+        return reward(data.decode(sample.output_ids), prompt.answer, sample=sample.rid)
 
     saved = read_saved_run(resume_from).layout if resume_from else None
     learner = build_learner(cfg, runtime, padded_vocab_size=saved.padded_vocab_size if saved else None)
@@ -263,6 +273,7 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         dense_pool=dense_pool,
         data=data,
         reward_fn=reward_fn,
+        reward=reward,
         syncer=syncer,
         evaluator=evaluator,
         telemetry=log,
