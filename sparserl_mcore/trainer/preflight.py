@@ -24,8 +24,11 @@ torchrun or srun run it themselves). It needs neither megatron nor a process gro
   a `rollout.router_url` that answers routes to exactly `rollout.urls` (`router_workers`), since
   weights reach only those;
 - resume (`run_record`): what the run continues from and which settings changed since; refused
-  when the prompt data or its seed changed (the sampler could not continue); "complete" when the
-  checkpoint is already at train.steps, so nothing is run and nothing is overwritten.
+  when the prompt data or its seed changed (the sampler could not continue), or when the
+  checkpoint holds another model (`resume_model`: the first tensor whose shape differs); "complete"
+  when the checkpoint is already at train.steps, so nothing is run and nothing is overwritten;
+  checkpoint.dir holding a converted model, an HF checkpoint or one step's checkpoint is refused
+  (`resume_model.foreign_contents`), since the run would write its own checkpoints into it.
 A problem is one `PreflightError` line naming the key and the fix.
 """
 
@@ -38,6 +41,7 @@ from typing import Any
 
 from sparserl_mcore.ckpt.atomic import output_problem
 from sparserl_mcore.config import RolloutConfig, RunConfig, to_dict
+from sparserl_mcore.trainer.resume_model import foreign_contents, model_mismatch
 from sparserl_mcore.trainer.run_layout import requested_layout
 from sparserl_mcore.trainer.run_record import (
     LATEST,
@@ -272,6 +276,9 @@ def _resume_plan(cfg: RunConfig, world_size: int, n_train: int) -> RunPlan:
     ckpt = cfg.checkpoint
     if not ckpt.dir:
         return RunPlan()
+    foreign = foreign_contents(ckpt.dir)
+    if foreign:
+        raise PreflightError(foreign)
     try:
         path = latest_checkpoint(ckpt.dir)
         saved = read_saved_run(path) if path is not None else None
@@ -300,7 +307,26 @@ def _resume_plan(cfg: RunConfig, world_size: int, n_train: int) -> RunPlan:
     problem = check_resumable(saved, requested_layout(cfg, world_size))
     if problem:
         raise PreflightError(problem)
+    _check_same_model(cfg, saved)
     return RunPlan(_resume_notes(cfg, saved, world_size), resumes=True)
+
+
+def _check_same_model(cfg: RunConfig, saved: SavedRun) -> None:
+    """The checkpoint's tensors have the global shapes of this run's model (`resume_model`)."""
+    from model_providers.hf_config import parse_hf_config
+
+    try:
+        mismatch = model_mismatch(
+            saved.path, parse_hf_config(cfg.model.hf_path), cfg.parallel.tensor_model_parallel_size
+        )
+    except (OSError, ValueError) as exc:
+        raise PreflightError(f"checkpoint.dir: cannot resume {saved.path.name}: {exc}") from None
+    if mismatch:
+        raise PreflightError(
+            f"checkpoint.dir: cannot resume {saved.path}: it was saved from another model than "
+            f"model.hf_path={cfg.model.hf_path} ({mismatch}); give this run its own checkpoint.dir, "
+            "or set checkpoint.resume=false to start over"
+        )
 
 
 def _check_same_data(cfg: RunConfig, saved: SavedRun, n_train: int) -> None:

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from sparserl_mcore.cli_args import non_negative_float, positive_float
+from sparserl_mcore.cli_args import non_negative_float, positive_float, positive_int
 
 TOKEN_ENV = "SPARSERL_SERVE_TOKEN"
 
@@ -32,6 +32,11 @@ ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
 LIMIT_FLAGS: dict[str, tuple[str, Any, str]] = {
     "max-new-tokens": ("max_new_tokens", int, "cap on a request's max_new_tokens (none: the context length)"),
     "max-pending-requests": ("max_pending_requests", int, "accepted, unanswered requests; more: 503 (4096)"),
+    "max-body-bytes": (
+        "max_body_bytes",
+        positive_int,
+        "largest request body but a weight update's; a larger one gets 413 unread (8388608 = 8 MiB)",
+    ),
     "request-timeout": (
         "request_timeout_s",
         non_negative_float,

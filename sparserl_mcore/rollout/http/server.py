@@ -16,6 +16,10 @@ contract, vocabulary, context length, the operator's limits); a refusal is one 4
 event loop; a /generate whose client disconnects is cancelled (see serve_worker) while the other
 requests carry on, and a client that leaves mid-body is one INFO line, not an error. A client that
 stalls (no request head, or half a body, for `client_timeout_s`) is disconnected (`http_timeouts`).
+A body over `max_body_bytes` is answered 413 before the rest is read (`bodies`). Parsing a
+/generate body, tokenizing its text and decoding its answers run on one tokenizer thread (HF
+tokenizers are not safe to call from several threads at once), never on the event loop: a 10 MB
+prompt once held /health for 29 s.
 """
 
 from __future__ import annotations
@@ -24,25 +28,31 @@ import asyncio
 import contextlib
 import dataclasses
 import ipaddress
-import json
 import logging
 import secrets
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import PlainTextResponse
-from starlette.requests import ClientDisconnect
 
-from sparserl_mcore.rollout.http.errors import ServeError, add_error_handlers, answers
+from sparserl_mcore.rollout.http.bodies import loads, read_body, read_json, read_json_body, read_octets
+from sparserl_mcore.rollout.http.errors import add_error_handlers, answers
 from sparserl_mcore.rollout.http.timeouts import stall_timeout_protocol
-from sparserl_mcore.rollout.http.wire import Decode, Encode, parse_generate, parse_pause, render_sample
+from sparserl_mcore.rollout.http.wire import (
+    Decode,
+    Encode,
+    ParsedGenerate,
+    parse_generate,
+    parse_pause,
+    render_sample,
+)
 from sparserl_mcore.rollout.http.worker import EngineWorker
 from sparserl_mcore.rollout.protocol import RequestLimits, RolloutEngine
 
@@ -63,6 +73,8 @@ class ServerConfig:
     max_pending_requests: requests accepted and not yet answered; more get 503 + Retry-After.
     request_timeout_s: a request not started by then fails (503), a running one is aborted and
     returns what it generated (finish_reason abort). None: no deadline.
+    max_body_bytes: the largest request body of every route but the weight updates; a larger one is
+    answered 413 before the rest is read (None: no limit).
     client_timeout_s: a connection whose client owes bytes (a new connection's first request head,
     the rest of a head or of a body) and sends none for this long is closed. keep_alive_s: an idle
     connection between requests is closed after this long (uvicorn's timeout_keep_alive).
@@ -76,6 +88,7 @@ class ServerConfig:
     max_new_tokens: int | None = None
     max_pending_requests: int | None = 4096
     request_timeout_s: float | None = 3600.0
+    max_body_bytes: int | None = 8 * 2**20
     client_timeout_s: float = 60.0
     keep_alive_s: float = 5.0
 
@@ -94,6 +107,7 @@ class ServerConfig:
             "max_concurrent_batches",
             "max_new_tokens",
             "max_pending_requests",
+            "max_body_bytes",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -131,6 +145,7 @@ def create_app(
         request_timeout_s=cfg.request_timeout_s,
     )
     limits, has_tokenizer = _request_limits(engine.model_info(), cfg)
+    tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-tokenizer")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -139,6 +154,32 @@ def create_app(
             yield
         finally:
             await asyncio.to_thread(worker.stop)
+            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    def parse(body: bytes) -> ParsedGenerate:
+        parsed = parse_generate(loads(body), encode)
+        for req in parsed.requests:
+            limits.check(req)
+            if req.sampling.stop and not has_tokenizer:
+                raise ValueError(
+                    "stop strings need the model's tokenizer, which it lacks; use stop_token_ids"
+                )
+        return parsed
+
+    def render(parsed: ParsedGenerate, samples: list[Any], message: str) -> list[dict[str, Any]]:
+        return [
+            render_sample(
+                s,
+                return_logprob=parsed.return_logprob,
+                return_text_in_logprobs=parsed.return_text_in_logprobs,
+                decode=decode,
+                abort_message=message,
+            )
+            for s in samples
+        ]
+
+    async def on_tokenizer_thread(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, fn, *args)
 
     app = FastAPI(title="sparserl serve", lifespan=lifespan)
     app.state.worker = worker
@@ -168,26 +209,11 @@ def create_app(
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         with answers():
-            parsed = parse_generate(await _json(request), encode)
-            for req in parsed.requests:
-                limits.check(req)
-                if req.sampling.stop and not has_tokenizer:
-                    raise ValueError(
-                        "stop strings need the model's tokenizer, which it lacks; use stop_token_ids"
-                    )
+            parsed = await on_tokenizer_thread(parse, await read_json_body(request))
             job = worker.submit_generate(parsed.requests)
             samples = await _await_or_cancel(request, job.future, lambda: worker.cancel(job))
-        message = f"deadline of {cfg.request_timeout_s:g} s passed" if job.expired else "request aborted"
-        out = [
-            render_sample(
-                s,
-                return_logprob=parsed.return_logprob,
-                return_text_in_logprobs=parsed.return_text_in_logprobs,
-                decode=decode,
-                abort_message=message,
-            )
-            for s in samples
-        ]
+            message = f"deadline of {cfg.request_timeout_s:g} s passed" if job.expired else "request aborted"
+            out = await on_tokenizer_thread(render, parsed, samples, message)
         return out if parsed.batch else out[0]
 
     @app.post("/flush_cache", dependencies=[Depends(auth)])
@@ -199,7 +225,7 @@ def create_app(
     @app.post("/pause_generation", dependencies=[Depends(auth)])
     async def pause_generation(request: Request) -> dict[str, Any]:
         with answers():
-            mode = parse_pause(await _body(request))
+            mode = parse_pause(await read_body(request))
             await asyncio.to_thread(worker.pause, mode)
         return {"success": True, "message": f"generation paused ({mode})"}
 
@@ -214,7 +240,7 @@ def create_app(
     async def abort_request(request: Request) -> dict[str, Any]:
         # Straight to the engine: it lands at the next step boundary.
         with answers():
-            body = await _json(request)
+            body = await read_json(request)
             rid = body.get("rid") if isinstance(body, dict) else None
             if not isinstance(rid, str) or not rid:
                 raise ValueError('abort_request needs a JSON object {"rid": "<request id>"}')
@@ -295,7 +321,7 @@ def _add_weight_routes(app: FastAPI, worker: EngineWorker, auth: Callable[..., N
 
     @app.post("/update_weights_from_patch", dependencies=[Depends(auth)])
     async def update_weights_from_patch(request: Request) -> dict[str, Any]:
-        patch = await _octets(request)
+        patch = await read_octets(request)
         own_pause = not worker.paused  # else the explicit pause's clock, at /continue_generation
         version = await update(lambda e: e.apply_patch(patch))
         pause_ms = getattr(worker.engine, "last_pause_ms", None) if own_pause else None
@@ -306,13 +332,13 @@ def _add_weight_routes(app: FastAPI, worker: EngineWorker, auth: Callable[..., N
         from safetensors.torch import load
 
         _check_version(weight_version)
-        state = _safetensors_or_400(load, await _octets(request))
+        state = _safetensors_or_400(load, await read_octets(request))
         await update(lambda e: e.update_weights(state, weight_version))
         return {"success": True, "weight_version": weight_version, "tensors": len(state)}
 
     @app.post("/update_weights_from_disk", dependencies=[Depends(auth)])
     async def update_weights_from_disk(request: Request) -> dict[str, Any]:
-        body = await _json(request)
+        body = await read_json(request)
         if not isinstance(body, dict) or set(body) != {"model_path", "weight_version"}:
             raise ValueError('body must be {"model_path": str, "weight_version": int}')
         path, version = body["model_path"], body["weight_version"]
@@ -338,43 +364,6 @@ def _bearer_auth(token: str | None) -> Callable[..., None]:
             raise HTTPException(401, "missing or wrong token: send Authorization: Bearer <token>")
 
     return check
-
-
-async def _body(request: Request) -> bytes:
-    try:
-        return await request.body()
-    except ClientDisconnect:  # routine: logged at INFO by the error handler, nobody reads the answer
-        raise ServeError(499, "client disconnected before its request body arrived") from None
-
-
-def _media_type(request: Request) -> str | None:
-    ctype = request.headers.get("content-type")
-    return ctype.split(";")[0].strip().lower() if ctype is not None else None
-
-
-async def _json(request: Request) -> Any:
-    """The JSON body: application/json (or +json; a request without a Content-Type is read as
-    JSON too, as FastAPI and SGLang do), anything else 415; a body that does not parse 400."""
-    media = _media_type(request)
-    if media is not None and media != "application/json" and not media.endswith("+json"):
-        raise ServeError(415, f"content-type {media!r}: send the body as application/json")
-    body = await _body(request)
-    try:
-        return json.loads(body)
-    except RecursionError:
-        raise ValueError("body is not valid JSON: nested too deeply") from None
-    except ValueError as exc:
-        raise ValueError(f"body is not valid JSON: {exc}") from None
-
-
-async def _octets(request: Request) -> bytes:
-    if _media_type(request) != "application/octet-stream":
-        ctype = request.headers.get("content-type", "")
-        raise ServeError(415, f"content-type {ctype!r}: send the bytes as application/octet-stream")
-    body = await _body(request)
-    if not body:
-        raise ValueError("empty body")
-    return body
 
 
 def _safetensors_or_400(load: Callable[[bytes], dict[str, Any]], data: bytes) -> dict[str, Any]:
