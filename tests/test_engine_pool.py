@@ -6,6 +6,7 @@ kills a real `sparserl serve` subprocess.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -233,6 +234,28 @@ def test_a_removed_engine_is_probed_and_comes_back_only_when_admitted():
     assert engine.calls > calls
     assert [k for k in events if k.startswith("engine_")] == ["engine_removed", "engine_readmitted"]
     pool.close()
+
+
+class Versioned(EchoEngine):
+    """Serves its samples at weight version `version` (a restarted server: 0)."""
+
+    def __init__(self, version: int, **kw):
+        super().__init__(**kw)
+        self.version = version
+
+    def generate(self, requests):
+        return [dataclasses.replace(s, weight_version=self.version) for s in super().generate(requests)]
+
+
+def test_an_engine_serving_older_weights_than_the_pool_holds_leaves_and_its_samples_are_dropped():
+    """A server restarted behind the trainer's back answers health but holds its initial weights:
+    its samples are refused and it leaves at once (a full sync must bring it back)."""
+    pool = EnginePool({"restarted": Versioned(0, healthy=True), "current": Versioned(3)}, _cfg())
+    pool.version = 3
+    samples = pool.generate(_requests(8))
+    assert [s.rid for s in samples] == [f"r{i}" for i in range(8)]
+    assert {s.weight_version for s in samples} == {3}
+    assert list(pool.dead) == ["restarted"] and "served weight version 0 below 3" in pool.dead["restarted"]
 
 
 def test_no_engine_left_is_a_clear_error():

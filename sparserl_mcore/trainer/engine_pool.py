@@ -85,6 +85,7 @@ class _Chunk:
     index: int
     requests: list[Any]
     attempts: int = 0
+    floor: int = 0  # the pool's `version` when it was sent: no token may be older
     ready_at: float = 0.0  # monotonic time before which it is not sent again (retry backoff)
     failed_on: set[str] = dataclasses.field(default_factory=set)
 
@@ -118,6 +119,9 @@ class EnginePool:
         self._closed = threading.Event()
         self._prober: threading.Thread | None = None
         self._on_event = on_event
+        # the weight version every live engine holds (the loop sets it after each sync): a sample
+        # with an older token comes from an engine that restarted or missed a sync
+        self.version = 0
         self.on_chunk_done: Callable[[int], None] = lambda n: None  # progress display hook
 
     @property
@@ -267,6 +271,7 @@ class EnginePool:
                     free[name] -= 1
                     self._held[name] += 1
                     picked.attempts += 1
+                    picked.floor = self.version
                     busy[(name, picked.index)] = (picked, now)
                     calls.setdefault(name, []).append(picked)
                     placed = True
@@ -306,11 +311,11 @@ class EnginePool:
                 hung.add((name, why))
                 self._retry(chunk, pending, name, why)
         for name, why in sorted(hung):
-            self._strike(name, why, None, pending, busy)
+            self._strike(name, why, "", pending, busy)
 
     def _accept(self, answer: _Answer, pending: list[_Chunk], busy: _Busy, done: dict) -> None:
         name, results, healthy = answer
-        failure = ""
+        failure, leave = "", "; health check failed" if healthy is False else ""
         for chunk, samples, error in results:
             key = (name, chunk.index)
             if key not in busy or busy[key][0] is not chunk:
@@ -319,6 +324,11 @@ class EnginePool:
             if samples is not None and [s.rid for s in samples] != [r.rid for r in chunk.requests]:
                 error = f"returned samples for other requests than asked ({len(samples)} samples)"
                 samples = None
+            elif samples is not None and (oldest := _oldest_version(samples)) < chunk.floor:
+                error = f"served weight version {oldest} below {chunk.floor} (restarted, or missed a sync)"
+                samples = None
+                if not hasattr(self._engines[name], "workers"):  # a router: its workers' problem
+                    leave = " (out at once: a full sync must bring it back)"
             if samples is None:
                 failure = failure or error
                 self._retry(chunk, pending, name, error)
@@ -326,7 +336,7 @@ class EnginePool:
                 done[chunk.index] = samples
                 self.on_chunk_done(len(samples))
         if failure:
-            self._strike(name, failure, healthy, pending, busy)
+            self._strike(name, failure, leave, pending, busy)
         else:
             with self._lock:
                 self._strikes[name] = 0
@@ -337,13 +347,14 @@ class EnginePool:
             self._held[name] = max(0, self._held[name] - 1)
             self._wake()
 
-    def _strike(self, name: str, why: str, healthy: bool | None, pending: list[_Chunk], busy: _Busy) -> None:
-        """A failed call: the engine leaves when its health check failed or after `engine_failures`
-        in a row; then its other chunks in flight are requeued without counting an attempt."""
+    def _strike(self, name: str, why: str, leave: str, pending: list[_Chunk], busy: _Busy) -> None:
+        """A failed call: the engine leaves at once when `leave` says why (its health check failed,
+        it served stale weights), else after `engine_failures` in a row; then its other chunks in
+        flight are requeued without counting an attempt."""
         with self._lock:
             self._strikes[name] = strikes = self._strikes.get(name, 0) + 1
-        if healthy is False:
-            reason = f"{why}; health check failed"
+        if leave:
+            reason = why + leave
         elif strikes >= self.cfg.engine_failures:
             reason = f"{why} ({strikes} failed calls in a row)"
         else:
@@ -381,6 +392,11 @@ def _pick(pending: list[_Chunk], name: str, live: set[str], now: float) -> _Chun
             continue
         return chunk
     return None
+
+
+def _oldest_version(samples: list[Any]) -> int:
+    """The oldest weight version any token of `samples` was sampled at."""
+    return min((min(s.token_versions(), default=s.weight_version) for s in samples), default=1 << 62)
 
 
 def _healthy(engine: Any) -> bool | None:
