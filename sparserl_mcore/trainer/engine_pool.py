@@ -4,12 +4,13 @@ The trainer sees ONE engine interface (`RolloutEngine` from `sparserl_mcore.roll
 an in-process `EmbeddedEngine` or `RemoteEngine` HTTP clients. `EnginePool.generate` splits a
 step's requests into chunks (one GRPO group per chunk by default, so a group's prompt KV stays
 shared in one engine's radix cache) and hands them out from a shared queue, one per live engine in
-turn, so servers share a step evenly. An engine with a `concurrency` attribute holds that many
-chunks at once IN TOTAL, over every `generate` running at the same time (the asynchronous loop
+turn, so servers share a step evenly. An engine with a `concurrency` attribute (a server) holds
+that many chunks at once IN TOTAL, over every `generate` running at the same time (the asynchronous loop
 generates up to max_staleness + 1 batches plus an eval at once: they share each server's budget,
 `rollout.server_concurrency`); the chunks it takes in one round go out in one call, on a worker
-thread of their own. The embedded engine takes one chunk at a time: its sampling then consumes its
-generator in request order, so a seeded run repeats exactly.
+thread of their own. The embedded engine takes one chunk at a time per `generate` (concurrent
+callers join its continuous batch): its sampling then consumes its generator in request order, so
+a seeded run repeats exactly.
 
 Faults: a failed request is retried, not its engine. A chunk whose call raises (or, through
 `RequestsFailed`, whose requests failed), or that gets no answer within `chunk_timeout_s`, goes
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sparserl_mcore.rollout.protocol import RequestsFailed
+from sparserl_mcore.trainer.engine_calls import Answer, call_engine, is_healthy, oldest_version
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -92,8 +93,6 @@ class _Chunk:
 
 # chunks in flight of one `generate`: (engine name, chunk index) -> (chunk, when it was sent)
 _Busy = dict[tuple[str, int], tuple[_Chunk, float]]
-# one call's answer: (engine, [(chunk, its samples or None, the error)], engine healthy after a failure)
-_Answer = tuple[str, list[tuple[_Chunk, list[Any] | None, str]], bool | None]
 
 
 def _no_events(kind: str, fields: dict[str, Any]) -> None:
@@ -201,7 +200,7 @@ class EnginePool:
             with self._lock:
                 waiting = [(n, self._engines[n]) for n in self._dead if n not in self._recovered]
             for name, engine in waiting:
-                if _healthy(engine):
+                if is_healthy(engine):
                     with self._lock:
                         if name in self._dead:
                             self._recovered.add(name)
@@ -215,7 +214,7 @@ class EnginePool:
             for i, start in enumerate(range(0, len(requests), size))
         ]
         done: dict[int, list[Any]] = {}
-        inbox: queue.Queue[_Answer | None] = queue.Queue()
+        inbox: queue.Queue[Answer | None] = queue.Queue()
         busy: _Busy = {}
         with self._lock:
             self._inboxes.add(inbox)
@@ -257,7 +256,7 @@ class EnginePool:
                     chunk.attempts -= 1
                     pending.append(chunk)
             names = {name for name, _ in live}
-            free = {n: getattr(e, "concurrency", 1) - self._held[n] for n, e in live}
+            free = {n: self._free(n, e, busy) for n, e in live}
             placed = True
             while placed:
                 placed = False
@@ -278,8 +277,17 @@ class EnginePool:
         for name, engine in live:
             if name in calls:
                 threading.Thread(
-                    target=_call_engine, args=(name, engine, calls[name], inbox), daemon=True
+                    target=call_engine, args=(name, engine, calls[name], inbox), daemon=True
                 ).start()
+
+    def _free(self, name: str, engine: Any, busy: _Busy) -> int:
+        """(lock held) Chunks `name` may take now: a server's `concurrency` less what every running
+        `generate` holds there; an engine without one (the embedded engine, which batches concurrent
+        callers itself) one chunk per `generate`."""
+        limit = getattr(engine, "concurrency", None)
+        if limit is None:
+            return 1 - sum(owner == name for owner, _ in busy)
+        return int(limit) - self._held[name]
 
     def _collect(self, pending: list[_Chunk], busy: _Busy, inbox: queue.Queue, done: dict) -> None:
         """Wait for an answer, a timeout, a chunk's backoff to end or a freed slot; then take every
@@ -313,7 +321,7 @@ class EnginePool:
         for name, why in sorted(hung):
             self._strike(name, why, "", pending, busy)
 
-    def _accept(self, answer: _Answer, pending: list[_Chunk], busy: _Busy, done: dict) -> None:
+    def _accept(self, answer: Answer, pending: list[_Chunk], busy: _Busy, done: dict) -> None:
         name, results, healthy = answer
         failure, leave = "", "; health check failed" if healthy is False else ""
         for chunk, samples, error in results:
@@ -324,7 +332,7 @@ class EnginePool:
             if samples is not None and [s.rid for s in samples] != [r.rid for r in chunk.requests]:
                 error = f"returned samples for other requests than asked ({len(samples)} samples)"
                 samples = None
-            elif samples is not None and (oldest := _oldest_version(samples)) < chunk.floor:
+            elif samples is not None and (oldest := oldest_version(samples)) < chunk.floor:
                 error = f"served weight version {oldest} below {chunk.floor} (restarted, or missed a sync)"
                 samples = None
                 if not hasattr(self._engines[name], "workers"):  # a router: its workers' problem
@@ -392,46 +400,3 @@ def _pick(pending: list[_Chunk], name: str, live: set[str], now: float) -> _Chun
             continue
         return chunk
     return None
-
-
-def _oldest_version(samples: list[Any]) -> int:
-    """The oldest weight version any token of `samples` was sampled at."""
-    return min((min(s.token_versions(), default=s.weight_version) for s in samples), default=1 << 62)
-
-
-def _healthy(engine: Any) -> bool | None:
-    """The engine's own health check (`health()`), None when it has none."""
-    check = getattr(engine, "health", None)
-    if not callable(check):
-        return None
-    try:
-        return bool(check())
-    except Exception:  # noqa: BLE001 - an engine that cannot say is not healthy
-        return False
-
-
-def _call_engine(name: str, engine: Any, chunks: list[_Chunk], inbox: queue.Queue) -> None:
-    """One `generate` for all of `chunks`, answered as one item of per-chunk results (a short
-    answer is then caught per chunk by the request ids; `RequestsFailed` fails only the chunks
-    holding a failed request). After a failure the engine's health is asked at once."""
-    flat = [r for chunk in chunks for r in chunk.requests]
-    try:
-        outcomes: list[Any] = list(engine.generate(flat))
-    except RequestsFailed as exc:
-        outcomes = exc.outcomes
-    except Exception as exc:  # reported to the pool, which retries the chunks
-        error = f"generate failed: {type(exc).__name__}: {exc}"
-        inbox.put((name, [(chunk, None, error) for chunk in chunks], _healthy(engine)))
-        return
-    results: list[tuple[_Chunk, list[Any] | None, str]] = []
-    start, failed = 0, False
-    for chunk in chunks:
-        part = outcomes[start : start + len(chunk.requests)]
-        start += len(chunk.requests)
-        errors = [o for o in part if isinstance(o, BaseException)]
-        if errors:
-            failed = True
-            results.append((chunk, None, f"generate failed: {type(errors[0]).__name__}: {errors[0]}"))
-        else:
-            results.append((chunk, part, ""))
-    inbox.put((name, results, _healthy(engine) if failed else None))
