@@ -229,10 +229,14 @@ def test_a_removed_engine_is_probed_and_comes_back_only_when_admitted():
     assert list(pool.live) == ["b"]  # healthy is not enough: the loop syncs its weights first
     pool.admit("a")
     assert sorted(pool.live) == ["a", "b"] and not pool.dead and pool.recovered() == []
+    pool.remove("a", "its re-admission sync failed")
+    pool.not_recovered("a")  # probed again after 2 x 0.05 s, not at once
+    wait_until(pool.recovered, timeout=30, what="engine a recovered again")
+    pool.admit("a")
     calls = engine.calls
     pool.generate(_requests(8))
     assert engine.calls > calls
-    assert [k for k in events if k.startswith("engine_")] == ["engine_removed", "engine_readmitted"]
+    assert [k for k in events if k.startswith("engine_")] == ["engine_removed", "engine_readmitted"] * 2
     pool.close()
 
 

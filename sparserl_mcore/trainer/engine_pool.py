@@ -112,6 +112,8 @@ class EnginePool:
         self._strikes = dict.fromkeys(engines, 0)  # failed calls in a row
         self._held = dict.fromkeys(engines, 0)  # chunks in flight, over every `generate` at once
         self._recovered: set[str] = set()  # removed engines that answered health again
+        self._not_before: dict[str, float] = {}  # failed re-admissions: when to probe it again
+        self._failed_readmissions: dict[str, int] = {}
         self._inboxes: set[queue.Queue] = set()  # the answer queues of the `generate`s running now
         self._requests_retried = 0
         self._lock = threading.Lock()
@@ -165,14 +167,19 @@ class EnginePool:
             self._dead.pop(name, None)
             self._recovered.discard(name)
             self._strikes[name] = self._held[name] = 0
+            self._failed_readmissions.pop(name, None)
+            self._not_before.pop(name, None)
             live = len(self._live)
             self._wake()
         self._on_event("engine_readmitted", {"engine": name, "live": live})
 
     def not_recovered(self, name: str) -> None:
-        """Its re-admission sync failed: it stays removed and is probed again."""
+        """Its re-admission sync failed: it stays removed and is probed again, after twice the
+        wait of its last failed re-admission (each attempt is a full weight sync)."""
         with self._lock:
             self._recovered.discard(name)
+            waits = self._failed_readmissions[name] = self._failed_readmissions.get(name, 0) + 1
+            self._not_before[name] = time.monotonic() + self.cfg.probe_interval_s * 2**waits
 
     def take_requests_retried(self) -> int:
         """Requests retried since the last call (telemetry, per step)."""
@@ -197,8 +204,13 @@ class EnginePool:
 
     def _probe(self) -> None:
         while not self._closed.wait(self.cfg.probe_interval_s):
+            now = time.monotonic()
             with self._lock:
-                waiting = [(n, self._engines[n]) for n in self._dead if n not in self._recovered]
+                waiting = [
+                    (n, self._engines[n])
+                    for n in self._dead
+                    if n not in self._recovered and self._not_before.get(n, 0.0) <= now
+                ]
             for name, engine in waiting:
                 if is_healthy(engine):
                     with self._lock:
