@@ -153,6 +153,10 @@ class EnginePool:
             self._wake()  # a chunk waiting for another engine than the ones it failed on looks again
         self._on_event("engine_removed", {"engine": name, "reason": reason, "live": live})
 
+    def engine(self, name: str) -> Any:
+        """The engine `name`, in service or not (None when the pool never had it)."""
+        return self._engines.get(name)
+
     def recovered(self) -> list[str]:
         """Removed engines that answered health since; each needs a full weight sync, then `admit`."""
         with self._lock:

@@ -194,7 +194,14 @@ class WeightSyncer:
                 self._full_changes(), self._shards.version, None, pools, remote, "re-admission full sync"
             )
             self._dropped |= failed
-        return (remote - failed) | {n for n in names if n == self._router_url}
+        synced = (remote - failed) | {n for n in names if n == self._router_url}
+        if self.in_flight and self._sglang is not None:  # its requests key the prefix cache anew
+            key = wire.prefix_key(self._run_key, self._shards.version)
+            engines = [pool.engine(name) for pool in pools if pool is not None for name in synced]
+            for engine in engines:
+                if hasattr(engine, "prefix_key"):
+                    engine.prefix_key = key
+        return synced
 
     def _key_prefixes(self, pools: list[EnginePool | None], version: int) -> None:
         """In-flight updates into SGLang (no flush while requests run in place): the host's SGLang
