@@ -1,7 +1,8 @@
 """A run that survives its rollout fleet failing the way clusters fail (issue 35), with real
 `sparserl serve` subprocesses behind fault-injecting proxies (tests/fault_proxy.py) on loopback.
 
-Server A's proxy answers every 5th /generate with 502 or 503 in turn and holds its 3rd past the
+The run is asynchronous (in flight, two batches ahead), so batches share the servers. Server A's
+proxy answers every 5th /generate with 502 or 503 in turn and holds its 3rd past the
 request timeout; server B is SIGKILLed after step 1 and started again on the same port. The run
 must finish every step with every sample trained once, retrying the failed requests (A stays in
 the pool), dropping B, probing it, and re-admitting it after a full weight sync: B then serves
@@ -60,7 +61,8 @@ def test_failed_requests_are_retried_and_a_killed_server_comes_back_at_the_curre
             parallel={"tensor_model_parallel_size": 1},
             rollout=rollout,
             eval={"dense": False, "compressed": False, "at_start": False},
-            train={"steps": 8},
+            # in flight, two batches ahead: a step's requests share the servers with the next ones'
+            train={"steps": 8, "async": {"mode": "in_flight", "max_staleness": 2}},
         )
         cmd = [PY, "-m", "sparserl_mcore", "train", "--config", str(cfg)]
         trainer = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -102,6 +104,8 @@ def test_failed_requests_are_retried_and_a_killed_server_comes_back_at_the_curre
     assert {502, 503, 0} <= set(flaky.injected)  # both statuses and the hang were injected
     assert sum(r["rollout/requests_retried"] for r in steps) >= 8 * len(flaky.injected)
     assert min(r["engines/live"] for r in steps) == 1 and steps[-1]["engines/live"] == 2
+    # no token older than the admission bound: the returned server never served an older version
+    assert all(r["staleness/masked_tokens"] == 0 and r["staleness/lag_max"] <= 2 for r in steps)
     # the restarted server served requests after its return, at the learner's final version
     assert any(t > back for t in restarted.served)
     final = max(r["step"] for r in steps if "sync/patch_bytes" in r)
