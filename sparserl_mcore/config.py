@@ -97,7 +97,10 @@ class RolloutConfig:
     SGLang's /update_weights_from_tensor with our loader, bracketed by pause / begin / end / flush /
     continue; `sparserl slurm` sets it for the servers it starts). token_env names an environment
     variable holding the servers' bearer token (the token itself never sits in a config file).
-    request_timeout_s / max_retries bound how long a dead or hung engine can stall a step.
+    request_timeout_s / max_retries bound how long a dead or hung engine can stall a step: a failed
+    request (chunk) is retried up to max_retries times, after retry_backoff_s (doubling), on another
+    engine when one is live; a removed engine is asked for health every probe_interval_s and comes
+    back after a full weight sync (docs/rollout.md, "Faults").
     server_concurrency: requests each server is given at once (whole GRPO groups: at least one),
     so it can batch them; as slime's --sglang-server-concurrency. One group at a time would leave a
     server decoding batches of group_size.
@@ -122,6 +125,8 @@ class RolloutConfig:
     kv: KVCompressionConfig = dataclasses.field(default_factory=KVCompressionConfig)
     request_timeout_s: float = 600.0
     max_retries: int = 2
+    retry_backoff_s: float = 0.5
+    probe_interval_s: float = 10.0
     server_concurrency: int = 512
     prefix_cache_across_versions: bool = False
 
@@ -136,6 +141,9 @@ class RolloutConfig:
             )
         if any(not u.startswith(("http://", "https://")) for u in self.urls):
             raise ValueError(f"urls={list(self.urls)}: each must start with http:// or https://")
+        twice = sorted({u for u in self.urls if [v.rstrip("/") for v in self.urls].count(u.rstrip("/")) > 1})
+        if twice:
+            raise ValueError(f"urls lists {', '.join(twice)} more than once: list each server once")
         if self.server == "sglang" and self.engine != "remote":
             raise ValueError("server='sglang' names remote servers: set engine=remote and urls, or drop it")
         if self.router_url is not None:
@@ -159,7 +167,15 @@ class RolloutConfig:
                 "`sparserl serve --prefix-cache-across-versions`: drop it here"
             )
         if self.max_retries < 0:
-            raise ValueError(f"max_retries={self.max_retries}: must be >= 0")
+            raise ValueError(
+                f"max_retries={self.max_retries}: must be >= 0 (0: a failed request is not retried)"
+            )
+        if self.retry_backoff_s < 0:
+            raise ValueError(f"retry_backoff_s={self.retry_backoff_s:g}: must be >= 0 seconds")
+        if self.probe_interval_s < 0:
+            raise ValueError(
+                f"probe_interval_s={self.probe_interval_s:g}: must be >= 0 seconds (0: never probe)"
+            )
 
     @property
     def groups_in_flight(self) -> int:

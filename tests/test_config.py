@@ -126,6 +126,15 @@ def test_remote_engine_urls_from_an_override() -> None:
             ],
             ["router_url='http://a:1'", "other than the worker urls"],
         ),
+        # the rollout fleet's faults (issue 35)
+        (["rollout.max_retries=-1"], ["rollout", "max_retries=-1", ">= 0"]),
+        (["rollout.retry_backoff_s=soon"], ["rollout.retry_backoff_s", "expected a number", "'soon'"]),
+        (["rollout.retry_backoff_s=-1"], ["retry_backoff_s=-1", ">= 0 seconds"]),
+        (["rollout.probe_interval_s=-2"], ["probe_interval_s=-2", "0: never probe"]),
+        (
+            ["rollout.engine=remote", "rollout.urls=[http://a:1, http://b:1, http://a:1/]"],
+            ["urls lists http://a:1, http://a:1/ more than once", "list each server once"],
+        ),
         (["sync.transport=http"], ["unknown key sync.transport", "codec", "every"]),
         (["sync.broadcast={master_address: n0}"], ["sync.broadcast", "needs rollout.server=sglang"]),
         (["sync.broadcast={master_address: ''}"], ["sync.broadcast", "master_address is empty"]),

@@ -18,9 +18,10 @@ from e2e_support import PY, make_assets, metrics, subprocess_env, write_config
 from waiting import wait_until
 
 
-def _serve(hf, env: dict) -> subprocess.Popen:
-    """`sparserl serve` on a port the OS picks (--port 0); `_url` reads it from its first line."""
-    cmd = [PY, "-m", "sparserl_mcore", "serve", "--hf-dir", str(hf), "--port", "0", "--log-level", "warning"]
+def _serve(hf, env: dict, port: int = 0) -> subprocess.Popen:
+    """`sparserl serve` on `port` (0: the OS picks one); `_url` reads it from its first line."""
+    cmd = [PY, "-m", "sparserl_mcore", "serve", "--hf-dir", str(hf), "--port", str(port)]
+    cmd += ["--log-level", "warning"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 

@@ -13,14 +13,19 @@ error.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+import httpx
 import pytest
 from e2e_support import free_port
+from fault_proxy import FaultProxy
+from waiting import wait_until
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (make setup installs it)")
 
@@ -41,6 +46,9 @@ SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=5)
 
 def _launch(port: int) -> LaunchConfig:
     return LaunchConfig(model_path="unused", port=port, startup_timeout_s=120, grace_s=10)
+
+
+WORKERS: dict[str, ServerProcess] = {}  # the module's worker processes by URL (to kill one)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +73,7 @@ def stack(tmp_path_factory):
         for w in workers:
             w.wait_healthy()
         urls = [w.cfg.url for w in workers]
+        WORKERS.update(zip(urls, workers, strict=True))
         cfg = _launch(free_port())
         router = ServerProcess(cfg, argv=router_argv(urls, host=cfg.host, port=cfg.port)).__enter__()
         workers.append(router)
@@ -173,6 +182,57 @@ def test_pausing_the_router_pauses_the_workers_behind_it(stack):
         router.resume()
         assert len(pending.result(timeout=60)) == 4
     router.close()
+
+
+def test_a_router_failing_some_requests_costs_retries_of_those_requests_only(stack):
+    """A router answering 502 / 503 to every 4th request (a proxy in front of the real one): each
+    failed request is sent again with its id and seed (a request unlucky every time fails its
+    chunk, which the pool sends again), so the step gets exactly the samples a fault-free step
+    gets and the pool keeps the router. Before, the chunk's first failure cancelled its other
+    requests and the pool dropped its only engine."""
+    _, router_url, urls, hf = stack
+    proxy = FaultProxy(router_url, fail_every=4)
+    try:
+        clean = SGLangRouter(router_url, concurrency=4, chunk_size=4, timeout=60)
+        faulty = SGLangRouter(proxy.url, concurrency=4, chunk_size=4, timeout=60, retries=2, backoff_s=0.05)
+        pool = EnginePool({proxy.url: faulty}, PoolConfig(chunk_size=4, chunk_timeout_s=60))
+        requests = _requests(4, "router-faults")
+        samples = pool.generate(requests)
+        expected = clean.generate(requests)
+        assert [s.rid for s in samples] == [r.rid for r in requests]
+        assert [s.output_ids for s in samples] == [e.output_ids for e in expected]
+        assert set(proxy.injected) == {502, 503} and len(proxy.injected) >= 4
+        assert list(pool.live) == [proxy.url] and not pool.dead
+        pool.close()
+        clean.close()
+    finally:
+        proxy.close()
+
+
+def test_a_worker_dying_under_the_router_mid_step_loses_no_request(stack):
+    """Worker 0 is SIGKILLed while the step's requests run on both: the requests it held fail at
+    the router and are sent again (same ids and seeds), the router routes them to worker 1, and
+    the step completes with one sample per request; the router stays the pool's engine. (Runs
+    before the tests below, which need only worker 1.)"""
+    _, router_url, urls, hf = stack
+    engines = build_engines(_config(hf, router_url, urls), compressed=True, device="cpu")
+    pool = EnginePool(engines, PoolConfig(chunk_size=4, chunk_timeout_s=60, retry_backoff_s=0.2))
+    long = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True)
+    prompts = [Prompt(input_ids=(3 + p, 7, 11), answer="") for p in range(8)]
+    requests = make_requests(prompts, tag="worker-dies", group_size=4, sampling=long, run_seed=5)
+
+    def running_on_worker_0() -> bool:
+        return httpx.get(f"{urls[0]}/get_model_info", timeout=10).json()["pending_requests"] > 0
+
+    with ThreadPoolExecutor(1) as call:
+        pending = call.submit(pool.generate, requests)
+        wait_until(running_on_worker_0, timeout=60, what="requests running on worker 0")
+        os.killpg(WORKERS[urls[0]].proc.pid, signal.SIGKILL)
+        samples = pending.result(timeout=300)
+    assert [s.rid for s in samples] == [r.rid for r in requests]
+    assert [len(s.output_ids) for s in samples] == [64] * 32
+    assert list(pool.live) == [router_url] and not pool.dead
+    pool.close()
 
 
 def test_a_worker_dropped_by_the_weight_sync_leaves_the_router(stack):

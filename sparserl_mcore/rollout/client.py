@@ -166,10 +166,11 @@ class RemoteEngine:
     def model_info(self) -> dict[str, Any]:
         return dict(self._call("GET", "/get_model_info").json())
 
-    def health(self) -> bool:
-        """True when the server answers /health with 200 (one attempt, no retries)."""
+    def health(self, timeout: float = 10.0) -> bool:
+        """True when the server answers /health with 200 within `timeout` seconds (one attempt, no
+        retries: the pool asks after a failed call and while probing a removed engine)."""
         try:
-            return self._http.get("/health").status_code == 200
+            return self._http.get("/health", timeout=timeout).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -32,7 +32,7 @@ import httpx
 import torch
 
 from sparserl_mcore.rollout.client import RemoteEngine, RemoteEngineError, RemoteValueError
-from sparserl_mcore.rollout.protocol import GenerateRequest, Sample
+from sparserl_mcore.rollout.protocol import GenerateRequest, RequestsFailed, Sample
 from sparserl_mcore.sglang import wire
 from sparserl_mcore.sglang.loader import LOADER_PATH, PATCH_TENSOR, VERSION_TENSOR
 
@@ -193,12 +193,13 @@ class SGLangRouter(RemoteEngine):
     summed: as many as without a router). Those calls (up to every worker's
     `rollout.server_concurrency` together) run on one asyncio loop in a thread of its own, not a
     thread each, so the learner's host process does not carry thousands of threads competing for
-    its GIL beside training. The router retries a failed call on another worker
-    itself, so each call is sent once; a call that still fails, or an unreachable router, fails the
-    chunk, and the pool then
-    has no engine left: the run checkpoints and stops with the router's error. The router
-    forwards generation only, so `pause` / `resume` (a stop aborting what runs) go to `workers`,
-    the servers behind it.
+    its GIL beside training. A failed call (transport error, 5xx: a worker that died under it, a
+    502 / 503 from the router) is sent again, `retries` times at most, after `backoff_s`
+    (doubling, no sooner than a Retry-After), with the same request id and seed: the router then
+    picks a live worker. One request failing never cancels the others: what still fails after its
+    retries comes back as `RequestsFailed` with every other request's sample, so the pool retries
+    only the chunks holding a failed request. The router forwards generation only, so `pause` /
+    `resume` (a stop aborting what runs) go to `workers`, the servers behind it.
     """
 
     _read_sample = staticmethod(wire.read_sample)
@@ -211,10 +212,12 @@ class SGLangRouter(RemoteEngine):
         concurrency: int,
         chunk_size: int,
         timeout: float = 600.0,
+        retries: int = 2,
+        backoff_s: float = 0.5,
         workers: Sequence[RemoteEngine] = (),
     ) -> None:
         self.workers = list(workers)
-        super().__init__(url, timeout=timeout, retries=0, concurrency=concurrency)
+        super().__init__(url, timeout=timeout, retries=retries, backoff_s=backoff_s, concurrency=concurrency)
         self._async_http = httpx.AsyncClient(
             base_url=self.url,
             timeout=self._http.timeout,
@@ -228,36 +231,37 @@ class SGLangRouter(RemoteEngine):
         return f"SGLangRouter({self.url!r})"
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
-        """One call per request on the I/O loop; the first failure cancels the chunk's others."""
+        """One call per request on the I/O loop, each retried on its own; `RequestsFailed` when some
+        still failed (the others' samples are in it)."""
         if not requests:
             return []
         return asyncio.run_coroutine_threadsafe(self._generate_all(requests), self._loop).result()
 
     async def _generate_all(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
-        try:
-            async with asyncio.TaskGroup() as calls:
-                tasks = [calls.create_task(self._generate_one(r)) for r in requests]
-        except BaseExceptionGroup as group:  # the first failure, raised as one call raises it
-            raise group.exceptions[0] from None
-        return [t.result() for t in tasks]
+        outcomes = await asyncio.gather(*(self._generate_one(r) for r in requests), return_exceptions=True)
+        if any(isinstance(o, BaseException) for o in outcomes):
+            raise RequestsFailed(outcomes)
+        return list(outcomes)  # type: ignore[arg-type]  # no exception among them
 
     async def _generate_one(self, request: GenerateRequest) -> Sample:
-        answer = (await self._post("/generate", wire.single_body(request, self.prefix_key))).json()
-        try:
-            return self._read_sample(answer, request)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RemoteEngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
-
-    async def _post(self, route: str, body: dict[str, Any]) -> httpx.Response:
-        """One POST on the I/O loop, failing with the errors `_call` raises (no retry: the router
-        has already tried another worker)."""
-        try:
-            response = await self._async_http.post(route, json=body)
-        except httpx.TransportError as exc:
-            raise self._gave_up(route, 1, f"{type(exc).__name__}: {exc}") from None
-        if response.status_code >= 400:
-            raise self._gave_up(route, 1, self._retryable(route, response)[0])
-        return response
+        body = wire.single_body(request, self.prefix_key)
+        last, retry_after = "", 0.0
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(max(self.backoff_s * 2 ** (attempt - 1), retry_after))
+            try:
+                response = await self._async_http.post("/generate", json=body)
+            except httpx.TransportError as exc:
+                last, retry_after = f"{type(exc).__name__}: {exc}", 0.0
+                continue
+            if response.status_code >= 400:
+                last, retry_after = self._retryable("/generate", response)  # 4xx raises at once
+                continue
+            try:
+                return self._read_sample(response.json(), request)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise RemoteEngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
+        raise self._gave_up("/generate", self.retries + 1, last)
 
     def pause(self, mode: str = "retract") -> None:
         """Pause every worker behind the router (it does not forward the pause routes)."""

@@ -175,6 +175,7 @@ class Trainer:
         """One RL step, as a list of named steps."""
         cfg, p, step = self.cfg, self.parts, self.state.step + 1
         timer, started = StepTimer(), time.perf_counter()
+        self._readmit()
         self._admit(step)
         if self.producer.ahead:
             self.progress.phase("rollouts (generated ahead)")
@@ -188,6 +189,9 @@ class Trainer:
         if self.producer.ahead:
             metrics["rollout/generate_s"] = produced.generate_s
         metrics.update(lag)
+        if p.pool is not None:  # host: the fleet's state (docs/rollout.md, "Faults")
+            metrics["engines/live"] = float(len(p.pool))
+            metrics["rollout/requests_retried"] = float(p.pool.take_requests_retried())
         if batch is not None and batch.size:
             with timer("update"):
                 metrics.update(self.update(batch, updates_per_epoch))
@@ -273,6 +277,24 @@ class Trainer:
             self.producer.submit(b, p.data.next_prompts(cfg.train.prompts_per_step), before)
             self._submitted_through = b
 
+    def _readmit(self) -> None:
+        """Collective: engines the host's pool found healthy again (removed ones, or ones down at
+        start) get a full weight sync to the version the others hold, then rejoin the pool; one
+        that fails it stays out and is probed again. Between two syncs, on the main thread: a
+        re-admitted engine never serves a request at an older version than the rest."""
+        pool = self.parts.pool
+        box: list[Any] = [pool.recovered() if pool is not None else []]
+        dist.broadcast_object_list(box, src=HOST_RANK)
+        if not box[0]:
+            return
+        synced = self.parts.syncer.readmit([pool, self.parts.dense_pool], set(box[0]))
+        if pool is not None:
+            for name in box[0]:
+                if name in synced:
+                    pool.admit(name)
+                else:
+                    pool.not_recovered(name)
+
     def _score(self, step: int, prompts: Sequence[Prompt]) -> tuple[list[Sample], list[float]]:
         """Host: batch `step` from the engines, scored (the producer's worker when running ahead)."""
         cfg = self.cfg
@@ -351,6 +373,8 @@ class Trainer:
             metrics["time/wait_generation_s"] = time.perf_counter() - waited
         metrics.update(p.syncer.sync([p.pool, p.dense_pool], version=version))
         self.state.sync_version, self._weights_changed = version, False
+        if p.pool is not None:  # host: every engine left in the pool holds it now
+            p.pool.version = version
         self.versions.publish(version)
         self.state.versions = self.versions.state_dict()
         self._engines_hold_anchor()
@@ -521,6 +545,8 @@ class Trainer:
                 },
             )
         p.syncer.full_sync([p.pool, p.dense_pool], version=self.state.sync_version)
+        if p.pool is not None:
+            p.pool.version = self.state.sync_version
         self._engines_hold_anchor()
 
     def _summary(

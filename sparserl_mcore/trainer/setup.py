@@ -144,9 +144,12 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
                 concurrency=len(rc.urls) * rc.groups_in_flight,
                 chunk_size=rc.group_size,
                 timeout=rc.request_timeout_s,
+                retries=rc.max_retries,  # per request: the router sends each retry to a live worker
+                backoff_s=rc.retry_backoff_s,
                 workers=[SGLangWorker(u, token, timeout=rc.request_timeout_s, retries=0) for u in rc.urls],
             )
             return {rc.router_url: router}
+        # retries=0: the pool retries a failed chunk itself, on another server when one is live
         kind = SGLangWorker if rc.server == "sglang" else RemoteEngine
         return {
             url: kind(url, token, timeout=rc.request_timeout_s, retries=0, concurrency=rc.groups_in_flight)
@@ -220,6 +223,8 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         chunk_size=cfg.rollout.group_size,
         chunk_timeout_s=cfg.rollout.request_timeout_s,
         max_attempts=cfg.rollout.max_retries + 1,
+        retry_backoff_s=cfg.rollout.retry_backoff_s,
+        probe_interval_s=cfg.rollout.probe_interval_s,
     )
     engines = partial(build_engines, cfg, device=runtime.device)
     pool = EnginePool(engines(compressed=True), pool_cfg, log.event) if host else None

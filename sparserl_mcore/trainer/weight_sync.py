@@ -182,6 +182,29 @@ class WeightSyncer:
         self._drop(pools, failed)
         self._key_prefixes(pools, version)  # also after a broadcast (nothing generates yet)
 
+    def readmit(self, pools: list[EnginePool | None], names: set[str]) -> set[str]:
+        """Collective: engines the host's pool found healthy again get a full sync to the version the
+        others hold (the fallback's path, every rank its owned elements); returns those that took it,
+        the same set on every rank. The loop re-admits only those, so none serves an older version."""
+        assert self._shards is not None, "full_sync must run first"
+        # the router takes no weights (its workers get every sync); in-process engines never leave
+        remote = names & self._remote
+        failed: set[str] = set()
+        if remote:  # `names` is the same on every rank, so all take this branch or none
+            self._dropped -= remote
+            failed, _ = self._deliver(
+                self._full_changes(), self._shards.version, None, pools, remote, "re-admission full sync"
+            )
+            self._dropped |= failed
+        synced = (remote - failed) | {n for n in names if n == self._router_url}
+        if self.in_flight and self._sglang is not None:  # its requests key the prefix cache anew
+            key = wire.prefix_key(self._run_key, self._shards.version)
+            engines = [pool.engine(name) for pool in pools if pool is not None for name in synced]
+            for engine in engines:
+                if hasattr(engine, "prefix_key"):
+                    engine.prefix_key = key
+        return synced
+
     def _key_prefixes(self, pools: list[EnginePool | None], version: int) -> None:
         """In-flight updates into SGLang (no flush while requests run in place): the host's SGLang
         clients key later requests' prefix cache by this run and version (`SGLangWorker.prefix_key`):
