@@ -6,7 +6,9 @@ main commit the async merge (01a94f9) was made on, from a `git worktree` of it w
 2 reuse epochs, DGG) on a tiny model and prompts regenerated here from fixed seeds. Recorded: every
 logged per-step figure that is not a time, at full float precision, and a SHA-256 of the final HF
 export's tensors. Two runs of that commit agreed bit for bit first. Today's loop, asynchronous RL off,
-must reproduce them exactly; figures added since (DWD, DGG's z) are not compared.
+must reproduce them exactly; figures added since (DWD, DGG's z) are not compared. The run selects
+the log-prob path of that commit (`loss.fused_logprob: false`): the fused head, today's default,
+agrees with it to fp32 rounding only (tests/test_loss_fused_logprob.py).
 
 Bits depend on the numeric stack, so the golden is compared only under the torch build and CPU
 kernel level it was recorded with (skipped, saying so, elsewhere). To record it again, from a
@@ -39,7 +41,8 @@ def numeric_stack() -> dict[str, str]:
 def run_recipe(root: Path, *, code: str | None = None, async_off: bool = True) -> dict:
     """The golden run in `root`: its per-step figures without times, and the final weights' hash.
     `code`: a checkout whose sparserl_mcore runs instead of this one; `async_off`: say
-    `train.async.mode: off` explicitly (a config key the reference commit does not know)."""
+    `train.async.mode: off` and `loss.fused_logprob: false` explicitly (config keys the reference
+    commit does not know)."""
     hf = make_assets(root)
     train = {"steps": 3, **({"async": {"mode": "off"}} if async_off else {})}
     cfg = write_config(
@@ -48,6 +51,7 @@ def run_recipe(root: Path, *, code: str | None = None, async_off: bool = True) -
         "golden",
         parallel={"tensor_model_parallel_size": 1},
         train=train,
+        **({"loss": {"policy": {"kl_coef": 0.0}, "fused_logprob": False}} if async_off else {}),
         checkpoint={"dir": None, "every": 0, "save_hf": str(root / "golden" / "hf")},
         telemetry={"plot": False, "progress": False},
     )
