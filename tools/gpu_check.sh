@@ -38,6 +38,7 @@ part() {  # part NAME LIMIT_S CMD...: timeout signals its whole process group (t
     part tests "$TEST_S" "$PY" -m pytest -q -m gpu tests -p no:cacheprovider -rfE --durations=15 \
         --timeout="$TEST_TIMEOUT_S" >"$OUT/tests.log" 2>&1 || failed+=(tests)
     part trainer "$BENCH_S" "$PY" -m benchmarks.gpu.trainer --out "$RES" --steps 5 || failed+=(trainer)
+    part logprob "$BENCH_S" "$PY" -m benchmarks.gpu.logprob --out "$RES" || failed+=(logprob)
     part learner "$BENCH_S" "$PY" -m benchmarks.gpu.learner --out "$RES" --profile || failed+=(learner)
     part sync "$BENCH_S" "$PY" -m benchmarks.gpu.sync --out "$RES" || failed+=(sync)
     part engine "$BENCH_S" "$PY" -m benchmarks.gpu.engine --out "$RES" "${engine_args[@]}" || failed+=(engine)
