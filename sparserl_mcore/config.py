@@ -426,6 +426,10 @@ class LossConfig:
     correction: CorrectionConfig = dataclasses.field(default_factory=CorrectionConfig)
     policy: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
     advantage_std_normalize: bool = True
+    # learner log-probs through the LM head fused with the log-prob, response rows only
+    # (docs/loss.md); false: megatron's output layer + vocab_parallel_logprobs (bit-identical to
+    # the loop before the fused head)
+    fused_logprob: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

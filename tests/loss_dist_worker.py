@@ -5,7 +5,9 @@
 
 DP = N / (TP * PP). Rank 0 writes OUT_FILE (torch.save) with: the metrics of every update, the DGG
 energies, and the full (DP-reduced, TP-gathered, PP-merged, global names) gradients of the first
-update. With --spike it also runs the DGG spike scenario and records every rank's decisions.
+update. With --oracle the log-probs come from megatron's output layer + vocab_parallel_logprobs
+instead of the fused head (UpdateConfig.fused_logprob). With --spike it also runs the DGG spike
+scenario and records every rank's decisions.
 Several runs in one process only without torchrun (re-initialising inside a torchrun job hangs).
 """
 
@@ -137,6 +139,7 @@ def local_batch(data: dict, model, runtime, *, with_ref: bool) -> UpdateBatch:
         temperature=UPDATE_CFG.temperature,
         vocab_size=VOCAB,
         runtime=runtime,
+        fused=UPDATE_CFG.fused_logprob,
     )
     if logp_old is None:  # not the last stage: these tensors are never read there
         logp_old = torch.zeros(tokens.shape)
@@ -320,7 +323,10 @@ def main() -> None:
     parser.add_argument("pp", type=int)
     parser.add_argument("runs", nargs="+", help="HF_DIR=OUT_FILE; several only without torchrun")
     parser.add_argument("--spike", action="store_true")
+    parser.add_argument("--oracle", action="store_true", help="the output layer's logits path")
     args = parser.parse_args()
+    global UPDATE_CFG
+    UPDATE_CFG = dataclasses.replace(UPDATE_CFG, fused_logprob=not args.oracle)
     torch.set_num_threads(1)
     for run in args.runs:
         hf_dir, out_file = run.split("=", 1)

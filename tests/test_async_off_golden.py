@@ -49,14 +49,18 @@ def reference_tree(dest: Path) -> Path | None:
 
 def start_run(root: Path, hf: Path, name: str, *, code: Path | None) -> subprocess.Popen:
     """`sparserl train` of the recipe as run `name` under `root`; `code`: a tree whose packages run
-    instead of this checkout's (it does not know `train.async`, so today's run alone says `off`)."""
-    train = {"steps": 3, **({"async": {"mode": "off"}} if code is None else {})}
+    instead of this checkout's. It knows neither `train.async` nor `loss.fused_logprob`, so today's
+    run alone says `off` and selects the reference's log-prob path (the fused head, today's default,
+    agrees with it to fp32 rounding only: tests/test_loss_fused_logprob.py)."""
+    today = code is None
+    train = {"steps": 3, **({"async": {"mode": "off"}} if today else {})}
     cfg = write_config(
         root,
         hf,
         name,
         parallel={"tensor_model_parallel_size": 1},
         train=train,
+        **({"loss": {"fused_logprob": False}} if today else {}),
         checkpoint={"dir": None, "every": 0, "save_hf": str(root / name / "hf")},
         telemetry={"plot": False, "progress": False},
     )

@@ -8,10 +8,12 @@ import json
 
 import pytest
 
-from benchmarks.gpu import engine, learner, sync
+from benchmarks.gpu import engine, learner, logprob, sync
 
 
-@pytest.mark.parametrize("bench", [learner, sync, engine], ids=["learner", "sync", "engine"])
+@pytest.mark.parametrize(
+    "bench", [learner, logprob, sync, engine], ids=["learner", "logprob", "sync", "engine"]
+)
 def test_gpu_benchmark_runs_in_smoke_mode(tmp_path, bench):
     name = bench.__name__.rsplit(".", 1)[1]
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
@@ -20,5 +22,7 @@ def test_gpu_benchmark_runs_in_smoke_mode(tmp_path, bench):
     assert any("SMOKE" in note for note in record["notes"])
     if name == "sync":
         assert "receiver bit-identical: True" in record["notes"]
+    if name == "logprob":
+        assert {row["path"] for row in record["rows"]} >= {"today", "fused"}
     if name == "learner":
         assert {row["step"] for row in record["rows"]} == {"fwd+bwd+adam", "rl update"}

@@ -8,7 +8,7 @@
 #                        OUT/res/learner_profile.txt the learner step's top operators
 # Exit status: non-zero when any part failed or hit its limit.
 #   GPU_PYTHON=python3 GPU_OUT=gpu-results TEST_S=300 BENCH_S=150 ENGINE_ARGS="..." tools/gpu_check.sh
-# A part's own limit, <PART>_S (TRAINER_S, LEARNER_S, SYNC_S, ENGINE_S), overrides BENCH_S, so one
+# A part's own limit, <PART>_S (TRAINER_S, LOGPROB_S, LEARNER_S, SYNC_S, ENGINE_S), overrides BENCH_S, so one
 # lease can give the engine's long greedy run more time than the quick parts.
 set -uo pipefail
 PY=${GPU_PYTHON:-python3}
@@ -43,6 +43,7 @@ part() {  # part NAME LIMIT_S CMD...: timeout signals its whole process group (t
         --timeout="$TEST_TIMEOUT_S" >"$OUT/tests.log" 2>&1 || failed+=(tests)
     part trainer "${TRAINER_S:-$BENCH_S}" "$PY" -m benchmarks.gpu.trainer --out "$RES" "${trainer_args[@]}" ||
         failed+=(trainer)
+    part logprob "${LOGPROB_S:-$BENCH_S}" "$PY" -m benchmarks.gpu.logprob --out "$RES" || failed+=(logprob)
     part learner "${LEARNER_S:-$BENCH_S}" "$PY" -m benchmarks.gpu.learner --out "$RES" --profile || failed+=(learner)
     part sync "${SYNC_S:-$BENCH_S}" "$PY" -m benchmarks.gpu.sync --out "$RES" || failed+=(sync)
     part engine "${ENGINE_S:-$BENCH_S}" "$PY" -m benchmarks.gpu.engine --out "$RES" "${engine_args[@]}" ||

@@ -2,7 +2,7 @@
 in its own process (fresh device memory; one failing does not stop the others), then
 OUT/summary.md: the machine record and one table per benchmark, ready for docs/benchmarks.md.
 
-    python -m benchmarks.gpu [--only learner,engine,sync,trainer] [--out gpu-results] [--smoke]
+    python -m benchmarks.gpu [--only learner,logprob,engine,sync,trainer] [--out gpu-results] [--smoke]
                              [--timeout-s 600] [--summary-only]
 
 The summary covers every benchmark with a result in OUT, so separate `--only` runs into one OUT
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("learner", "engine", "sync", "trainer")
+BENCHMARKS = ("learner", "logprob", "engine", "sync", "trainer")
 
 
 def _summary(out: Path) -> Path:

@@ -4,8 +4,9 @@ The Qwen2.5-0.5B shape, random weights, sequence 2048, bf16 params with fp32 mas
 megatron's distributed optimizer (the trainer's GPU default), built with the trainer's own
 `model_providers.build_model` / `trainer.learner` functions. Two rows per layer spec:
 - `fwd+bwd+adam`: megatron's schedule over `--micro-batches` micro-batches of `--micro-batch`
-  sequences with the token NLL through the project's vocab-parallel log-probs, then the Adam
-  step: the standard training step MFU is quoted for;
+  sequences with the token NLL through the learner's log-probs (the fused head, or with
+  `--logprob today` the output layer + vocab-parallel log-probs), then the Adam step: the standard
+  training step MFU is quoted for;
 - `rl update`: `loss.megatron_step.train_on_batch` as the trainer runs it (K=1): the pi_old
   recompute (forward only) plus the same update with the policy loss, Sparse-RL weights and DGG.
   The sampler's log-probs it corrects against (in a real run they come with the rollouts) are a
@@ -36,6 +37,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=2, help="accumulated per optimizer step")
     p.add_argument("--impls", default="local", help="comma-separated: local, transformer_engine")
+    p.add_argument(
+        "--logprob", choices=("fused", "today"), default="fused", help="the learner's log-prob path"
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=None, help="override the device's BF16 peak")
@@ -68,35 +72,46 @@ def _learner(hf: dict, impl: str, rt, *, lr: float = 1e-6):
     return spec, ddp, optimizer, scheduler
 
 
-def _nll_backward(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int) -> None:
+def _nll_backward(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int, fused: bool) -> None:
     """Forward and backward over `batches` (micro-batches) with the token NLL, grads reduced."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
+    from sparserl_mcore.loss.fused_head import Head, fused_token_logprobs
     from sparserl_mcore.loss.vocab_parallel import vocab_parallel_logprobs
-    from sparserl_mcore.parallel.forward import run_schedule
+    from sparserl_mcore.parallel.forward import hidden_forward, run_schedule
 
     config = get_model_config(ddp)
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+    head = Head.of(ddp) if fused else None
 
     def step(data_iterator, model):
         tokens = next(data_iterator)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        logits = model(tokens, positions, None)
+        if fused:
+            output, cut = hidden_forward(model, tokens)
+        else:
+            output, cut = model(tokens, positions, None), (lambda x: x)
 
         def loss_func(out: torch.Tensor):
-            logp, _ = vocab_parallel_logprobs(
-                out[:, :-1],
-                tokens[:, 1:],
-                group=rt.groups.tp,
-                vocab_start=0,
-                vocab_size=vocab,
-                temperature=1.0,
-            )
+            out = cut(out)
+            if head is not None:
+                logp = fused_token_logprobs(
+                    out, tokens, None, head=head, runtime=rt, temperature=1.0, vocab_size=vocab
+                )[0][:, 1:]
+            else:
+                logp, _ = vocab_parallel_logprobs(
+                    out[:, :-1],
+                    tokens[:, 1:],
+                    group=rt.groups.tp,
+                    vocab_start=0,
+                    vocab_size=vocab,
+                    temperature=1.0,
+                )
             loss = -logp.mean()
             return loss, {"loss": loss.detach()}
 
-        return logits, loss_func
+        return output, loss_func
 
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
@@ -104,37 +119,37 @@ def _nll_backward(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int) -
     run_schedule(ddp, batches, step, groups=rt.groups, micro_batch_size=b, seq_length=s, forward_only=False)
 
 
-def _nll_step(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int) -> None:
+def _nll_step(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int, fused: bool) -> None:
     """One optimizer step over `batches` (micro-batches) with the token NLL."""
-    _nll_backward(ddp, optimizer, batches, rt, vocab)
+    _nll_backward(ddp, optimizer, batches, rt, vocab, fused)
     optimizer.step()
 
 
-def _optimizer_syncs(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int) -> int:
+def _optimizer_syncs(ddp, optimizer, batches: list[torch.Tensor], rt, vocab: int, fused: bool) -> int:
     """Host syncs of one optimizer step (prepare, norm, clip, Adam, copy back), after a backward."""
     from sparserl_mcore.parallel.host_syncs import HostSyncCounter
 
-    _nll_backward(ddp, optimizer, batches, rt, vocab)
+    _nll_backward(ddp, optimizer, batches, rt, vocab, fused)
     with HostSyncCounter() as syncs:
         optimizer.step()
     return syncs.count
 
 
-def _rl_update(ddp, optimizer, scheduler, batch, rt, micro_batch: int, vocab: int) -> None:
+def _rl_update(ddp, optimizer, scheduler, batch, rt, micro_batch: int, vocab: int, fused: bool) -> None:
     from sparserl_mcore.loss import megatron_step
     from sparserl_mcore.loss.dgg import DGGConfig, DynamicGradientGate
 
-    cfg = megatron_step.UpdateConfig(micro_batch_size=micro_batch, vocab_size=vocab)
+    cfg = megatron_step.UpdateConfig(micro_batch_size=micro_batch, vocab_size=vocab, fused_logprob=fused)
     gate = DynamicGradientGate(DGGConfig())  # cfg.epochs=1: one update
     megatron_step.train_on_batch(ddp, optimizer, batch, cfg=cfg, gate=gate, runtime=rt, scheduler=scheduler)
 
 
-def _rl_batch(ddp, tokens: torch.Tensor, rt, micro_batch: int, vocab: int):
+def _rl_batch(ddp, tokens: torch.Tensor, rt, micro_batch: int, vocab: int, fused: bool):
     """The update's batch; the sampler log-probs stand-in is one forward pass, run here, untimed."""
     from sparserl_mcore.loss import megatron_step
 
     logp = megatron_step.compute_logprobs(
-        ddp, tokens, micro_batch_size=micro_batch, temperature=1.0, vocab_size=vocab, runtime=rt
+        ddp, tokens, micro_batch_size=micro_batch, temperature=1.0, vocab_size=vocab, runtime=rt, fused=fused
     )
     assert logp is not None  # one pipeline stage: it is the last
     mask = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
@@ -154,13 +169,14 @@ def _measure(args, hf: dict, impl: str, rt, peak: float | None) -> list[dict]:
     tokens = torch.randint(0, vocab, (n, args.seq), device=rt.device, generator=g)
     batches = list(tokens.split(args.micro_batch))
     per_token = common.train_flops_per_token(hf, args.seq)
-    batch = _rl_batch(ddp, tokens, rt, args.micro_batch, vocab)
+    fused = args.logprob == "fused"
+    batch = _rl_batch(ddp, tokens, rt, args.micro_batch, vocab, fused)
 
     def nll() -> None:
-        _nll_step(ddp, optimizer, batches, rt, vocab)
+        _nll_step(ddp, optimizer, batches, rt, vocab, fused)
 
     def rl() -> None:
-        _rl_update(ddp, optimizer, scheduler, batch, rt, args.micro_batch, vocab)
+        _rl_update(ddp, optimizer, scheduler, batch, rt, args.micro_batch, vocab, fused)
 
     # The rl row's pi_old recompute is a forward pass: a third of the fwd+bwd FLOPs on top; the
     # sampler log-probs stand-in is outside the timed call, so nothing else runs in it.
@@ -169,7 +185,7 @@ def _measure(args, hf: dict, impl: str, rt, peak: float | None) -> list[dict]:
     for name, (fn, flops_per_token) in runs.items():
         times = common.wall_times(fn, rt.device, warmup=args.warmup, repeats=args.repeats)
         step_syncs = _syncs(fn)
-        opt_syncs = _optimizer_syncs(ddp, optimizer, batches, rt, vocab) if fn is nll else None
+        opt_syncs = _optimizer_syncs(ddp, optimizer, batches, rt, vocab, fused) if fn is nll else None
         if args.profile:
             _profile(fn, rt.device, args.out / "learner_profile.txt", f"{impl} {name}")
         seconds = common.median(times)
@@ -228,7 +244,11 @@ def main(argv: list[str]) -> int:
     env = common.environment(device)
     hf = common.model_shape(args.smoke)
     peak = common.peak_bf16_flops(env.get("device", ""), args.peak_tflops) if device.type == "cuda" else None
-    rows, notes = [], [f"seq {args.seq}, {args.micro_batches} x {args.micro_batch} sequences per step"]
+    rows: list[dict] = []
+    notes = [
+        f"seq {args.seq}, {args.micro_batches} x {args.micro_batch} sequences per step, "
+        f"log-probs: {args.logprob}"
+    ]
     rt = initialize(ParallelConfig(), seed=0)
     try:
         for impl in args.impls.split(","):

@@ -4,7 +4,8 @@ Public API (the trainer calls these; shapes use the legend B = this DP rank's se
 T = tokens per sequence; per-token tensors are indexed by the position of the token they score,
 i.e. the log-prob of tokens_BT[:, t] comes from the logits at t - 1, so mask_BT[:, 0] must be 0):
 
-    compute_logprobs(model, tokens_BT, *, micro_batch_size, temperature, vocab_size, runtime)
+    compute_logprobs(model, tokens_BT, *, micro_batch_size, temperature, vocab_size, runtime,
+                     fused=True, mask_BT=None)
         -> [B, T] float32 on the last pipeline stage, None elsewhere (forward only; pi_old, pi_ref).
     train_on_batch(model, optimizer, batch, *, cfg, gate, runtime, scheduler=None) -> UpdateResult
         up to K = cfg.epochs passes over the batch, each of `minibatches_per_epoch` optimizer
@@ -17,6 +18,12 @@ is its share of the global loss; megatron's averaging over micro-batches and DP 
 by one scale factor so the accumulated gradient is exactly the gradient of the global loss.
 Metrics are reduced over micro-batches and DP on the last stage and broadcast over PP, so every
 rank returns the same numbers.
+
+Log-probs come from one of two paths, the same numbers to fp32 rounding (tests/test_loss_fused_logprob.py):
+`fused` (UpdateConfig.fused_logprob, the default) runs the decoder to its final hidden states and
+projects only the rows whose next token is a response token through the head fused with the
+log-prob (loss/fused_logprob.py: no [tokens, vocab] logits); the other runs megatron's output layer
+over every position and `vocab_parallel_logprobs` on its logits (the oracle).
 """
 
 from __future__ import annotations
@@ -33,13 +40,20 @@ from torch import Tensor
 from sparserl_mcore.loss import staleness
 from sparserl_mcore.loss.correction import CorrectionConfig, CorrectionTotals, sparse_rl_correction
 from sparserl_mcore.loss.dgg import DynamicGradientGate, GateDecision
+from sparserl_mcore.loss.fused_head import Head, fused_token_logprobs, response_rows
 from sparserl_mcore.loss.lm_head_grad import lm_head_grad_energy
 from sparserl_mcore.loss.policy import PolicyLossConfig, policy_loss
 from sparserl_mcore.loss.totals import LossTotals, reduce_metrics
 from sparserl_mcore.loss.vocab_parallel import vocab_parallel_logprobs
 from sparserl_mcore.loss.weight_change import WeightChange
 from sparserl_mcore.parallel import optim_step
-from sparserl_mcore.parallel.forward import forward_only, model_forward, padding_mask, run_schedule
+from sparserl_mcore.parallel.forward import (
+    forward_only,
+    hidden_forward,
+    model_forward,
+    padding_mask,
+    run_schedule,
+)
 from sparserl_mcore.parallel.runtime import Runtime
 
 
@@ -58,6 +72,9 @@ class UpdateConfig:
     # asynchronous RL: tokens more than this many versions older than the learner leave the loss
     # (counted); batches then carry lag_BT. None: synchronous, no lag.
     max_staleness: int | None = None
+    # the head fused with the log-prob, response rows only (module docstring); False: the output
+    # layer's full logits into vocab_parallel_logprobs
+    fused_logprob: bool = True
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "minibatches_per_epoch", "epochs"):
@@ -146,39 +163,78 @@ def compute_logprobs(
     temperature: float,
     vocab_size: int | None,
     runtime: Runtime,
+    fused: bool = True,
+    mask_BT: Tensor | None = None,
 ) -> Tensor | None:
-    """Per-token log-probs of `tokens_BT` under `model` (forward only, no vocab gather)."""
+    """Per-token log-probs of `tokens_BT` under `model` (forward only, no vocab gather).
+
+    `fused`: through the fused head (module docstring); then with `mask_BT` only the tokens in the
+    mask are scored (0 elsewhere), without it every position 1..T-1."""
     if micro_batch_size < 1 or tokens_BT.shape[0] % micro_batch_size:
         raise ValueError(
             f"micro_batch_size={micro_batch_size} must divide the batch size {tokens_BT.shape[0]}"
         )
+    tokens_BT = tokens_BT.to(runtime.device)
+    micro_batches = list(tokens_BT.split(micro_batch_size))
+    if not fused:
 
-    def post(logits_BTV: Tensor, tokens: Tensor) -> Tensor:
-        return _token_logprobs(
-            logits_BTV, tokens, runtime=runtime, temperature=temperature, vocab_size=vocab_size
+        def post(logits_BTV: Tensor, tokens: Tensor) -> Tensor:
+            return _token_logprobs(
+                logits_BTV, tokens, runtime=runtime, temperature=temperature, vocab_size=vocab_size
+            )[0]
+
+        outputs = forward_only(model, micro_batches, post_fn=post, groups=runtime.groups)
+        return torch.cat(outputs) if runtime.is_last_stage else None
+
+    head = Head.of(model) if runtime.is_last_stage else None
+    masks = mask_BT.split(micro_batch_size) if mask_BT is not None and runtime.is_last_stage else None
+    rows = iter([response_rows(m, runtime.device) for m in masks] if masks is not None else [])
+
+    def post_hidden(hidden_SBH: Tensor, tokens: Tensor) -> Tensor:
+        assert head is not None, "megatron calls post_fn on the last pipeline stage"
+        return fused_token_logprobs(
+            hidden_SBH,
+            tokens,
+            next(rows) if masks is not None else None,
+            head=head,
+            runtime=runtime,
+            temperature=temperature,
+            vocab_size=vocab_size,
         )[0]
 
-    tokens_BT = tokens_BT.to(runtime.device)
     outputs = forward_only(
-        model, list(tokens_BT.split(micro_batch_size)), post_fn=post, groups=runtime.groups
+        model, micro_batches, post_fn=post_hidden, groups=runtime.groups, forward=hidden_forward
     )
     return torch.cat(outputs) if runtime.is_last_stage else None
 
 
 def _loss_func(
     mb: dict,
-    logits_BTV: Tensor,
+    output: Tensor,
     *,
     totals: LossTotals | None,
     scale: float,
     runtime: Runtime,
     cfg: UpdateConfig,
+    head: Head | None,
 ):
-    """megatron's loss_func contract: (loss, metrics); `scale` undoes its micro-batch/DP averaging."""
+    """megatron's loss_func contract: (loss, metrics); `scale` undoes its micro-batch/DP averaging.
+    With `head` (fused path) the output is the final hidden states, else the TP-local logits."""
     assert totals is not None, "megatron calls loss_func on the last pipeline stage, which has totals"
-    logp, ent = _token_logprobs(
-        logits_BTV, mb["tokens"], runtime=runtime, temperature=cfg.temperature, vocab_size=cfg.vocab_size
-    )
+    if head is not None:
+        logp, ent = fused_token_logprobs(
+            output,
+            mb["tokens"],
+            mb["rows"],
+            head=head,
+            runtime=runtime,
+            temperature=cfg.temperature,
+            vocab_size=cfg.vocab_size,
+        )
+    else:
+        logp, ent = _token_logprobs(
+            output, mb["tokens"], runtime=runtime, temperature=cfg.temperature, vocab_size=cfg.vocab_size
+        )
     entropy = ent if cfg.policy.entropy_coef > 0 else ent.detach()
     loss, metrics = policy_loss(
         logp,
@@ -194,10 +250,10 @@ def _loss_func(
     return loss * scale, metrics
 
 
-def _forward_step(loss_fn, data_iterator, model):
+def _forward_step(loss_fn, fused: bool, data_iterator, model):
     mb = next(data_iterator)
-    output, cut = model_forward(model, mb["tokens"], padding_BT=mb["padding"])
-    return output, lambda logits: loss_fn(mb, cut(logits))
+    output, cut = (hidden_forward if fused else model_forward)(model, mb["tokens"], padding_BT=mb["padding"])
+    return output, lambda out: loss_fn(mb, cut(out))
 
 
 def _micro_batches(tensors: dict[str, Tensor | None], rows: slice, size: int) -> list[dict]:
@@ -209,12 +265,12 @@ def _micro_batches(tensors: dict[str, Tensor | None], rows: slice, size: int) ->
     return out
 
 
-def _forward_backward(model, micro_batches: list[dict], loss_fn, runtime: Runtime) -> list[dict]:
+def _forward_backward(model, micro_batches: list[dict], loss_fn, runtime: Runtime, fused: bool) -> list[dict]:
     b, t = micro_batches[0]["tokens"].shape
     return run_schedule(
         model,
         micro_batches,
-        partial(_forward_step, loss_fn),
+        partial(_forward_step, loss_fn, fused),
         groups=runtime.groups,
         micro_batch_size=b,
         seq_length=t,
@@ -274,13 +330,17 @@ def _one_update(
     model.zero_grad_buffer()
     optimizer.zero_grad()
     micro_batches = _micro_batches(data, rows, cfg.micro_batch_size)
-    totals = None
+    totals, head = None, None
     if runtime.is_last_stage:
         totals = LossTotals.local(data["mask"][rows]).all_reduce(runtime.groups.dp)
+        if cfg.fused_logprob:
+            head = Head.of(model)
+            for mb in micro_batches:  # the original response mask: the corrected one is a subset
+                mb["rows"] = response_rows(mb["response"], runtime.device)
     # megatron divides each micro-batch loss by their number and the gradient by the DP size.
     scale = float(len(micro_batches) * runtime.dp_size)
-    loss_fn = partial(_loss_func, totals=totals, scale=scale, runtime=runtime, cfg=cfg)
-    pieces = _forward_backward(model, micro_batches, loss_fn, runtime)
+    loss_fn = partial(_loss_func, totals=totals, scale=scale, runtime=runtime, cfg=cfg, head=head)
+    pieces = _forward_backward(model, micro_batches, loss_fn, runtime, cfg.fused_logprob)
     check = optim_step.prepare_and_check(optimizer)  # the verdict and the grad norm: one host sync
     found_inf = check.found_inf
     energy = lm_head_grad_energy(
@@ -340,6 +400,8 @@ def train_on_batch(
         temperature=cfg.temperature,
         vocab_size=cfg.vocab_size,
         runtime=runtime,
+        fused=cfg.fused_logprob,
+        mask_BT=batch.mask_BT,
     )
     data = _stage_data(batch, logp_old, runtime)
     correction_metrics = {}
@@ -400,6 +462,7 @@ def _stage_data(batch: UpdateBatch, logp_old: Tensor | None, runtime: Runtime) -
         "mask": None,
         "weights": None,
         "padding": None if batch.lengths_B is None else padding_mask(batch.tokens_BT, batch.lengths_B).to(to),
+        "response": batch.mask_BT.cpu() if last else None,  # on the host: response_rows reads it
     }
 
 

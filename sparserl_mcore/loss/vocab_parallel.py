@@ -114,10 +114,9 @@ class _VocabParallelLogProb(torch.autograd.Function):
                 z.add_(g_lp[lo:hi, None])
             z.mul_(p).neg_()
             del p
-            if g_lp is not None:
+            if g_lp is not None:  # the target term; adding 0 elsewhere: no nonzero (a host sync)
                 local_t, owned = _owned_targets(tgt[lo:hi], vocab_start, v_local)
-                rows = torch.nonzero(owned).squeeze(1)
-                z[rows, local_t[rows]] += g_lp[lo:hi][rows]
+                z.scatter_add_(1, local_t[:, None], torch.where(owned, g_lp[lo:hi], 0.0)[:, None])
             if pad is not None:
                 z.masked_fill_(pad, 0.0)
             grad[lo:hi] = z.div_(temperature)

@@ -5,8 +5,10 @@ token ids on every rank of a model-parallel group and applies `post_fn` to each 
 output on the last pipeline stage; the rest of the stages return []. `post_fn` receives the
 TP-local (vocab-sharded) logits [b, s, V/TP] and the micro-batch, so log-prob recompute can reduce
 them vocab-parallel without ever gathering the vocabulary. `forward_logits` is the verification
-special case that gathers full-vocab logits. `run_schedule` is the shared call into the schedule
-(pipeline communicator included) that the RL update's training pass uses as well.
+special case that gathers full-vocab logits. `hidden_forward` is `model_forward` without the output
+layer on the last stage, for the fused head + log-prob (loss/fused_logprob.py). `run_schedule` is
+the shared call into the schedule (pipeline communicator included) that the RL update's training
+pass uses as well.
 
 Every stage must pass the same micro-batches (the first stage embeds them, the last one hands them to
 `post_fn`); the schedule moves activations between stages itself.
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 PostFn = Callable[[torch.Tensor, torch.Tensor], Any]
@@ -79,9 +82,69 @@ def _stage_padding(model: torch.nn.Module, padding_BT: torch.Tensor, padded_seq:
     return padding_BT.tensor_split(tp.size(), dim=1)[tp.rank()]
 
 
-def _step(post_fn: PostFn, data_iterator, model):
+def _gpt(model: torch.nn.Module) -> Any:
+    """The GPTModel inside megatron's DDP / Float16Module wrappers."""
+    inner: Any = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return inner
+
+
+def hidden_forward(
+    model: torch.nn.Module, tokens: torch.Tensor, *, padding_BT: torch.Tensor | None = None
+) -> tuple[Any, Callable[[Any], Any]]:
+    """`model_forward`, except that the last stage returns the decoder's final hidden states
+    [s, b, H] (after the final norm) instead of logits: the embedding / decoder calls of
+    GPTModel.forward without its output layer. The returned function cuts them to the
+    micro-batch's s positions, gathering the sequence first under sequence parallelism (megatron's
+    gather, whose backward reduce-scatters the partial d_hidden as the output layer's would).
+    Other stages: exactly `model_forward`. Not for multi-token prediction (refused). `padding_BT`:
+    as `model_forward`'s."""
+    gpt = _gpt(model)
+    if not gpt.post_process:
+        return model_forward(model, tokens, padding_BT=padding_BT)
+    if gpt.config.mtp_num_layers:
+        raise ValueError("the fused log-prob head does not support multi-token prediction (mtp_num_layers)")
+    seq = tokens.shape[1]
+    tokens = sequence_parallel_tokens(model, tokens)
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    padding = None
+    if padding_BT is not None and gpt.config.num_moe_experts is not None:
+        padding = _stage_padding(model, padding_BT, tokens.shape[1])
+    pre = gpt._preprocess(input_ids=tokens, position_ids=position_ids, padding_mask=padding)
+    decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset, padding_mask = pre[:6]
+    hidden = gpt.decoder(
+        hidden_states=decoder_input,
+        attention_mask=None,
+        rotary_pos_emb=rotary_pos_emb,
+        rotary_pos_cos=rotary_pos_cos,
+        rotary_pos_sin=rotary_pos_sin,
+        rotary_pos_cos_sin=pre[6] if len(pre) == 7 else None,
+        sequence_len_offset=sequence_len_offset,
+        padding_mask=padding_mask,
+    )
+
+    def cut(h: torch.Tensor) -> torch.Tensor:
+        if gpt.config.sequence_parallel:
+            h = gather_from_sequence_parallel_region(
+                h, tensor_parallel_output_grad=True, group=gpt.pg_collection.tp
+            )
+        return h[:seq]
+
+    return hidden, cut
+
+
+def output_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The last stage's [V/TP, H] head weight: the output layer's, or the shared embedding when tied."""
+    gpt = _gpt(model)
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def _step(post_fn: PostFn, forward: Callable, data_iterator, model):
     tokens = next(data_iterator)
-    output, cut = model_forward(model, tokens)
+    output, cut = forward(model, tokens)
 
     def collect(logits: torch.Tensor, non_loss_data: bool = True) -> Any:
         return post_fn(cut(logits), tokens)
@@ -95,11 +158,13 @@ def forward_only(
     *,
     post_fn: PostFn,
     groups: ProcessGroupCollection,
+    forward: Callable = model_forward,
 ) -> list[Any]:
     """Run the model forward over `micro_batches` (each [b, s] int64, equal shapes).
 
     Returns `[post_fn(logits_local, tokens) for each micro-batch]` on the last pipeline stage and
-    [] on other stages. `groups` is `Runtime.groups`. Gradients are not recorded.
+    [] on other stages. `groups` is `Runtime.groups`. Gradients are not recorded. `forward`:
+    `model_forward`, or `hidden_forward` (post_fn then gets the final hidden states [s, b, H]).
     """
     if not micro_batches:
         raise ValueError("forward_only needs at least one micro-batch")
@@ -111,7 +176,7 @@ def forward_only(
         return run_schedule(
             model,
             micro_batches,
-            partial(_step, post_fn),
+            partial(_step, post_fn, forward),
             groups=groups,
             micro_batch_size=micro_batch_size,
             seq_length=seq_length,

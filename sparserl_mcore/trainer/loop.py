@@ -423,6 +423,8 @@ class Trainer:
                 temperature=learner.update_cfg.temperature,
                 vocab_size=learner.update_cfg.vocab_size,
                 runtime=rt,
+                fused=learner.update_cfg.fused_logprob,
+                mask_BT=local.mask_BT,
             )
         update_batch = megatron_step.UpdateBatch(
             tokens_BT=local.tokens_BT,

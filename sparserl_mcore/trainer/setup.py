@@ -46,6 +46,7 @@ def update_config(cfg: RunConfig, vocab_size: int) -> megatron_step.UpdateConfig
         correction=cfg.loss.correction,
         policy=cfg.loss.policy,
         max_staleness=cfg.train.async_.max_staleness if cfg.train.async_.mode != "off" else None,
+        fused_logprob=cfg.loss.fused_logprob,
     )
 
 
