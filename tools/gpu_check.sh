@@ -38,8 +38,9 @@ part() {  # part NAME LIMIT_S CMD...: timeout signals its whole process group (t
 {
     failed=()
     # One part at a time: on a shared GPU the first lease's tests and benchmarks slowed each other
-    # past their limits. pytest-timeout fails a stuck test with its traceback instead.
-    part tests "$TEST_S" "$PY" -m pytest -q -m gpu tests -p no:cacheprovider -rfE --durations=15 \
+    # past their limits. pytest-timeout fails a stuck test with its traceback instead; -v logs each
+    # test as it ends, so a part cut at its limit still says which passed.
+    part tests "$TEST_S" "$PY" -m pytest -v -m gpu tests -p no:cacheprovider -rfE --durations=15 \
         --timeout="$TEST_TIMEOUT_S" >"$OUT/tests.log" 2>&1 || failed+=(tests)
     part trainer "${TRAINER_S:-$BENCH_S}" "$PY" -m benchmarks.gpu.trainer --out "$RES" "${trainer_args[@]}" ||
         failed+=(trainer)
