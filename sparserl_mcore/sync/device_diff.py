@@ -22,6 +22,7 @@ fallback.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from sparserl_mcore.sync.per_rank import Change, ModelMeta
 # e.g. megatron's param padding or a TP replica's norm, map to no HF tensor)
 MAX_HOLE = 1 << 16
 _META_HEAD = 4  # V (valid changes), G (gap bytes), Es (escape bytes), spare
+assert sys.byteorder == "little", "the escape bytes are read from int64 memory as little-endian"
 
 
 @dataclass(frozen=True)
@@ -91,12 +93,27 @@ class FlatDiff:
         self.runs, placed = _runs(pieces)
         self.table: FlatTable = layout.flat_table(placed, *shard)
         device = self.runs[0].device if self.runs else torch.device("cpu")
-        self._cols = self.table.columns(device)
-        self._by_rank = torch.empty_like(self._cols["hf_rank"])
-        self._by_rank[self._cols["hf_rank"]] = torch.arange(len(self.table.rows), device=device)
-        touched = {r[7] for r in self.table.rows if r[7] >= 0}
+        cols = self.table.columns(device)
+        rows, tensors = self.table.rows, self.table.tensors
+        # HF flat = flat + shift_hf[row] (+ local row x (hf_cols - cols) where a row is narrower than
+        # its HF tensor: row-parallel TP shards); holes go to bucket `tensors`, placed last
+        self._simple = all(r[3] == r[6] and r[5] == 0 for r in rows)
+        self._cols = {
+            "start": cols["start"],
+            "tensor": torch.where(cols["tensor"] < 0, tensors, cols["tensor"]),
+            "shift_hf": cols["hf_col"] - cols["shift"] + cols["row_offset"] * cols["hf_cols"],
+            "shift": cols["shift"],
+            "cols": cols["cols"],
+            "widen": cols["hf_cols"] - cols["cols"],
+        }
+        self._by_rank = torch.empty_like(cols["hf_rank"])
+        self._by_rank[cols["hf_rank"]] = torch.arange(len(rows), device=device)
+        touched = {r[7] for r in rows if r[7] >= 0}
         # width-2 escapes need a gap of >= 65535 skipped elements: few, bounded by the tensors' sizes
         self._escape_room = 8 * sum(self._numel(t) // 65535 + 1 for t in touched)
+        # escapes are < the largest touched tensor: bytes per escape at most
+        top = max((self._numel(t) for t in touched), default=1)
+        self._escape_width = next(w for w in (1, 2, 4, 8) if top < 1 << (8 * w))
         self.snapshot = torch.cat([r.detach().clone() for r in self.runs]) if self.runs else torch.zeros(0)
 
     def _numel(self, tensor_id: int) -> int:
@@ -132,10 +149,13 @@ class FlatDiff:
         return self._code(pos, old, new)
 
     def _code(self, pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> HostDiff:
-        """Map, order, gap-code and value-code the N changes into one byte buffer; copy it over."""
-        c, n_all, tensors = self._cols, pos.numel(), self.table.tensors
-        dev = pos.device
+        """Map and order the N changes: (tensor, HF index, old, new) in (tensor, HF index) order."""
+        c, n_all = self._cols, pos.numel()
         row = torch.searchsorted(c["start"], pos, right=True) - 1
+        hf = pos + c["shift_hf"][row]
+        if not self._simple:
+            local_row = (pos - c["shift"][row]).div(c["cols"][row], rounding_mode="floor")
+            hf += local_row * c["widen"][row]
         # changes per table row, placed in (tensor, HF index) order: rows in hf_rank order, each
         # row's changes in flat order (a row is increasing in HF order)
         first = torch.searchsorted(pos, c["start"])
@@ -143,48 +163,46 @@ class FlatDiff:
         ranked = count[self._by_rank]
         place = torch.empty_like(first)
         place[self._by_rank] = torch.cumsum(ranked, 0) - ranked
-        idx = torch.arange(n_all, device=dev)
-        dest = place[row] + idx - first[row]
-        tid = c["tensor"][row]
-        tid = torch.where(tid < 0, tensors, tid)  # holes: bucket `tensors`, placed last
-        hf = FlatTable.to_hf(c, row, pos)
-        t_s, hf_s = torch.empty_like(tid), torch.empty_like(hf)
-        t_s[dest], hf_s[dest] = tid, hf
+        dest = (place - first)[row] + torch.arange(n_all, device=pos.device)
+        t_s, hf_s = torch.empty_like(row), torch.empty_like(hf)
+        t_s[dest], hf_s[dest] = c["tensor"][row], hf
         old_s, new_s = torch.empty_like(old), torch.empty_like(new)
         old_s[dest], new_s[dest] = old, new
-        return self._gap_code(t_s, hf_s, old_s, new_s)
+        per_tensor = torch.zeros(self.table.tensors + 1, dtype=torch.int64, device=pos.device)
+        n = per_tensor.index_add_(0, c["tensor"], count)
+        return self._gap_code(t_s, hf_s, n, old_s, new_s)
 
-    def _gap_code(self, t: torch.Tensor, hf: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> HostDiff:
-        """`encode.encode_gaps` per tensor, the value encoding, the byte buffer and its copy."""
+    def _gap_code(
+        self, t: torch.Tensor, hf: torch.Tensor, n: torch.Tensor, old: torch.Tensor, new: torch.Tensor
+    ) -> HostDiff:
+        """`encode.encode_gaps` per tensor and the value encoding, written into one byte buffer at
+        their final offsets, and its copy to the host. `n`: changes per tensor (+ holes, last)."""
         n_all, tensors, dev = t.numel(), self.table.tensors, t.device
         i64 = torch.int64
+        real = torch.arange(tensors + 1, device=dev) < tensors
 
         def per_tensor(values: torch.Tensor) -> torch.Tensor:
             return torch.zeros(tensors + 1, dtype=i64, device=dev).scatter_add_(0, t, values)
 
-        idx = torch.arange(n_all, device=dev)
-        n = per_tensor(torch.ones_like(t))
         start = torch.cumsum(n, 0) - n
-        prev = torch.cat((hf[:1], hf[:-1]))
-        gap = torch.where(idx == start[t], hf, hf - prev - 1)
-        wide = per_tensor((gap >= 255).to(i64))
-        gw_t = torch.where(wide.double() >= WIDE_GAP_SHARE * n.double(), 2, 1)
-        gw = gw_t[t]
-        escape = torch.where(gw == 2, 65535, 255)
+        gap = torch.empty(n_all + 1, dtype=i64, device=dev)  # the last entry: writes to nowhere
+        gap[0] = hf[0]
+        torch.sub(hf[1:], hf[:-1], out=gap[1:n_all]).sub_(1)
+        gap[torch.where(n > 0, start, n_all)] = torch.cat((hf, hf[:1]))[start.clamp(max=n_all)]
+        gap = gap[:n_all]
+        gw_t = torch.where(per_tensor((gap >= 255).to(i64)).double() >= WIDE_GAP_SHARE * n.double(), 2, 1)
+        escape_t = torch.where(real, (1 << (8 * gw_t)) - 1, 1 << 62)  # holes never escape
+        escape = escape_t[t]
         big = gap >= escape
-        esc_t = per_tensor(big.to(i64))
         extra = torch.where(big, gap - escape, 0)
+        esc_t = per_tensor(big.to(i64))
         top = torch.zeros(tensors + 1, dtype=i64, device=dev).scatter_reduce_(0, t, extra, "amax")
         ew_t = torch.where(top < 1 << 8, 1, torch.where(top < 1 << 16, 2, torch.where(top < 1 << 32, 4, 8)))
         ew_t = torch.where(esc_t == 0, 0, ew_t)
-        gw_t[tensors], ew_t[tensors], esc_t[tensors] = 0, 0, 0
-        gap_bytes = n * gw_t
-        gap_bytes[tensors] = 0
-        gap_at = torch.cumsum(gap_bytes, 0) - gap_bytes
-        esc_bytes = esc_t * ew_t
+        gap_bytes = torch.where(real, n * gw_t, 0)
         total_gaps = gap_bytes.sum()
+        esc_bytes = esc_t * ew_t
         esc_at = total_gaps + torch.cumsum(esc_bytes, 0) - esc_bytes
-        valid = t < tensors
 
         needs_base = VALUE_ENCODINGS[self.encoding].needs_base
         head = 8 * (_META_HEAD + 4 * tensors)
@@ -192,22 +210,27 @@ class FlatDiff:
         new_at = planes + 2 * n_all
         region = new_at + (2 * n_all if needs_base else 0)
         size = region + 2 * n_all + self._escape_room
-        buf = torch.empty(size + 1, dtype=torch.uint8, device=dev)  # the last byte: writes to nowhere
-        trash = torch.tensor(size, dtype=i64, device=dev)
-
-        def put(at: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
-            buf[torch.where(where, region + at, trash)] = (values & 0xFF).to(torch.uint8)
-
-        p = idx - start[t]
+        # past `size` (never copied): 8 bytes where suppressed writes go, then one byte per hole
+        buf = torch.empty(size + 8 + n_all, dtype=torch.uint8, device=dev)
+        gap_at = torch.where(real, torch.cumsum(gap_bytes, 0) - gap_bytes, size + 8 - region)
+        # element i of tensor k: low byte at gap_at[k] + (i - start[k]), high byte n[k] further for
+        # two-byte gaps; one-byte gaps write their (zero) high byte where the low byte then lands
+        low_at = region + (gap_at - start)[t] + torch.arange(n_all, device=dev)
         small = torch.minimum(gap, escape)
-        put(gap_at[t] + p, valid, small)
-        put(gap_at[t] + n[t] + p, valid & (gw == 2), small >> 8)
-        rank = torch.cumsum(big.to(i64), 0) - 1 - (torch.cumsum(esc_t, 0) - esc_t)[t]
+        buf[low_at + torch.where(real & (gw_t == 2), n, 0)[t]] = (small >> 8).to(torch.uint8)
+        buf[low_at] = small.to(torch.uint8)
+        # escapes: the r-th escape of tensor k at esc_at[k] + r * ew[k], little-endian; bytes past
+        # a tensor's width land on later escapes' bytes (or past the stream), which the passes for
+        # lower bytes then overwrite: so the passes run from the highest byte down
         ew = ew_t[t]
-        for byte in range(8):
-            put(esc_at[t] + rank * ew + byte, valid & big & (byte < ew), extra >> (8 * byte))
+        rank = torch.cumsum(big.to(i64), 0) - 1
+        first_at = region + esc_at - (torch.cumsum(esc_t, 0) - esc_t) * ew_t
+        base = torch.where(big, first_at[t] + rank * ew, size)
+        extra_bytes = extra.view(torch.uint8).view(n_all, 8)  # little-endian (x86, CUDA)
+        for byte in reversed(range(self._escape_width)):
+            buf[base + byte] = extra_bytes[:, byte]
         stored = _stored(self.encoding, old.to(torch.int32) & 0xFFFF, new.to(torch.int32) & 0xFFFF)
-        buf[planes : planes + n_all] = (stored & 0xFF).to(torch.uint8)
+        buf[planes : planes + n_all] = stored.to(torch.uint8)
         buf[planes + n_all : planes + 2 * n_all] = (stored >> 8).to(torch.uint8)
         if needs_base:
             buf[new_at : new_at + 2 * n_all].view(torch.int16).copy_(new)
