@@ -20,5 +20,6 @@ def test_gpu_benchmark_runs_in_smoke_mode(tmp_path, bench):
     assert any("SMOKE" in note for note in record["notes"])
     if name == "sync":
         assert "receiver bit-identical: True" in record["notes"]
+        assert {r["path"] for r in record["rows"]} == {"trainer (flat, per rank)", "make_patch (host)"}
     if name == "learner":
         assert {row["step"] for row in record["rows"]} == {"fwd+bwd+adam", "rl update"}
