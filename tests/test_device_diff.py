@@ -120,16 +120,17 @@ def _buffer_ranges(shard: Shard, dp_rank: int, dp_size: int) -> dict[str, tuple[
     return out
 
 
-CASES = [  # (tp, tp_rank, one buffer, DP ranges, encoding)
-    (1, 0, True, "whole", "sub"),
-    (2, 1, True, "buffer", "xor"),
-    (2, 0, False, "even", "overwrite"),
-    (1, 0, True, "buffer", "sub"),
+CASES = [  # (tp, tp_rank, one buffer, DP ranges, encoding, compare: the device's torch or numpy)
+    (1, 0, True, "whole", "sub", "torch"),
+    (2, 1, True, "buffer", "xor", "torch"),
+    (2, 0, False, "even", "overwrite", "torch"),
+    (1, 0, True, "buffer", "sub", "numpy"),
+    (2, 1, False, "even", "sub", "numpy"),
 ]
 
 
-@pytest.mark.parametrize("tp,tp_rank,one_buffer,ranges,encoding", CASES)
-def test_flat_fragment_is_byte_identical(group, tp, tp_rank, one_buffer, ranges, encoding):
+@pytest.mark.parametrize("tp,tp_rank,one_buffer,ranges,encoding,compare", CASES)
+def test_flat_fragment_is_byte_identical(group, tp, tp_rank, one_buffer, ranges, encoding, compare):
     layout = _layout(tp)
     shard = Shard(layout, tp_rank, one_buffer=one_buffer)
     if ranges == "whole":
@@ -139,6 +140,7 @@ def test_flat_fragment_is_byte_identical(group, tp, tp_rank, one_buffer, ranges,
     else:
         owned = even_ranges(shard, 1, 3)
     host, flat = _syncers(shard, layout, tp_rank, owned, group, encoding)
+    flat.flat.compare = compare
     if one_buffer and ranges != "even":
         assert len(flat.flat.runs) == 1  # one compare over one view of the buffer
     meta = ModelMeta("bfloat16", layout.hf_shapes)
@@ -217,6 +219,7 @@ def test_one_nonzero_one_copy_no_host_pass(group, monkeypatch):
     layout = _layout(2)
     shard = Shard(layout, 1, one_buffer=True, seed=5)
     _, flat = _syncers(shard, layout, 1, _buffer_ranges(shard, 0, 2), group, "sub")
+    flat.flat.compare = "torch"  # the device's compare (host memory is compared by numpy)
     shard.step()
     numel = flat.flat.snapshot.numel()
     read: list[int] = []  # elements of every tensor the host reads through numpy / tolist / item

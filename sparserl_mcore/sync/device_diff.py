@@ -31,6 +31,7 @@ import torch
 
 from sparserl_mcore.ckpt.layout import FlatTable, SegmentLayout
 from sparserl_mcore.sync.decode import decode_gaps
+from sparserl_mcore.sync.diff import changed_bits_in
 from sparserl_mcore.sync.encode import assemble_patch, plain_entry, worker_count
 from sparserl_mcore.sync.hashing import DIGEST_BYTES, touched_digest
 from sparserl_mcore.sync.patch_format import VALUE_ENCODINGS, WIDE_GAP_SHARE, CodecConfig, Patch
@@ -114,6 +115,8 @@ class FlatDiff:
         # escapes are < the largest touched tensor: bytes per escape at most
         top = max((self._numel(t) for t in touched), default=1)
         self._escape_width = next(w for w in (1, 2, 4, 8) if top < 1 << (8 * w))
+        # the O(numel) compare: torch where the weights live; numpy's chunked compare for host memory
+        self.compare = "numpy" if device.type == "cpu" else "torch"
         self.snapshot = torch.cat([r.detach().clone() for r in self.runs]) if self.runs else torch.zeros(0)
 
     def _numel(self, tensor_id: int) -> int:
@@ -127,7 +130,17 @@ class FlatDiff:
             at += run.numel()
 
     def diff(self) -> HostDiff:
-        """Changes since the last call (the snapshot moves on): one nonzero, one copy to the host."""
+        """Changes since the last call (the snapshot moves on): on a device one nonzero and one copy
+        to the host (`compare="torch"`); weights in host memory are compared by numpy (`"numpy"`)."""
+        if not self.runs:
+            return HostDiff.empty(self)
+        pos, old, new = self._compare_on_host() if self.compare == "numpy" else self._compare()
+        if not pos.numel():
+            return HostDiff.empty(self)
+        return self._code(pos, old, new)
+
+    def _compare(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(flat positions, old, new) of the changed elements; the snapshot moves on."""
         snap = self.snapshot
         if len(self.runs) == 1:
             cur = self.runs[0]
@@ -144,9 +157,25 @@ class FlatDiff:
             old = snap[pos]
             self.reset()
             new = snap[pos]
-        if not pos.numel():
-            return HostDiff.empty(self)
-        return self._code(pos, old, new)
+        return pos, old, new
+
+    def _compare_on_host(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_compare` for weights in host memory: `diff.py`'s chunked numpy compare in a thread pool
+        (the mask and its nonzero stay in cache: ~2x faster than torch's whole-array ne + nonzero
+        on the 2-core box; no OpenMP threads that spin on a loaded machine)."""
+        snap = self.snapshot.numpy().view(np.uint16)
+        found, at = [], 0
+        with ThreadPoolExecutor(worker_count()) as pool:
+            for run in self.runs:
+                idx, old, new = changed_bits_in(
+                    pool, snap[at : at + run.numel()], run.numpy().view(np.uint16)
+                )
+                found.append((idx + at, old, new))
+                at += run.numel()
+        pos, old_bits, new_bits = (np.concatenate([f[k] for f in found]) for k in range(3))
+        snap[pos] = new_bits
+        return (torch.from_numpy(pos), torch.from_numpy(old_bits.view(np.int16)),
+                torch.from_numpy(new_bits.view(np.int16)))  # fmt: skip
 
     def _code(self, pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> HostDiff:
         """Map and order the N changes: (tensor, HF index, old, new) in (tensor, HF index) order."""
