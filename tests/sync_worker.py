@@ -184,8 +184,9 @@ def _exchange(fragment: bytes) -> bytes:
     return b"".join(everyone)
 
 
-def _sync_per_rank(rank_syncer, meta, step: int, codec, receivers) -> tuple[int, bool, int]:
-    """(bytes, whether any rank fell back, receivers of this rank that did) for one version."""
+def _sync_per_rank(rank_syncer, flat_syncer, meta, step: int, codec, receivers) -> tuple[int, bool, int]:
+    """(bytes, whether any rank fell back, receivers of this rank that did) for one version; the
+    receivers get the flat diff's fragments, which must be the per-param path's bytes."""
     from sparserl_mcore.sync.codec import PatchError
     from sparserl_mcore.sync.per_rank import encode_fragment
 
@@ -194,8 +195,11 @@ def _sync_per_rank(rank_syncer, meta, step: int, codec, receivers) -> tuple[int,
     frag = encode_fragment(
         changes, meta, version=step, base_version=step - 1, fragment=(rank, world), codec=codec
     )
-    rank_syncer.version = step
-    blob = _exchange(frag)
+    flat = flat_syncer.local_diff()
+    flat_frag = flat.fragment(meta, version=step, base_version=step - 1, fragment=(rank, world), codec=codec)
+    assert flat_frag == frag, f"rank {rank} step {step}: the flat fragment differs from encode_fragment's"
+    rank_syncer.version = flat_syncer.version = step
+    blob = _exchange(flat_frag)
     failed = []
     for receiver in receivers:
         try:
@@ -205,6 +209,7 @@ def _sync_per_rank(rank_syncer, meta, step: int, codec, receivers) -> tuple[int,
     flag = torch.tensor([len(failed)])
     dist.all_reduce(flag)
     if int(flag):
+        flat_syncer.owned_elements()  # the flat snapshot starts over from the full sync too
         owned = [(n, i, None, b) for n, i, b in rank_syncer.owned_elements()]
         full = _exchange(
             encode_fragment(owned, meta, version=step, base_version=None, fragment=(rank, world))
@@ -234,6 +239,13 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
         rank_syncer = ShardSyncer.for_runtime(
             ddp, layout, rt, optimizer=optimizer, config=dataclasses.replace(config, mirror=False)
         )
+        flat_syncer = ShardSyncer.for_runtime(
+            ddp,
+            layout,
+            rt,
+            optimizer=optimizer,
+            config=dataclasses.replace(config, mirror=False, snapshot="flat"),
+        )
         _check_partition(syncer, rt)
         hf, sharded = _receivers(spec, layout, hf_dir, other_tp=2 if case["tp"] == 1 else 1)
         meta = ModelMeta("bfloat16", layout.hf_shapes)
@@ -248,7 +260,7 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
             if forced:
                 hf.ledger.version = -1  # this receiver missed a version: the sparse patch must be refused
             sent, fell_back, local_fallbacks = _sync_per_rank(
-                rank_syncer, meta, step, config.codec, [hf, sharded]
+                rank_syncer, flat_syncer, meta, step, config.codec, [hf, sharded]
             )
             publisher.publish(step, parts)
             export = _export(model, layout, rt, work / case["name"] / f"v{step}")
@@ -259,7 +271,7 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
             assert hf.version == sharded.version == step
             assert fell_back == (step == case["steps"]) and local_fallbacks == int(forced)
             results.append({"step": step, "bytes": sent, "gathered_bytes": sum(len(p) for p in parts),
-                            "fell_back": fell_back})  # fmt: skip
+                            "fell_back": fell_back, "flat_runs": len(flat_syncer.flat.runs)})  # fmt: skip
         publisher.check_late_joiner(export, case["steps"])
         (work / case["name"] / f"rank{rt.rank}.json").write_text(json.dumps(results))
     finally:

@@ -22,6 +22,7 @@ def test_gpu_benchmark_runs_in_smoke_mode(tmp_path, bench):
     assert any("SMOKE" in note for note in record["notes"])
     if name == "sync":
         assert "receiver bit-identical: True" in record["notes"]
+        assert {r["path"] for r in record["rows"]} == {"trainer (flat, per rank)", "make_patch (host)"}
     if name == "logprob":
         assert {row["path"] for row in record["rows"]} >= {"today", "fused"}
     if name == "learner":

@@ -2,9 +2,10 @@
 
 A torchrun run of tests/sync_worker.py per layout trains it a few steps and checks, after every
 step, that an HF-layout receiver and a receiver with a different TP size, fed the per-rank
-fragments, are bit-identical to a full HF export, including a forced full fallback on the last
-step, and that the directory transport fed with the stage-gathered patches serves a follower and a
-late joiner exactly.
+fragments (the flat diff's, byte-identical to the per-param path's), are bit-identical to a full
+HF export, including a forced full fallback on the last step, and that the directory transport
+fed with the stage-gathered patches serves a follower and a late joiner exactly. With the
+distributed optimizer the flat diff compares one view of megatron's DDP param buffer.
 """
 
 from __future__ import annotations
@@ -69,3 +70,5 @@ def test_sparse_sync_matches_full_export(work, case):
         is_source = rank == 0 or case["pp"] == 2  # one gathered fragment per PP stage, from (tp, dp) = 0
         assert all((r["gathered_bytes"] > 0) == is_source for r in rows)
         assert all(r["bytes"] > 0 for r in rows)  # per-rank: every rank's fragment, exchanged
+        if case["distributed_optimizer"]:  # the flat diff compares one view of megatron's param buffer
+            assert {r["flat_runs"] for r in rows} == {1}

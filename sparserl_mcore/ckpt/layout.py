@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,60 @@ class ParamMap:
     @property
     def hf_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(s.hf_name for s in self.segments if s.hf_name is not None))
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatTable:
+    """Segment table of a flat index space over param slices (`SegmentLayout.flat_table`).
+
+    Row k: flat [start, start + length) holds HF tensor `tensor` (an index into sorted HF names;
+    -1: nothing, a hole) with flat index f at local flat f - shift of a param of `cols` columns, i.e.
+    HF flat ((f - shift) // cols + row_offset) * hf_cols + hf_col + (f - shift) % cols. Each row is
+    increasing in HF order; `hf_rank` orders the rows by (tensor, first HF index), holes last, and
+    rows of one tensor never interleave in HF order (checked), so changed flat indices grouped by
+    row in `hf_rank` order come out sorted by (tensor, HF index) without a sort.
+    """
+
+    COLUMNS = ("start", "length", "shift", "cols", "row_offset", "hf_col", "hf_cols", "tensor")
+
+    rows: tuple[tuple[int, ...], ...]
+    tensors: int
+
+    def _hf(self, row: tuple[int, ...], f: int) -> int:
+        local = f - row[2]
+        return (local // row[3] + row[4]) * row[6] + row[5] + local % row[3]
+
+    @functools.cached_property
+    def hf_rank(self) -> list[int]:
+        real = sorted((r[7], self._hf(r, r[0]), k) for k, r in enumerate(self.rows) if r[7] >= 0)
+        for (tensor, _, a), (other, first, _) in itertools.pairwise(real):
+            last = self._hf(self.rows[a], self.rows[a][0] + self.rows[a][1] - 1)
+            if tensor == other and last >= first:
+                raise ValueError(f"flat_table: segments of HF tensor #{tensor} interleave in HF order")
+        order = [k for *_, k in real] + [k for k, r in enumerate(self.rows) if r[7] < 0]
+        rank = [0] * len(self.rows)
+        for position, k in enumerate(order):
+            rank[k] = position
+        return rank
+
+    def columns(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The rows as int64 columns on `device`, plus `hf_rank`."""
+        import torch
+
+        cols = {name: torch.tensor([r[i] for r in self.rows], dtype=torch.int64, device=device)
+                for i, name in enumerate(self.COLUMNS)}  # fmt: skip
+        cols["hf_rank"] = torch.tensor(self.hf_rank, dtype=torch.int64, device=device)
+        return cols
+
+    @staticmethod
+    def to_hf(cols: dict[str, torch.Tensor], row: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """HF flat indices of flat indices `flat` lying in rows `row` (holes give garbage)."""
+        local = flat - cols["shift"][row]
+        width = cols["cols"][row]
+        r = local.div(width, rounding_mode="floor")
+        return (
+            (r + cols["row_offset"][row]) * cols["hf_cols"][row] + cols["hf_col"][row] + (local - r * width)
+        )
 
 
 class SegmentLayout:
@@ -216,6 +271,39 @@ class SegmentLayout:
                 local = (table["local_row"][seg[pos]] + row_in[pos]) * param.cols + col_in[pos]
                 out.append((param.name, pos, local))
         return out
+
+    def flat_table(
+        self, pieces: list[tuple[str, int, int, int]], tp_rank: int, pp_rank: int, ep_rank: int = 0
+    ) -> FlatTable:
+        """The segment table of a flat index space made of param slices: `pieces` lists
+        (mcore_name, local flat start, local flat end, flat offset of the start). Built once; flat
+        indices no emitted segment covers (replicas, padding, gaps between pieces) map to nothing."""
+        ids = {name: i for i, name in enumerate(sorted(self.hf_shapes))}
+        rows: list[tuple[int, ...]] = []  # flat start, length, then FlatTable.COLUMNS[1:]
+        for name, start, end, at in pieces:
+            param = self.param(name, tp_rank, pp_rank, ep_rank)
+            if not param.emit:
+                continue
+            for seg in param.segments:
+                lo = max(seg.local_row * param.cols, start)
+                hi = min((seg.local_row + seg.rows) * param.cols, end)
+                if seg.hf_name is not None and lo < hi:
+                    hf_cols = _cols(self.hf_shapes[seg.hf_name])
+                    offset = seg.hf_row - seg.local_row
+                    rows.append((at + lo - start, hi - lo, at - start, param.cols,
+                                 offset, seg.hf_col, hf_cols, ids[seg.hf_name]))  # fmt: skip
+        rows.sort()
+        filled: list[tuple[int, ...]] = []
+        end_of_last = 0
+        for row in rows:
+            if row[0] < end_of_last:
+                raise ValueError(f"flat_table: pieces overlap at flat index {row[0]}")
+            if row[0] > end_of_last:  # a hole: maps to no HF tensor
+                filled.append((end_of_last, 0, 0, 1, 0, 0, 1, -1))
+            filled.append(row)
+            end_of_last = row[0] + row[1]
+        filled.append((end_of_last, 0, 0, 1, 0, 0, 1, -1))
+        return FlatTable(tuple(filled), len(ids))
 
     def _table(self, param: ParamMap, hf_name: str | None, device: torch.device) -> dict:
         """Cached segment table of `param` on `device` (that of the queried indices): all segments

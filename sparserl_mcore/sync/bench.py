@@ -3,9 +3,16 @@
 A transformers Qwen2 model (Qwen2.5-0.5B shape with --full, random init unless --hf-dir) holds bf16
 parameters; an fp32 master copy takes torch Adam steps on the next-token cross-entropy of fixed
 random token sequences, and is cast back to bf16 after each step (megatron-style mixed precision).
-Per step and value encoding: BF16 sparsity, patch bytes, ratio vs dense BF16, bytes per changed
-element, encode time (diff + hashes + encode), decode+apply+verify time, next to a dense
-safetensors save and load of the same weights, and bit-identity of the patched receiver.
+Per step and value encoding, two encoders side by side:
+- the trainer's per-rank path (the headline): the weights in megatron's layout in one flat BF16
+  buffer, as megatron's DDP param buffer holds them (TP = PP = DP = 1), diffed, mapped and coded by
+  `sync.device_diff.FlatDiff` into the rank's fragment (`snapshot="flat"`, plain positions,
+  touched digests); the copy into the buffer is not timed;
+- `make_patch` + `encode_patch`, the directory transport's stage-gathered patch (whole-tensor and
+  model digests, `--position-models`).
+Each: patch bytes, ratio vs dense BF16, bytes per changed element, encode time, the patched
+receiver's bit-identity; for `make_patch` also decode+apply+verify time; next to a dense
+safetensors save and load of the same weights.
 `--position-models base plain` measures both position models side by side; `--mid-training` starts
 the fp32 master inside each weight's rounding interval (a fresh master makes the first steps flip
 by exponent alone, the best case for the base position model).
@@ -25,8 +32,10 @@ from safetensors.torch import load_file, save_file
 
 from sparserl_mcore.sync.apply import HFReceiver
 from sparserl_mcore.sync.codec import CodecConfig, encode_patch
+from sparserl_mcore.sync.device_diff import FlatDiff, Piece
 from sparserl_mcore.sync.diff import make_patch
 from sparserl_mcore.sync.hashing import state_dict_digests
+from sparserl_mcore.sync.per_rank import ModelMeta
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -127,6 +136,61 @@ def _time(fn, repeat: int, setup=lambda: None):
     return out, best
 
 
+class TrainerPath:
+    """The trainer's per-rank sync on this model: megatron-layout params in one flat BF16 buffer
+    (what megatron's DDP param buffer holds at TP = PP = DP = 1), diffed by a `FlatDiff`."""
+
+    def __init__(self, model: PreTrainedModel, state: dict[str, torch.Tensor]) -> None:
+        from model_providers.gpt import padded_vocab_size
+        from model_providers.hf_config import parse_hf_config
+        from sparserl_mcore.ckpt.layout import ModelLayout
+
+        hf = parse_hf_config(model.config.to_dict())
+        vocab = padded_vocab_size(hf.vocab_size, 1)
+        self.layout = ModelLayout(hf, tp_size=1, pp_size=1, padded_vocab_size=vocab)
+        maps = list(self.layout.shard(0, 0).values())
+        sizes = [int(torch.Size(m.shape).numel()) for m in maps]
+        self.buffer = torch.zeros(sum(sizes), dtype=torch.bfloat16)
+        self.params, at = {}, 0
+        for m, n in zip(maps, sizes, strict=True):
+            self.params[m.name] = (m, self.buffer[at : at + n].view(m.shape))
+            at += n
+        self.load(state)
+        pieces = [Piece(m.name, p.view(-1).view(torch.int16), 0, p.numel()) for m, p in self.params.values()]
+        self.flat = FlatDiff(self.layout, pieces, (0, 0), "sub")
+        self.meta = ModelMeta("bfloat16", self.layout.hf_shapes)
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Write HF tensors into the buffer in megatron's layout (what the optimizer step does)."""
+
+        def read(name: str, rows: slice, cols: slice | None) -> torch.Tensor:
+            return state[name][rows] if cols is None else state[name][rows, cols]
+
+        for m, view in self.params.values():
+            self.layout.fill_local(m, view, read)
+
+    def measure(self, prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], step: int,
+                encoding: str, repeat: int) -> dict:  # fmt: skip
+        """Fragment bytes, fastest encode (weights in the buffer -> fragment bytes), and whether a
+        receiver holding `prev` ends bit-identical to `cur`; the snapshot holds `prev` after."""
+        base = self.flat.snapshot.clone()
+        self.flat.encoding = encoding
+        codec = CodecConfig(encoding=encoding)
+
+        def encode(_) -> bytes:
+            diff = self.flat.diff()
+            return diff.fragment(self.meta, version=step, base_version=step - 1, fragment=(0, 1), codec=codec)
+
+        data, seconds = _time(encode, repeat, setup=lambda: self.flat.snapshot.copy_(base))
+        self.flat.snapshot.copy_(base)
+        receiver = HFReceiver({k: v.clone() for k, v in prev.items()}, version=step - 1)
+        receiver.apply(data)
+        identical = all(
+            torch.equal(receiver.state[k].view(torch.int16), cur[k].view(torch.int16)) for k in cur
+        )
+        return {"rank_bytes": len(data), "rank_encode_s": seconds, "rank_bit_identical": identical}
+
+
 def _dense_round_trip(state: dict[str, torch.Tensor], tmp: Path, repeat: int) -> tuple[float, float]:
     path = tmp / "dense.safetensors"
     _, save_s = _time(lambda _: save_file(state, path), repeat)
@@ -175,6 +239,7 @@ def _run_lr(args: argparse.Namespace, lr: float, steps: int, tmp: Path) -> list[
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
     prev = {k: v.clone() for k, v in _hf_state(model).items()}
+    trainer = TrainerPath(model, prev)
     rows = []
     for step in range(1, steps + 1):
         logits = model(input_ids=tokens[:, :-1]).logits.float()
@@ -184,29 +249,38 @@ def _run_lr(args: argparse.Namespace, lr: float, steps: int, tmp: Path) -> list[
         cur = _hf_state(model)
         save_s, load_s = _dense_round_trip(cur, tmp, args.repeat)
         digests = state_dict_digests(prev)
+        trainer.load(cur)
         for encoding in args.encodings:
+            rank = trainer.measure(prev, cur, step, encoding, args.repeat)
             for model_name in args.position_models:  # side by side in one run: timings comparable
                 config = CodecConfig(encoding=encoding, position_model=model_name)
                 row = _measure(prev, cur, step, config, digests, args.repeat)
-                row.update(lr=lr, loss=loss.item(), dense_save_s=save_s, dense_load_s=load_s)
+                row.update(rank, lr=lr, loss=loss.item(), dense_save_s=save_s, dense_load_s=load_s)
+                row["rank_vs_save"] = row["rank_encode_s"] / save_s
                 rows.append(row)
                 print(_format(row), flush=True)
+        trainer.flat.reset()  # the snapshot moves on to this step's weights
         prev = {k: v.clone() for k, v in cur.items()}
     return rows
 
 
+# "rank": the trainer's per-rank path (headline); "patch": make_patch, the directory transport's
 HEADER = (
-    f"{'lr':>7} {'step':>4} {'enc':>9} {'pos':>5} {'sparsity':>9} {'patch MB':>9} {'ratio':>7} {'B/chg':>6} "
-    f"{'enc s':>6} {'apply s':>7} {'save s':>6} {'load s':>6} {'exact':>5}"
+    f"{'lr':>7} {'step':>4} {'enc':>9} {'sparsity':>9} {'rank MB':>8} {'B/chg':>6} {'rank s':>6} "
+    f"{'/save':>6} {'pos':>5} {'patch MB':>8} {'ratio':>7} {'B/chg':>6} {'enc s':>6} {'apply s':>7} "
+    f"{'save s':>6} {'load s':>6} {'exact':>5}"
 )
 
 
 def _format(r: dict) -> str:
+    changed = max(1, r["changed"])
+    exact = r["bit_identical"] and r["rank_bit_identical"]
     return (
-        f"{r['lr']:>7.2g} {r['step']:>4} {r['encoding']:>9} {r['positions']:>5} {100 * r['sparsity']:>8.3f}% "
-        f"{r['patch_bytes'] / 2**20:>9.3f} {r['ratio']:>6.1f}x {r['bytes_per_changed']:>6.3f} "
-        f"{r['encode_s']:>6.2f} {r['apply_s']:>7.2f} {r['dense_save_s']:>6.2f} {r['dense_load_s']:>6.2f} "
-        f"{'yes' if r['bit_identical'] else 'NO':>5}"
+        f"{r['lr']:>7.2g} {r['step']:>4} {r['encoding']:>9} {100 * r['sparsity']:>8.3f}% "
+        f"{r['rank_bytes'] / 2**20:>8.3f} {r['rank_bytes'] / changed:>6.3f} {r['rank_encode_s']:>6.2f} "
+        f"{r['rank_vs_save']:>5.2f}x {r['positions']:>5} {r['patch_bytes'] / 2**20:>8.3f} "
+        f"{r['ratio']:>6.1f}x {r['bytes_per_changed']:>6.3f} {r['encode_s']:>6.2f} {r['apply_s']:>7.2f} "
+        f"{r['dense_save_s']:>6.2f} {r['dense_load_s']:>6.2f} {'yes' if exact else 'NO':>5}"
     )
 
 
@@ -234,11 +308,22 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
     _summary(rows)
-    return 0 if all(r["bit_identical"] for r in rows) else 1
+    return 0 if all(r["bit_identical"] and r["rank_bit_identical"] for r in rows) else 1
 
 
 def _summary(rows: list[dict]) -> None:
-    """Per encoding: the worst bytes per changed element and how often encode beat the dense save."""
+    """Per encoding: the trainer path's encode against the dense save; the worst bytes per changed
+    element and how often encode beat the dense save."""
+    for encoding in dict.fromkeys(r["encoding"] for r in rows):
+        mine = list({(r["lr"], r["step"]): r for r in rows if r["encoding"] == encoding}.values())
+        print(
+            f"trainer path {encoding:>9}: encode / dense save {min(r['rank_vs_save'] for r in mine):.2f}.."
+            f"{max(r['rank_vs_save'] for r in mine):.2f}x (median "
+            f"{sorted(r['rank_vs_save'] for r in mine)[len(mine) // 2]:.2f}x), encode "
+            f"{min(r['rank_encode_s'] for r in mine):.3f}..{max(r['rank_encode_s'] for r in mine):.3f} s, "
+            f"bytes/changed {min(r['rank_bytes'] / max(1, r['changed']) for r in mine):.3f}.."
+            f"{max(r['rank_bytes'] / max(1, r['changed']) for r in mine):.3f}"
+        )
     for encoding, positions in dict.fromkeys((r["encoding"], r["positions"]) for r in rows):
         mine = [r for r in rows if (r["encoding"], r["positions"]) == (encoding, positions)]
         faster = sum(r["encode_s"] <= r["dense_save_s"] for r in mine)
@@ -247,4 +332,5 @@ def _summary(rows: list[dict]) -> None:
             f"{max(r['bytes_per_changed'] for r in mine):.3f}, ratio {min(r['ratio'] for r in mine):.1f}.."
             f"{max(r['ratio'] for r in mine):.1f}x, encode <= dense save in {faster}/{len(mine)} steps"
         )
-    print(f"bit-identical: {sum(r['bit_identical'] for r in rows)}/{len(rows)}")
+    exact = sum(r["bit_identical"] and r["rank_bit_identical"] for r in rows)
+    print(f"bit-identical (both receivers): {exact}/{len(rows)}")

@@ -86,6 +86,13 @@ def changed_bits(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return _join([_diff_range(old, new, 0, old.size)])
 
 
+def changed_bits_in(pool: ThreadPoolExecutor, old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`changed_bits` with `_PIECE`-element pieces run in `pool`."""
+    stops = range(0, old.size, _PIECE)
+    futures = [pool.submit(_diff_range, old, new, lo, min(lo + _PIECE, old.size)) for lo in stops]
+    return _join([f.result() for f in futures])
+
+
 def _change(name: str, old: torch.Tensor, new: torch.Tensor, pieces: list[_Parts]) -> TensorChange | None:
     """A tensor's change from its per-chunk results, with the new tensor's digest."""
     indices, old_bits, new_bits = _join(pieces)

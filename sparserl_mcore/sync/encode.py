@@ -166,15 +166,35 @@ def encode_patch(patch: Patch, config: CodecConfig = _DEFAULT_CONFIG) -> bytes:
     with ThreadPoolExecutor(worker_count()) as pool:
         encoded = list(pool.map(lambda change: _encode_tensor(change, config), patch.tensors))
         streams = _raw_streams(pool, [parts for _, parts in encoded])
-        level = config.zstd_level
-        if level is None:
-            compression, stored_streams = 0, [s.tobytes() for s in streams]
-        else:
-            # single-threaded zstd per stream (threads=-1 gave no speedup at level 1 on 2 cores).
-            # One frame per stream: each gets its own entropy tables (0.2-2 % smaller at >= 98.5 %
-            # sparsity), and the four frames compress in parallel.
-            compression = 1
-            stored_streams = list(pool.map(lambda s: _compress(level, s), streams))
+        return assemble_patch(patch, [entry for entry, _ in encoded], streams, config, pool)
+
+
+def plain_entry(name: str, dtype: str, shape: tuple[int, ...], run: list[int], digest: bytes) -> dict:
+    """Header entry of a tensor with plain positions in one run [nnz, gap width, escape width,
+    escapes] (what `_encode_tensor` writes for it; `sync.device_diff` codes such runs itself)."""
+    numel = int(np.prod(shape, dtype=np.int64))
+    return {"name": name, "dtype": dtype, "shape": list(shape), "nnz": run[0], "dense": False,
+            "cuts": [], "class_sizes": [numel], "runs": [run], "digest": digest.hex()}  # fmt: skip
+
+
+def assemble_patch(
+    patch: Patch,
+    entries: list[dict],
+    streams: list[np.ndarray],
+    config: CodecConfig,
+    pool: ThreadPoolExecutor,
+) -> bytes:
+    """The patch bytes from its tensors' header entries and the four raw body streams (`STREAMS`
+    order): streams compressed in `pool`, header, framing, trailer. `patch.tensors` is not read."""
+    level = config.zstd_level
+    if level is None:
+        compression, stored_streams = 0, [s.tobytes() for s in streams]
+    else:
+        # single-threaded zstd per stream (threads=-1 gave no speedup at level 1 on 2 cores).
+        # One frame per stream: each gets its own entropy tables (0.2-2 % smaller at >= 98.5 %
+        # sparsity), and the four frames compress in parallel.
+        compression = 1
+        stored_streams = list(pool.map(lambda s: _compress(level, s), streams))
     raw_header_fields = {
         "version": patch.version,
         "base_version": patch.base_version,
@@ -185,7 +205,7 @@ def encode_patch(patch: Patch, config: CodecConfig = _DEFAULT_CONFIG) -> bytes:
         "model_numel": patch.model_numel,
         "fragment": list(patch.fragment),
         **({"digest_scope": patch.digest_scope} if patch.digest_scope != "tensor" else {}),
-        "tensors": [entry for entry, _ in encoded],
+        "tensors": entries,
         "streams": {
             key: [raw.size, len(st)] for key, raw, st in zip(STREAMS, streams, stored_streams, strict=True)
         },

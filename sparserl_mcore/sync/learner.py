@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from sparserl_mcore.ckpt.layout import ModelLayout
 from sparserl_mcore.sync.codec import CodecConfig, Patch, TensorChange, encode_patch, worker_count
+from sparserl_mcore.sync.device_diff import FlatDiff, HostDiff, Piece
 from sparserl_mcore.sync.diff import changed_bits
 from sparserl_mcore.sync.hashing import bits_view, dtype_name, model_digest, tensor_digest
 
@@ -114,6 +115,26 @@ def runtime_ranges(model: NamedParameters, layout: ModelLayout, runtime: Runtime
     )
 
 
+def storage_ranges(model: NamedParameters, layout: ModelLayout, runtime: Runtime) -> Ranges | None:
+    """`runtime_ranges`' contract (every element owned by one DP rank) with each DP rank's share one
+    contiguous span of the storage all params live in (megatron's DDP param buffer, a flat shadow),
+    so snapshot "flat" diffs it as one view; None when they do not share one storage, or routed
+    experts (split over expert-DP ranks instead) are in the shard."""
+    params = [(mcore_name(n), p) for n, p in model.named_parameters()]
+    shard = layout.shard(runtime.tp_rank, runtime.pp_rank, runtime.ep_rank)
+    if len({p.untyped_storage().data_ptr() for _, p in params}) != 1 or any(p.expert for p in shard.values()):
+        return None
+    span = {name: (int(p.storage_offset()), int(p.storage_offset()) + p.numel()) for name, p in params}
+    lo, hi = min(a for a, _ in span.values()), max(b for _, b in span.values())
+    rank, size = runtime.dp_rank, runtime.dp_size
+    a, b = lo + (hi - lo) * rank // size, lo + (hi - lo) * (rank + 1) // size
+    out = {}
+    for name, (first, last) in span.items():
+        start, end = max(a, first) - first, min(b, last) - first
+        out[name] = (start, end) if start < end else (0, 0)
+    return out
+
+
 @dataclass(frozen=True)
 class SyncGroups:
     """Process groups of the learner-side sync (built once, collectively, by `build_sync_groups`)."""
@@ -141,14 +162,16 @@ def build_sync_groups(runtime: Runtime) -> SyncGroups:
     )
 
 
-SNAPSHOT_PLACES = ("host", "device")
+SNAPSHOT_PLACES = ("host", "device", "flat")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ShardSyncConfig:
     """codec: the patch encoding. snapshot: where the last synced copy of the owned slice lives:
     "host" (default) costs no accelerator memory but copies the owned slice to the host at every
-    sync; "device" compares where the weights live and moves only the changed pairs."""
+    sync; "device" compares where the weights live and moves only the changed pairs; "flat" (the
+    trainer's) keeps one flat copy where the weights live and diffs, maps and gap-codes the whole
+    owned slice in a few torch ops with one host sync (`sync.device_diff`, `local_diff`)."""
 
     codec: CodecConfig = CodecConfig()
     snapshot: str = "host"
@@ -193,9 +216,15 @@ class ShardSyncer:
                 self.params[name] = p
         self.owned = {n: owned[n] for n in self.params}
         on_host = config.snapshot == "host"
-        self.snapshot = {
-            n: (self._owned(n).cpu() if on_host else self._owned(n)).clone() for n in self.params
-        }
+        self.flat: FlatDiff | None = None
+        self.snapshot: dict[str, torch.Tensor] = {}
+        if config.snapshot == "flat":
+            pieces = [Piece(n, self._owned(n), *self.owned[n]) for n in self.params]
+            self.flat = FlatDiff(layout, pieces, (tp_rank, pp_rank, ep_rank), config.codec.encoding)
+        else:
+            self.snapshot = {
+                n: (self._owned(n).cpu() if on_host else self._owned(n)).clone() for n in self.params
+            }
         # the stage-gathered path's HF mirror (one dense gather now); the per-rank path needs none
         self._mirror = self._gather_mirror() if config.mirror else None
         self._mirror_digests = {n: tensor_digest(t) for n, t in (self._mirror or {}).items()}
@@ -298,10 +327,20 @@ class ShardSyncer:
         """(hf_name, hf flat indices, new bits) for every changed element this rank owns."""
         return [(name, idx, new) for name, idx, _, new in self.local_changes()]
 
-    def local_changes(self) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
+    def local_diff(self) -> HostDiff:
+        """This rank's changes since the last sync, coded for `config.codec` (snapshot "flat" only):
+        `.fragment(...)` gives `per_rank.encode_fragment`'s bytes for them, `.changes()` the lists."""
+        if self.flat is None:
+            raise RuntimeError(f"local_diff needs snapshot 'flat', not {self.config.snapshot!r}")
+        return self.flat.diff()
+
+    def local_changes(self) -> list[tuple[str, np.ndarray, np.ndarray | None, np.ndarray]]:
         """(hf_name, hf flat indices, old bits, new bits) of every element this rank owns that changed
-        since the last call (the snapshot moves on); an HF tensor may appear once per local param."""
-        out = []
+        since the last call (the snapshot moves on); an HF tensor may appear once per local param
+        (once in all under snapshot "flat", whose old bits are None under `overwrite`)."""
+        if self.flat is not None:
+            return self.flat.diff().changes()
+        out: list[tuple[str, np.ndarray, np.ndarray | None, np.ndarray]] = []
         if self.config.snapshot == "host":  # numpy diffs release the GIL: params run in a pool
             with ThreadPoolExecutor(worker_count()) as pool:
                 found = list(pool.map(self._changed, self.params))
@@ -322,9 +361,12 @@ class ShardSyncer:
         """(hf_name, hf flat indices, current bits) of every element this rank owns (full syncs);
         also resets the snapshot to the current weights."""
         out = []
+        if self.flat is not None:
+            self.flat.reset()
         for name in self.params:
             cur = self._owned(name)
-            self.snapshot[name].copy_(cur if self.config.snapshot == "device" else cur.cpu())
+            if self.flat is None:
+                self.snapshot[name].copy_(cur if self.config.snapshot == "device" else cur.cpu())
             start, end = self.owned[name]
             bits = cur.cpu().numpy().view(np.uint16)
             local = torch.arange(start, end, dtype=torch.int64)

@@ -42,8 +42,15 @@ from sparserl_mcore.sglang import wire
 from sparserl_mcore.sglang.dense_sync import DenseSyncConfig
 from sparserl_mcore.sglang.trainer_sync import Encode, SGLangBroadcast, SGLangDelivery, full_sync_pieces
 from sparserl_mcore.sync.codec import CodecConfig
+from sparserl_mcore.sync.device_diff import HostDiff
 from sparserl_mcore.sync.hashing import dtype_name
-from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, build_sync_groups, runtime_ranges
+from sparserl_mcore.sync.learner import (
+    ShardSyncConfig,
+    ShardSyncer,
+    build_sync_groups,
+    runtime_ranges,
+    storage_ranges,
+)
 from sparserl_mcore.sync.per_rank import Change, ModelMeta, encode_fragment
 from sparserl_mcore.trainer.engine_pool import EnginePool, EventSink
 from sparserl_mcore.trainer.learner import unwrap_model
@@ -51,11 +58,18 @@ from sparserl_mcore.trainer.rollouts import HOST_RANK
 
 
 class _Bf16Shadow:
-    """BF16 copies of an fp32 model's parameters under the same names (what ShardSyncer diffs)."""
+    """BF16 copies of an fp32 model's parameters under the same names (what ShardSyncer diffs), as
+    views of one flat buffer: the flat diff compares it as one view (`sync.learner.storage_ranges`)."""
 
     def __init__(self, model: torch.nn.Module):
         self._model = model
-        self._params = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+        params = list(model.named_parameters())
+        flat = torch.empty(sum(p.numel() for _, p in params), dtype=torch.bfloat16)
+        self._params, at = {}, 0
+        for name, p in params:
+            self._params[name] = flat[at : at + p.numel()].view(p.shape)
+            self._params[name].copy_(p.detach())
+            at += p.numel()
 
     def refresh(self) -> None:
         for name, p in self._model.named_parameters():
@@ -63,6 +77,10 @@ class _Bf16Shadow:
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self._params.items())
+
+
+# `Encode` that also frames a diff coded on the device (`sync.device_diff.HostDiff`)
+_Encode = Callable[[Sequence[Change] | HostDiff, tuple[int, int]], bytes]
 
 
 class WeightSyncer:
@@ -138,8 +156,11 @@ class WeightSyncer:
         rt = self.runtime
         # every DP rank holds the same weights after a step: each diffs an even share of every param
         # (of every routed expert: over the expert data-parallel ranks); islands: the agreed weights
+        diffed, layout = self._diffed, self.layout
         owned = (
-            self._agreed.ranges if self._agreed is not None else runtime_ranges(self._diffed, self.layout, rt)
+            self._agreed.ranges
+            if self._agreed is not None
+            else storage_ranges(diffed, layout, rt) or runtime_ranges(diffed, layout, rt)
         )
         return ShardSyncer(
             self._diffed,
@@ -150,8 +171,9 @@ class WeightSyncer:
             groups=self._groups,
             owned=owned,
             version=version,
-            # the snapshot lives where the weights do: on a GPU only changed pairs leave the device
-            config=ShardSyncConfig(codec=self.codec, snapshot="host" if rt.cpu else "device", mirror=False),
+            # one flat snapshot where the weights live: diff, HF mapping and gap coding in a few
+            # torch ops, one host sync (`sync.device_diff`); "host" / "device" are the old paths
+            config=ShardSyncConfig(codec=self.codec, snapshot="flat", mirror=False),
         )
 
     def _refresh(self) -> None:
@@ -160,11 +182,16 @@ class WeightSyncer:
             if source is not None:
                 source.refresh()
 
-    def _encoder(self, version: int, base_version: int | None) -> Encode:
+    def _encoder(self, version: int, base_version: int | None) -> _Encode:
         """(changes, fragment) -> a fragment of `version` (base None: a full fragment)."""
         meta, codec = self._meta, self.codec
 
-        def encode(changes: Sequence[Change], fragment: tuple[int, int]) -> bytes:
+        def encode(changes: Sequence[Change] | HostDiff, fragment: tuple[int, int]) -> bytes:
+            if isinstance(changes, HostDiff):  # coded on the device already: frame it
+                assert base_version is not None
+                return changes.fragment(
+                    meta, version=version, base_version=base_version, fragment=fragment, codec=codec
+                )
             return encode_fragment(
                 changes, meta, version=version, base_version=base_version, fragment=fragment, codec=codec
             )
@@ -227,7 +254,9 @@ class WeightSyncer:
         base = self._shards.version
         if version <= base:
             raise ValueError(f"version {version} must be newer than the last synced {base}")
-        changes = self._shards.local_changes()
+        diff = self._shards.local_diff()
+        # SGLang workers get it split per SGLang TP rank: as lists of changes
+        changes: Sequence[Change] | HostDiff = diff.changes() if self._sglang is not None else diff
         self._shards.version = version
         failed, size = self._deliver(changes, version, base, pools, None, "sparse weight sync")
         if failed:  # every rank learned the same names: all send their full fragment to those
@@ -249,7 +278,7 @@ class WeightSyncer:
 
     def _deliver(
         self,
-        changes: Sequence[Change],
+        changes: Sequence[Change] | HostDiff,
         version: int,
         base_version: int | None,
         pools: list[EnginePool | None],
@@ -268,6 +297,7 @@ class WeightSyncer:
         remote -= set(failed)
         size = 0
         if self._sglang is not None:
+            assert not isinstance(changes, HostDiff), "SGLang workers take the changes as lists"
             keyed = lambda: self._key_prefixes(pools, version)  # noqa: E731
             sglang_failed, size = self._deliver_sglang(
                 changes, encode, version, base_version is None, remote, keyed
