@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
                 tokens = torch.randint(
                     0, spec.vocab_size, (args.batch, args.seq), device=rt.device, generator=g
                 )
-                _nll_step(ddp, optimizer, list(tokens.split(1)), rt, spec.vocab_size)
+                _nll_step(ddp, optimizer, list(tokens.split(1)), rt, spec.vocab_size, fused=True)
                 rows.extend(_step_rows(step, syncers, receivers, rt.device, Path(tmp)))
         identical = all(
             torch.equal(r.state[n].view(torch.int16), t.view(torch.int16))
