@@ -138,10 +138,9 @@ class FlatDiff:
         pos, old, new = self._compare_on_host() if on_host else self._compare()
         if not pos.numel():
             return HostDiff.empty(self)
-        placed = self._place(pos, old, new)
-        # on the host, numpy's per-tensor coder (`per_rank.encode_fragment`) beats ~60 whole-array
-        # torch ops per change (3-7x at the 0.5B shape): the device's coder is for devices
-        return HostDiff.from_lists(self, *placed) if on_host else self._gap_code(*placed)
+        if on_host:  # whole-array torch ops per change cost more than numpy's per-tensor coder here
+            return HostDiff.from_rows(self, pos.numpy(), old.numpy(), new.numpy())
+        return self._gap_code(*self._place(pos, old, new))
 
     def _compare(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(flat positions, old, new) of the changed elements; the snapshot moves on."""
@@ -304,27 +303,27 @@ class HostDiff:
     lists: list[Change] | None = None  # coded on the host: the changes, for `encode_fragment`
 
     @classmethod
-    def from_lists(
-        cls,
-        diff: FlatDiff,
-        t: torch.Tensor,
-        hf: torch.Tensor,
-        n: torch.Tensor,
-        old: torch.Tensor,
-        new: torch.Tensor,
-    ) -> HostDiff:
-        """Placed changes in host memory, kept as per-tensor lists (coded by `encode_fragment`)."""
-        counts = n.numpy()[:-1]
-        hf_np, old_np, new_np = hf.numpy(), old.numpy().view(np.uint16), new.numpy().view(np.uint16)
+    def from_rows(cls, diff: FlatDiff, pos: np.ndarray, old: np.ndarray, new: np.ndarray) -> HostDiff:
+        """Changes in host memory, kept as lists for `encode_fragment` (numpy's per-tensor coder):
+        each table row's changes are one slice of the sorted positions, mapped by a row-wide add,
+        listed in the table's HF order."""
+        rows = diff.table.rows
+        first = np.searchsorted(pos, [r[0] for r in rows])
+        last = np.append(first[1:], pos.size)
+        old_bits, new_bits = old.view(np.uint16), new.view(np.uint16)
         lists: list[Change] = []
-        at = 0
-        for k in np.flatnonzero(counts):
-            end = at + int(counts[k])
-            old_bits = None if diff.encoding == "overwrite" else old_np[at:end]
-            lists.append((diff.names[k], hf_np[at:end], old_bits, new_np[at:end]))
-            at = end
-        empty = cls.empty(diff)
-        return dataclasses.replace(empty, lists=lists)
+        for k in sorted(range(len(rows)), key=diff.table.hf_rank.__getitem__):
+            start, length, shift, cols, row_offset, hf_col, hf_cols, tensor = rows[k]
+            a, b = int(first[k]), int(last[k])
+            if tensor < 0 or a == b:
+                continue
+            local = pos[a:b] - shift
+            hf = local + (hf_col + row_offset * hf_cols)
+            if cols != hf_cols:
+                hf += local // cols * (hf_cols - cols)
+            was = None if diff.encoding == "overwrite" else old_bits[a:b]
+            lists.append((diff.names[tensor], hf, was, new_bits[a:b]))
+        return dataclasses.replace(cls.empty(diff), lists=lists)
 
     @classmethod
     def empty(cls, diff: FlatDiff) -> HostDiff:
