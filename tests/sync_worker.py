@@ -246,6 +246,7 @@ def run_case(case: dict, hf_dir: str, work: pathlib.Path) -> None:
             optimizer=optimizer,
             config=dataclasses.replace(config, mirror=False, snapshot="flat"),
         )
+        flat_syncer.flat.compare = "torch"  # the GPU's path (compare, map and gap-code as torch ops)
         _check_partition(syncer, rt)
         hf, sharded = _receivers(spec, layout, hf_dir, other_tp=2 if case["tp"] == 1 else 1)
         meta = ModelMeta("bfloat16", layout.hf_shapes)

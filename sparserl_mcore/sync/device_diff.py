@@ -35,7 +35,7 @@ from sparserl_mcore.sync.diff import changed_bits_in
 from sparserl_mcore.sync.encode import assemble_patch, plain_entry, worker_count
 from sparserl_mcore.sync.hashing import DIGEST_BYTES, touched_digest
 from sparserl_mcore.sync.patch_format import VALUE_ENCODINGS, WIDE_GAP_SHARE, CodecConfig, Patch
-from sparserl_mcore.sync.per_rank import Change, ModelMeta
+from sparserl_mcore.sync.per_rank import Change, ModelMeta, encode_fragment
 
 # owned slices of one storage at most this many elements apart are compared as one view (the holes,
 # e.g. megatron's param padding or a TP replica's norm, map to no HF tensor)
@@ -134,10 +134,13 @@ class FlatDiff:
         to the host (`compare="torch"`); weights in host memory are compared by numpy (`"numpy"`)."""
         if not self.runs:
             return HostDiff.empty(self)
-        pos, old, new = self._compare_on_host() if self.compare == "numpy" else self._compare()
+        on_host = self.compare == "numpy"
+        pos, old, new = self._compare_on_host() if on_host else self._compare()
         if not pos.numel():
             return HostDiff.empty(self)
-        return self._code(pos, old, new)
+        if on_host:  # whole-array torch ops per change cost more than numpy's per-tensor coder here
+            return HostDiff.from_rows(self, pos.numpy(), old.numpy(), new.numpy())
+        return self._gap_code(*self._place(pos, old, new))
 
     def _compare(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(flat positions, old, new) of the changed elements; the snapshot moves on."""
@@ -177,8 +180,9 @@ class FlatDiff:
         return (torch.from_numpy(pos), torch.from_numpy(old_bits.view(np.int16)),
                 torch.from_numpy(new_bits.view(np.int16)))  # fmt: skip
 
-    def _code(self, pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> HostDiff:
-        """Map and order the N changes: (tensor, HF index, old, new) in (tensor, HF index) order."""
+    def _place(self, pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Map and order the N changes: (tensor id, HF index, changes per tensor, old, new), in
+        (tensor, HF index) order, holes (tensor id `tensors`) last."""
         c, n_all = self._cols, pos.numel()
         row = torch.searchsorted(c["start"], pos, right=True) - 1
         hf = pos + c["shift_hf"][row]
@@ -199,7 +203,7 @@ class FlatDiff:
         old_s[dest], new_s[dest] = old, new
         per_tensor = torch.zeros(self.table.tensors + 1, dtype=torch.int64, device=pos.device)
         n = per_tensor.index_add_(0, c["tensor"], count)
-        return self._gap_code(t_s, hf_s, n, old_s, new_s)
+        return t_s, hf_s, n, old_s, new_s
 
     def _gap_code(
         self, t: torch.Tensor, hf: torch.Tensor, n: torch.Tensor, old: torch.Tensor, new: torch.Tensor
@@ -296,6 +300,30 @@ class HostDiff:
     runs: list[tuple[int, list[int]]]  # (tensor id, [nnz, gap width, escape width, escapes])
     streams: list[np.ndarray]  # gaps, escapes, values lo, values hi
     new: np.ndarray  # uint16 new bits, in stream order
+    lists: list[Change] | None = None  # coded on the host: the changes, for `encode_fragment`
+
+    @classmethod
+    def from_rows(cls, diff: FlatDiff, pos: np.ndarray, old: np.ndarray, new: np.ndarray) -> HostDiff:
+        """Changes in host memory, kept as lists for `encode_fragment` (numpy's per-tensor coder):
+        each table row's changes are one slice of the sorted positions, mapped by a row-wide add,
+        listed in the table's HF order."""
+        rows = diff.table.rows
+        first = np.searchsorted(pos, [r[0] for r in rows])
+        last = np.append(first[1:], pos.size)
+        old_bits, new_bits = old.view(np.uint16), new.view(np.uint16)
+        lists: list[Change] = []
+        for k in sorted(range(len(rows)), key=diff.table.hf_rank.__getitem__):
+            start, length, shift, cols, row_offset, hf_col, hf_cols, tensor = rows[k]
+            a, b = int(first[k]), int(last[k])
+            if tensor < 0 or a == b:
+                continue
+            local = pos[a:b] - shift
+            hf = local + (hf_col + row_offset * hf_cols)
+            if cols != hf_cols:
+                hf += local // cols * (hf_cols - cols)
+            was = None if diff.encoding == "overwrite" else old_bits[a:b]
+            lists.append((diff.names[tensor], hf, was, new_bits[a:b]))
+        return dataclasses.replace(cls.empty(diff), lists=lists)
 
     @classmethod
     def empty(cls, diff: FlatDiff) -> HostDiff:
@@ -331,6 +359,10 @@ class HostDiff:
     ) -> bytes:
         """The bytes `per_rank.encode_fragment` writes for these changes (a sparse fragment)."""
         codec = codec or CodecConfig()
+        if self.lists is not None:
+            return encode_fragment(
+                self.lists, meta, version=version, base_version=base_version, fragment=fragment, codec=codec
+            )
         if codec.encoding != self.encoding:
             raise ValueError(f"the diff was coded for encoding {self.encoding!r}, not {codec.encoding!r}")
         entries, at = [], 0
@@ -356,6 +388,8 @@ class HostDiff:
 
     def changes(self) -> list[Change]:
         """(HF name, indices, old bits or None under `overwrite`, new bits) per touched tensor."""
+        if self.lists is not None:
+            return self.lists
         out: list[Change] = []
         gaps, escapes, lo, hi = self.streams
         stored = lo.astype(np.uint16) | (hi.astype(np.uint16) << 8)
