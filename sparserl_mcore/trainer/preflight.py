@@ -9,7 +9,7 @@ torchrun or srun run it themselves). It needs neither megatron nor a process gro
 - model.hf_path (and model.ref_path when the KL term is on): a complete HF checkpoint with a
   tokenizer (`ckpt.preflight.check_hf_checkpoint`, safetensors headers only);
 - data: the files exist, parse, have the prompt and answer keys, and split as configured;
-- reward: the function imports and accepts reward.kwargs;
+- reward: the function imports and accepts reward.kwargs (with rollout.env: the Env class imports);
 - outputs: telemetry.dir, checkpoint.dir and checkpoint.save_hf are directories this process can
   create files in (tried, as the run will: `ckpt.atomic.output_problem`); a remote engine's token
   variable is set;
@@ -220,6 +220,10 @@ def _check_data(cfg: RunConfig) -> int:
 def _check_reward(cfg: RunConfig) -> None:
     from sparserl_mcore.rewards import build_reward
 
+    if cfg.rollout.env is not None:
+        _check_env(cfg.rollout.env.name)
+        return
+    assert cfg.reward.name is not None  # RunConfig resolves the default
     try:
         build_reward(cfg.reward.name, cfg.reward.kwargs)
     except KeyError as exc:
@@ -228,6 +232,18 @@ def _check_reward(cfg: RunConfig) -> None:
         raise PreflightError(str(exc)) from None
     except Exception as exc:  # user code: an import can raise anything
         raise PreflightError(f"reward.name={cfg.reward.name}: {type(exc).__name__}: {exc}") from None
+
+
+def _check_env(name: str) -> None:
+    """The environment class imports and is an `Env` (its module is user code: it may raise anything)."""
+    from sparserl_mcore.agent import resolve_env
+
+    try:
+        resolve_env(name)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+    except Exception as exc:
+        raise PreflightError(f"rollout.env.name={name}: {type(exc).__name__}: {exc}") from None
 
 
 def _check_outputs(cfg: RunConfig) -> None:

@@ -224,9 +224,12 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
     if host and cfg.eval.dense:
         dense_pool = EnginePool(engines(compressed=False), pool_cfg, log.event)
     data = PromptData(cfg.data, cfg.model.hf_path, seed=cfg.train.seed)
-    reward = build_reward(cfg.reward.name, cfg.reward.kwargs)
+    # with rollout.env the episodes carry their reward (the environment's Replies): no verifier
+    reward = build_reward(cfg.reward.name, cfg.reward.kwargs) if cfg.reward.name is not None else None
 
     def reward_fn(sample: Any, prompt: Prompt) -> float:
+        if reward is None:
+            return float(sample.reward)
         return float(reward(data.decode(sample.output_ids), prompt.answer))
 
     saved = read_saved_run(resume_from).layout if resume_from else None

@@ -1,0 +1,92 @@
+"""The public Env contract, the `rollout.env` config section and its one-line errors."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from sparserl_mcore.config import ConfigError, load_config_text, to_yaml
+from sparserl_mcore.trainer.preflight import PreflightError, _check_reward
+
+CONFIG = """
+model: {hf_path: m}
+data: {train_path: t.jsonl}
+rollout:
+  env:
+    name: lookup_chain
+    max_turns: 4
+    max_tokens_per_turn: 32
+    max_episode_tokens: 256
+    tool_timeout_s: 30
+reward: {}
+"""
+
+
+class NotAnEnv:
+    pass
+
+
+def test_public_names_and_a_user_env():
+    from sparserl_mcore.agent import Env, Reply, Turn
+
+    class MyEnv(Env):
+        stop = (";",)
+
+        def reset(self, row: dict) -> str:
+            return row["prompt"]
+
+        async def step(self, turn: Turn) -> Reply:
+            return Reply(observation="=4\n") if turn.index == 0 else Reply(done=True, reward=1.0)
+
+    env = MyEnv()
+    assert env.reset({"prompt": "p"}) == "p"
+    turn = Turn(text="?7;", index=0, finish_reason="stop")
+    with pytest.raises(AttributeError):
+        turn.text = "x"  # type: ignore[misc]  # read-only view
+    assert Reply(done=True, reward=1.0).observation == ""
+
+
+def test_yaml_env_section_with_empty_reward_round_trips():
+    cfg = load_config_text(CONFIG)
+    assert cfg.rollout.env is not None and cfg.rollout.env.max_tokens_per_turn == 32
+    assert cfg.reward.name is None
+    assert load_config_text(to_yaml(cfg)) == cfg
+    assert load_config_text("model: {hf_path: m}\ndata: {train_path: t.jsonl}\n").reward.name == "math_boxed"
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("rollout.env.max_turns=0", "max_turns=0: must be >= 1"),
+        ("reward.name=math_boxed", "reward.name=math_boxed with rollout.env.name=lookup_chain"),
+        ("rollout.env.tool_timeout_s=0", "tool_timeout_s=0.0: must be > 0"),
+    ],
+)
+def test_bad_env_config_is_one_line_naming_the_field(override, words):
+    with pytest.raises(ConfigError) as err:
+        load_config_text(CONFIG, [override])
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("no_such_module_xyz:Env", "cannot import module 'no_such_module_xyz'"),
+        (f"{__name__}:NotAnEnv", "NotAnEnv is not a subclass of sparserl_mcore.agent.Env"),
+        (f"{__name__}:Missing", "has no attribute 'Missing'"),
+        ("lookup", "not a built-in environment (calculator, lookup_chain)"),
+    ],
+)
+def test_preflight_names_an_env_that_cannot_be_used(name, words):
+    cfg = load_config_text(textwrap.dedent(CONFIG), [f"rollout.env.name={name}"])
+    with pytest.raises(PreflightError) as err:
+        _check_reward(cfg)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_builtin_envs_resolve():
+    from sparserl_mcore.agent import ENVS, Env, resolve_env
+
+    assert all(issubclass(resolve_env(name), Env) for name in ENVS)
+    _check_reward(load_config_text(CONFIG))
