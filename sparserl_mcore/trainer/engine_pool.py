@@ -22,6 +22,7 @@ order of the input. With no engine left, `NoEngineLeftError` tells the loop to c
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import queue
 import threading
 import time
@@ -100,6 +101,14 @@ class EnginePool:
             close = getattr(engine, "close", None)
             if callable(close):
                 close()
+
+    def sticky(self, key: str) -> str:
+        """The live engine `key` (an episode group) keeps to: the highest hash of (key, engine)
+        (rendezvous hashing), so a group stays on one engine across calls and only the groups of
+        an engine that leaves the pool move."""
+        if not self.live:
+            raise NoEngineLeftError(f"no rollout engine left: {self.dead}")
+        return max(self.live, key=lambda name: hashlib.blake2b(f"{key}|{name}".encode()).digest())
 
     def for_each(self, fn: Callable[[Any], Any], what: str) -> dict[str, Any]:
         """Call `fn(engine)` on every live engine; an engine that raises leaves the pool."""
