@@ -71,14 +71,13 @@ class Trajectory:
     def finish(self, rid: str, end_reason: str, reward: float, *, mask_truncated: bool) -> Episode:
         if end_reason not in END_REASONS:
             raise ValueError(f"end_reason={end_reason!r}: one of {END_REASONS}")
-        truncated = end_reason != "done"
-        mask = [0] * len(self.tokens) if truncated and mask_truncated else self.loss_mask
+        keep = end_reason == "done" or not mask_truncated  # masked: nothing of it reaches the loss
         return Episode(
             rid=rid,
             tokens=tuple(self.tokens),
-            loss_mask=tuple(mask),
-            logprobs=tuple(self.logprobs),
-            versions=tuple(self.versions),
+            loss_mask=tuple(m * keep for m in self.loss_mask),
+            logprobs=tuple(lp * keep for lp in self.logprobs),
+            versions=tuple(v * keep for v in self.versions),
             turn_of=tuple(self.turn_of),
             prompt_len=self.prompt_len,
             turns=tuple(self.samples),
