@@ -25,22 +25,23 @@ import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from sparserl_mcore import parallel
+from sparserl_mcore.agent.metrics import episode_metrics
+from sparserl_mcore.agent.trajectory import Episode
 from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
-from sparserl_mcore.rollout.protocol import Sample
 from sparserl_mcore.telemetry import RunProgress
 from sparserl_mcore.trainer import checkpoint, moe_routing, run_layout
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
 from sparserl_mcore.trainer.preemption import StopRequest
 from sparserl_mcore.trainer.producer import RolloutProducer
-from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, score_on_host
+from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, run_episodes_on_host, score_on_host
 from sparserl_mcore.trainer.run_layout import RunLayout
 from sparserl_mcore.trainer.run_record import read_saved_run
 from sparserl_mcore.trainer.setup import Parts, build_parts, resume_checkpoint
@@ -215,6 +216,8 @@ class Trainer:
             normalize_std=cfg.loss.advantage_std_normalize,
         )
         metrics = rollout_metrics(samples, batch, p.kv_bytes_per_token)
+        if cfg.rollout.env is not None:
+            metrics.update(episode_metrics(cast(list[Episode], samples)))
         if self.producer.ahead:
             metrics["rollout/generate_s"] = produced.generate_s
         metrics.update(lag)
@@ -261,9 +264,14 @@ class Trainer:
             self.producer.submit(b, p.data.next_prompts(cfg.train.prompts_per_step), before)
             self._submitted_through = b
 
-    def _score(self, step: int, prompts: Sequence[Prompt]) -> tuple[list[Sample], list[float]]:
-        """Host: batch `step` from the engines, scored (the producer's worker when running ahead)."""
+    def _score(self, step: int, prompts: Sequence[Prompt]) -> tuple[list[Any], list[float]]:
+        """Host: batch `step` from the engines, scored (the producer's worker when running ahead):
+        samples, or with rollout.env episodes."""
         cfg = self.cfg
+        if cfg.rollout.env is not None:
+            return run_episodes_on_host(
+                self.parts.episodes, prompts, tag=f"step{step}", group_size=cfg.rollout.group_size
+            )
         return score_on_host(
             self.parts.pool,
             prompts,

@@ -24,7 +24,7 @@ class PromptData:
 
     def _prompt(self, example: Example) -> Prompt:
         ids = self.tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
-        return Prompt(input_ids=tuple(ids), answer=example.answer)
+        return Prompt(input_ids=tuple(ids), answer=example.answer, text=example.prompt)
 
     def next_prompts(self, n: int) -> list[Prompt]:
         return [self.train[i] for i in self.sampler.next_indices(n)]

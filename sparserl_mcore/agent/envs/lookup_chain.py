@@ -9,18 +9,21 @@ into the answer at r0), so a two-layer character-level model can learn it, under
 
 Rows (JSONL): `{"prompt": "hop 2 from 7\\n", "answer": "<json>"}` where the answer column holds
 `{"table": "3917284650", "start": 7, "hops": 2}` (`make_row`); `write_splits` writes train and
-eval files, and `demonstration` the warm start's text (answering one hop early in `early` of the
-cases, so RL has to learn to make the last call).
+eval files, `warm_start_rows` the warm start's demonstrations (a share of which answer one hop
+early, so RL has to learn to make the last call).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+from pathlib import Path
 from typing import Any
 
 from sparserl_mcore.agent.env import Env, Reply, Turn
+from sparserl_mcore.trainer.tasks import write_jsonl
 
 _CALL = re.compile(r"\?(\d);$")
 _ANSWER = re.compile(r"!(\d)")
@@ -43,15 +46,34 @@ def target(info: dict[str, Any]) -> int:
 
 
 def demonstration(info: dict[str, Any], *, early: bool = False) -> str:
-    """The text a correct episode writes (tool calls, observations, answer); `early` answers with
-    the value seen one hop before the end (a slip the reward catches)."""
+    """The text a correct episode writes (tool calls, observations, answer); `early` answers one
+    hop early, with the value the last call but one returned (a slip the reward catches)."""
     value, hops, text = int(info["start"]), int(info["hops"]), ""
-    seen = [value]
-    for k in range(hops):
-        value = int(info["table"][value])
-        seen.append(value)
-        text += f"?{seen[k]};={value} r{hops - k - 1}\n"
-    return text + f"!{seen[-2] if early else seen[-1]}"
+    for k in range(hops - 1 if early else hops):
+        looked_up = int(info["table"][value])
+        text += f"?{value};={looked_up} r{hops - k - 1}\n"
+        value = looked_up
+    return text + f"!{value}"
+
+
+def write_splits(out_dir: str | os.PathLike, *, n_train: int, n_eval: int, seed: int) -> tuple[Path, Path]:
+    """train.jsonl and eval.jsonl of random episodes under `out_dir` (written atomically)."""
+    rng = random.Random(seed)
+    rows = [make_row(rng) for _ in range(n_train + n_eval)]
+    out = Path(out_dir)
+    return write_jsonl(rows[:n_train], out / "train.jsonl"), write_jsonl(rows[n_train:], out / "eval.jsonl")
+
+
+def warm_start_rows(n: int, *, early: float, seed: int) -> list[dict[str, str]]:
+    """(prompt, solution) rows for `trainer.warmstart.warm_start`: demonstrations of which a share
+    `early` answer one hop early."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        row = make_row(rng)
+        solution = demonstration(json.loads(row["answer"]), early=rng.random() < early)
+        rows.append({"prompt": row["prompt"], "solution": solution})
+    return rows
 
 
 class LookupChain(Env):
