@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 
+from sparserl_mcore.agent import Reply, Turn
 from sparserl_mcore.config import ConfigError, load_config_text, to_yaml
 from sparserl_mcore.trainer.preflight import PreflightError, _check_reward
 
@@ -90,3 +91,36 @@ def test_builtin_envs_resolve():
 
     assert all(issubclass(resolve_env(name), Env) for name in ENVS)
     _check_reward(load_config_text(CONFIG))
+
+
+def test_lookup_chain_scores_only_the_true_pointer_chase():
+    import json
+
+    from sparserl_mcore.agent.envs.lookup_chain import LookupChain, demonstration
+
+    info = {"table": "3917284650", "start": 7, "hops": 2}  # T(7) = 6, T(6) = 4
+    row = {"prompt": "hop 2 from 7\n", "answer": json.dumps(info)}
+    assert demonstration(info) == "?7;=6 r1\n?6;=4 r0\n!4"
+    assert demonstration(info, early=True) == "?7;=6 r1\n!6"
+    env = LookupChain()
+    assert env.reset(row) == "hop 2 from 7\n"
+    assert env.step(Turn("?7;", 0, "stop")) == Reply(observation="=6 r1\n")
+    assert env.step(Turn("?6;", 1, "stop")) == Reply(observation="=4 r0\n")
+    assert env.step(Turn("!4", 2, "eos")) == Reply(done=True, reward=1.0)
+    env.reset(row)
+    assert env.step(Turn("!6", 0, "eos")) == Reply(done=True, reward=0.0)  # one hop early
+    assert env.step(Turn("?7", 0, "length")).done  # a call cut by the turn cap is no call
+
+
+def test_calculator_calls_and_refuses_what_is_not_arithmetic():
+    import asyncio
+
+    from sparserl_mcore.agent.envs.calculator import Calculator, evaluate
+
+    assert evaluate("3*(17-2)+-4") == 41
+    with pytest.raises(ValueError):
+        evaluate("__import__('os')")
+    env = Calculator()
+    env.reset({"prompt": "3*17?", "answer": "51"})
+    assert asyncio.run(env.step(Turn("[3*17]", 0, "stop"))) == Reply(observation="=51\n")
+    assert asyncio.run(env.step(Turn("so 51", 1, "eos"))) == Reply(done=True, reward=1.0)

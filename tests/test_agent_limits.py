@@ -130,3 +130,29 @@ def test_truncated_episodes_can_be_masked(parts):
     masked = _run(parts, Talker, n=1, max_turns=2, max_tokens_per_turn=4, on_truncation="mask")[0]
     assert kept.tokens == masked.tokens and sum(kept.loss_mask) == 8  # same seeds, same episode
     assert not any(masked.loss_mask) and not any(masked.logprobs) and not any(masked.versions)
+
+
+class Barrier(Env):
+    """Every episode's first step waits until all of them are inside a step at once: episodes that
+    ran one after another would wait forever (tool_timeout)."""
+
+    n = 6
+    inside = 0
+    all_in = asyncio.Event()
+
+    def reset(self, row):
+        return row["prompt"]
+
+    async def step(self, turn: Turn) -> Reply:
+        if turn.index == 0:
+            Barrier.inside += 1
+            if Barrier.inside == Barrier.n:
+                Barrier.all_in.set()
+            await Barrier.all_in.wait()
+            return Reply(observation="=1 r0\n")
+        return Reply(done=True, reward=1.0)
+
+
+def test_episodes_run_concurrently_so_tool_waits_overlap(parts):
+    episodes = _run(parts, Barrier, n=Barrier.n, max_turns=2, max_tokens_per_turn=4, tool_timeout_s=60.0)
+    assert [e.end_reason for e in episodes] == ["done"] * Barrier.n
