@@ -97,3 +97,26 @@ def test_a_group_sticks_to_one_engine_and_a_failed_turn_moves(hf):
     for a, b in zip(episodes, reference, strict=True):  # ids travel: the moved turns are the same
         assert a.tokens == b.tokens
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+
+
+def test_a_weight_update_during_a_tool_wait_versions_the_next_turn(hf):
+    """An update that lands while the environment works: the next turn's tokens carry the new
+    version, the earlier ones keep theirs, and no KV of the old weights is reused."""
+    from safetensors.torch import load_file
+
+    eng = engine(hf, check_invariants=True)
+    weights = load_file(str(hf / "model.safetensors"))
+    updated = {"lm_head.weight": weights["lm_head.weight"] * 1.5}
+
+    class UpdateInTool(FourTurns):
+        def step(self, turn: Turn) -> Reply:
+            if turn.index == 1:
+                eng.update_weights(updated, version=7)
+            return super().step(turn)
+
+    run = runner({"e0": eng}, UpdateInTool, tokenizer(hf), sampling=FIXED, max_turns=4, max_tokens_per_turn=9)
+    (ep,) = run.run(specs(ROWS[:1], group_size=1))
+    assert [set(t.token_versions()) for t in ep.turns] == [{0}, {0}, {7}, {7}]
+    sampled = [v for v, m in zip(ep.versions, ep.loss_mask, strict=True) if m]
+    assert sampled == sorted(sampled)  # non-decreasing along the episode
+    assert ep.turns[2].cached_prompt_tokens == 0 < ep.turns[3].cached_prompt_tokens
