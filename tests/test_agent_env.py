@@ -124,3 +124,16 @@ def test_calculator_calls_and_refuses_what_is_not_arithmetic():
     env.reset({"prompt": "3*17?", "answer": "51"})
     assert asyncio.run(env.step(Turn("[3*17]", 0, "stop"))) == Reply(observation="=51\n")
     assert asyncio.run(env.step(Turn("so 51", 1, "eos"))) == Reply(done=True, reward=1.0)
+
+
+def test_the_multi_turn_demo_config_passes_the_demos_checks(tmp_path):
+    import argparse
+
+    from sparserl_mcore.demo import AGENT_YAML, add_arguments, checked_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--env", "lookup_chain", "--out", str(tmp_path / "demo")])
+    config = checked_config(tmp_path / "demo", args)
+    assert config["rollout"]["env"]["name"] == "lookup_chain" and config["reward"]["name"] is None
+    assert AGENT_YAML.is_file()
