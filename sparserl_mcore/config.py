@@ -29,6 +29,7 @@ from typing import Any, Literal
 import yaml
 
 from model_providers.moe_config import MoEConfig  # component configs owned elsewhere, as sections
+from sparserl_mcore.agent.env import EnvConfig
 from sparserl_mcore.config_io import ConfigError, apply_overrides, from_dict, to_dict, yaml_problem
 from sparserl_mcore.diloco.config import DiLoCoConfig
 from sparserl_mcore.loss.correction import CorrectionConfig
@@ -112,6 +113,8 @@ class RolloutConfig:
     router_url: an sglang-router in front of the SGLang servers at `urls` (server=sglang only):
     generation goes through it, weights and pauses still go to each of `urls` (the router does not
     proxy those routes). `sparserl slurm` starts one and sets it for SGLang rollout nodes.
+    env: multi-turn episodes with an environment (`sparserl_mcore.agent.EnvConfig`, docs/agents.md)
+    instead of one completion per sample; null: single-turn.
     """
 
     engine: Literal["embedded", "remote"] = "embedded"
@@ -129,6 +132,7 @@ class RolloutConfig:
     probe_interval_s: float = 10.0
     server_concurrency: int = 512
     prefix_cache_across_versions: bool = False
+    env: EnvConfig | None = None
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -186,7 +190,8 @@ class RolloutConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     """Which verifier scores a completion: a key of `sparserl_mcore.rewards.REWARDS` or a
-    `package.module:function` import path; kwargs are passed to it by name.
+    `package.module:function` import path; kwargs are passed to it by name. null: "math_boxed",
+    or with `rollout.env` none (the environment's Replies are the reward).
 
     timeout_s: the longest one call may take; the verifier runs in a process of its own
     (`rewards.runner`), killed past it, and the run stops naming the reward and the sample.
@@ -194,13 +199,13 @@ class RewardConfig:
     that sample's whole group from the step instead, counted (`reward/nonfinite_skipped`) and logged.
     """
 
-    name: str = "math_boxed"
+    name: str | None = None
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     timeout_s: float = 60.0
     skip_nonfinite: bool = False
 
     def __post_init__(self) -> None:
-        if not self.name:
+        if self.name is not None and not self.name:
             raise ValueError("name is empty: use a registered reward or module:function")
         _positive(self, "timeout_s")
         if self.timeout_s > threading.TIMEOUT_MAX:
@@ -493,6 +498,7 @@ class RunConfig:
     diloco: DiLoCoConfig = dataclasses.field(default_factory=DiLoCoConfig)
 
     def __post_init__(self) -> None:
+        self._check_reward()
         rollout_seqs = self.train.prompts_per_step * self.rollout.group_size
         if rollout_seqs % self.train.global_batch_size:
             raise ValueError(
@@ -511,6 +517,19 @@ class RunConfig:
             raise ValueError(
                 f"rollout.sampling.seed={self.rollout.sampling.seed}: training seeds every request "
                 "from train.seed (so a resumed run draws the same samples); leave it null"
+            )
+
+    def _check_reward(self) -> None:
+        """reward.name defaults to math_boxed; with an environment the Replies are the reward, and a
+        verifier of completions has nothing to score."""
+        if self.rollout.env is None:
+            if self.reward.name is None:
+                object.__setattr__(self, "reward", dataclasses.replace(self.reward, name="math_boxed"))
+        elif self.reward.name is not None or self.reward.kwargs:
+            raise ValueError(
+                f"reward.name={self.reward.name} with rollout.env.name={self.rollout.env.name}: an "
+                "environment's Replies are the episode's reward, a completion verifier cannot apply; "
+                "drop the reward section (reward: {})"
             )
 
     def _check_async(self) -> None:

@@ -16,6 +16,10 @@
    table of what happened: start -> end of reward and both evals, what compression and sparse
    sync saved against dense, DGG gates, vetoed sequences.
 
+`--env lookup_chain`: the multi-turn, tool-using demo instead (examples/demo_agent.yaml,
+docs/agents.md): the same tiny model warm-started on lookup_chain demonstrations that answer one
+hop early half the time, then GRPO over episodes; the table and plot add tool calls per episode.
+
 `--seed S` seeds everything that differs between runs: the task splits, the random init and the
 warm start's batch order (trainer/warmstart.py prepare_policy), and the RL run (train.seed).
 
@@ -33,6 +37,7 @@ from pathlib import Path
 from sparserl_mcore.cli_args import positive_int
 
 DEMO_YAML = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+AGENT_YAML = DEMO_YAML.with_name("demo_agent.yaml")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="seeds the task data, the model init, the warm start and the RL run",
+    )
+    parser.add_argument(
+        "--env",
+        choices=("lookup_chain",),
+        default=None,
+        help="the multi-turn demo: episodes with this built-in environment (examples/demo_agent.yaml)",
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="extra run-config overrides")
 
@@ -69,23 +80,31 @@ def demo_overrides(out: Path, steps: int | None, tp: int, seed: int = 0) -> list
 
 
 def demo_config(
-    out: Path, steps: int | None, tp: int, extra: list[str] | tuple[str, ...] = (), *, seed: int = 0
+    out: Path,
+    steps: int | None,
+    tp: int,
+    extra: list[str] | tuple[str, ...] = (),
+    *,
+    seed: int = 0,
+    yaml_path: Path = DEMO_YAML,
 ) -> dict:
     """examples/demo.yaml with `demo_overrides` and `extra` applied, validated, as a plain dict
     (written to OUT/demo.yaml, so a run can be repeated by hand; bench_methods derives its arms
     from it)."""
     from sparserl_mcore.config import load_config, to_dict
 
-    return to_dict(load_config(DEMO_YAML, [*demo_overrides(out, steps, tp, seed), *extra]))
+    return to_dict(load_config(yaml_path, [*demo_overrides(out, steps, tp, seed), *extra]))
 
 
-def prepare(out: Path, console, seed: int = 0) -> Path:
-    """Steps 1-2 (`prepare_policy` with the DEMO_* presets of trainer/warmstart.py). An OUT/warm
-    made from the same recipe and seed is reused. Returns the warm-started checkpoint directory."""
-    from sparserl_mcore.trainer.warmstart import prepare_policy
+def prepare(out: Path, console, seed: int = 0, env: str | None = None) -> Path:
+    """Steps 1-2 (`prepare_policy` with the DEMO_* presets of trainer/warmstart.py, or with `env`
+    `prepare_lookup_policy`). An OUT/warm made from the same recipe and seed is reused. Returns the
+    warm-started checkpoint directory."""
+    from sparserl_mcore.trainer.warmstart import prepare_lookup_policy, prepare_policy
 
+    prepare_fn = prepare_lookup_policy if env == "lookup_chain" else prepare_policy
     with console.status("warm start (supervised)") as status:
-        prepared = prepare_policy(
+        prepared = prepare_fn(
             out,
             n_eval=64,
             seed=seed,
@@ -134,6 +153,11 @@ def summary_table(metrics_path: Path, window: int = 5):
             table.add_row(
                 f"{label} (vs dense)", f"{human_bytes(a)} vs {human_bytes(b)} ({times(b / a)} less)"
             )
+    turns = [r["agent/turns_mean"] for r in steps if r.get("agent/turns_mean") is not None]
+    if turns:
+        m = min(window, max(1, len(turns) // 2))
+        first, last = sum(turns[:m]) / m, sum(turns[-m:]) / m
+        table.add_row(f"policy turns per episode (first / last {m} steps)", f"{first:.2f} -> {last:.2f}")
     applied = sum(r.get("train/updates") or 0 for r in steps)
     gates = sum(r.get("dgg/gates") or 0 for r in steps)
     table.add_row("optimizer updates applied / gated by DGG", f"{applied:.0f} / {gates:.0f}")
@@ -155,7 +179,8 @@ def checked_config(out: Path, args: argparse.Namespace) -> dict:
     problem = output_problem(out)
     if problem:
         raise PreflightError(f"--out {problem}")
-    config = demo_config(out, args.steps, args.nproc, args.overrides, seed=args.seed)
+    yaml_path = AGENT_YAML if args.env else DEMO_YAML
+    config = demo_config(out, args.steps, args.nproc, args.overrides, seed=args.seed, yaml_path=yaml_path)
     shape = {
         "num_layers": DEMO_MODEL.layers,
         "num_heads": DEMO_MODEL.heads,
@@ -184,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sparserl demo: {exc}", file=sys.stderr)
         return 2
     metrics = Path(config["telemetry"]["dir"]) / "metrics.jsonl"
-    prepare(out, console, args.seed)
+    prepare(out, console, args.seed, args.env)
     cfg_path = out / "demo.yaml"
     cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
     metrics.unlink(missing_ok=True)

@@ -23,6 +23,7 @@ Series = str | tuple[str, str]
 # "symlog" (linear within +-1, log beyond: z-scores of 0.3 and of 2000 on one axis).
 PANELS: tuple[tuple[str, tuple[tuple[Series, str], ...], str], ...] = (
     ("train reward (mean)", (("rollout/reward_mean", "reward"),), "linear"),
+    ("policy turns per episode (multi-turn)", (("agent/turns_mean", "turns"),), "zero"),
     (
         "greedy eval pass@1 (held-out)",
         (("eval/pass1_dense", "dense KV"), ("eval/pass1_compressed", "compressed KV")),

@@ -9,6 +9,8 @@ Shapes (legend): B sequences, T = longest prompt + response in the batch.
     lengths_B        real tokens of each row (prompt + response); the rest is padding
 Per-token arrays are indexed by the position of the token they score, the convention of
 `sparserl_mcore.loss` (the log-prob of token t comes from the logits at position t - 1).
+A multi-turn episode (`sparserl_mcore.agent.Episode`) is one row whose mask has holes: 1 on the
+tokens the engine sampled, 0 on the prompt and on environment tokens between turns.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sparserl_mcore.agent.trajectory import Episode
 from sparserl_mcore.loss.advantages import grpo_advantages
 from sparserl_mcore.rollout.protocol import Sample
 
@@ -50,9 +53,9 @@ def informative_rows(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def build_batch(
-    samples: Sequence[Sample], rewards: Sequence[float], *, group_size: int, normalize_std: bool
+    samples: Sequence[Sample | Episode], rewards: Sequence[float], *, group_size: int, normalize_std: bool
 ) -> RolloutBatch:
-    """Pad samples (a group's G samples consecutive) into one batch with GRPO advantages."""
+    """Pad samples or episodes (a group's G consecutive) into one batch with GRPO advantages."""
     if len(samples) != len(rewards):
         raise ValueError(f"{len(samples)} samples but {len(rewards)} rewards")
     lengths = [len(s.prompt_ids) + len(s.output_ids) for s in samples]
@@ -62,6 +65,13 @@ def build_batch(
     logp_sparse_BT = torch.zeros(B, T, dtype=torch.float32)
     versions_BT = torch.zeros(B, T, dtype=torch.long)
     for row, sample in enumerate(samples):
+        if isinstance(sample, Episode):
+            n = len(sample.tokens)
+            tokens_BT[row, :n] = torch.tensor(sample.tokens)
+            mask_BT[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+            logp_sparse_BT[row, :n] = torch.tensor(sample.logprobs, dtype=torch.float32)
+            versions_BT[row, :n] = torch.tensor(sample.versions, dtype=torch.long)
+            continue
         p, n = len(sample.prompt_ids), len(sample.output_ids)
         if len(sample.output_logprobs) != n:
             raise ValueError(

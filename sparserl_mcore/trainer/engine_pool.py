@@ -33,6 +33,7 @@ itself while a worker removes an engine raises on the host only and skips a coll
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import queue
 import threading
@@ -208,6 +209,15 @@ class EnginePool:
             close = getattr(engine, "close", None)
             if callable(close):
                 close()
+
+    def sticky(self, key: str) -> str:
+        """The live engine `key` (an episode group) keeps to: the highest hash of (key, engine)
+        (rendezvous hashing), so a group stays on one engine across calls and only the groups of
+        an engine that leaves the pool move."""
+        live = self.live
+        if not live:
+            raise NoEngineLeftError(f"no rollout engine left: {self.dead}")
+        return max(live, key=lambda name: hashlib.blake2b(f"{key}|{name}".encode()).digest())
 
     # -- probing removed engines ----------------------------------------------------------------
     def _start_probing(self) -> None:

@@ -1,4 +1,5 @@
-"""pass@1 on the held-out split under compressed KV (the rollout engines) and dense KV.
+"""pass@1 on the held-out split under compressed KV (the rollout engines) and dense KV; with
+rollout.env, the mean episode reward of one greedy episode per prompt.
 
 Collective over the learner group: the host rank generates and scores, the numbers are broadcast
 to every learner rank. A prompt whose reward is non-finite (kept as NaN only under
@@ -9,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
+from sparserl_mcore.agent.runner import EpisodeRunner
 from sparserl_mcore.rollout.protocol import SamplingParams
 from sparserl_mcore.trainer.engine_pool import EnginePool
-from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, RewardFn, make_requests
+from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, RewardFn, episode_specs, make_requests
 
 
 class Evaluator:
@@ -28,12 +31,17 @@ class Evaluator:
         *,
         seed: int,
         group: dist.ProcessGroup,
+        episodes: Callable[[EnginePool, SamplingParams], EpisodeRunner] | None = None,
     ):
         self.cfg, self.prompts, self.reward_fn, self.seed = cfg, prompts, reward_fn, seed
         self.group = group  # the learner ranks (`Runtime.learner_group`); the host rank is one of them
         self.sampling: SamplingParams = dataclasses.replace(rollout.sampling, temperature=cfg.temperature)
+        self.episodes = episodes
 
     def _pass_at_1(self, pool: EnginePool) -> float:
+        if self.episodes is not None:
+            specs = episode_specs(self.prompts, tag="eval", group_size=1)
+            return sum(e.reward for e in self.episodes(pool, self.sampling).run(specs)) / len(specs)
         requests = make_requests(
             self.prompts, tag="eval", group_size=1, sampling=self.sampling, run_seed=self.seed
         )

@@ -25,12 +25,14 @@ import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from sparserl_mcore import parallel
+from sparserl_mcore.agent.metrics import episode_metrics
+from sparserl_mcore.agent.trajectory import Episode
 from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.rewards.runner import RewardError
@@ -48,7 +50,7 @@ from sparserl_mcore.trainer.empty_steps import (
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
 from sparserl_mcore.trainer.preemption import StopRequest
 from sparserl_mcore.trainer.producer import Produced, RolloutProducer
-from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, score_on_host
+from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, run_episodes_on_host, score_on_host
 from sparserl_mcore.trainer.run_layout import RunLayout
 from sparserl_mcore.trainer.run_record import read_saved_run
 from sparserl_mcore.trainer.run_summary import (
@@ -230,7 +232,8 @@ class Trainer:
         for pool in (self.parts.pool, self.parts.dense_pool):
             if pool is not None:
                 pool.close()
-        self.parts.reward.close()
+        if self.parts.reward is not None:
+            self.parts.reward.close()
 
     # -- pieces ---------------------------------------------------------------------------------
     def _finite_groups(self, produced: Produced, step: int) -> tuple[list[Sample], list[float], dict]:
@@ -260,6 +263,8 @@ class Trainer:
             normalize_std=cfg.loss.advantage_std_normalize,
         )
         metrics.update(rollout_metrics(samples, batch, self.parts.kv_bytes_per_token))
+        if cfg.rollout.env is not None:
+            metrics.update(episode_metrics(cast(list[Episode], samples)))
         informative = informative_rows(batch.rewards_B, cfg.rollout.group_size)
         if cfg.train.filter_zero_variance_groups:
             batch = batch.select(informative)
@@ -295,9 +300,14 @@ class Trainer:
                 else:
                     pool.not_recovered(name)
 
-    def _score(self, step: int, prompts: Sequence[Prompt]) -> tuple[list[Sample], list[float]]:
-        """Host: batch `step` from the engines, scored (the producer's worker when running ahead)."""
+    def _score(self, step: int, prompts: Sequence[Prompt]) -> tuple[list[Any], list[float]]:
+        """Host: batch `step` from the engines, scored (the producer's worker when running ahead):
+        samples, or with rollout.env episodes."""
         cfg = self.cfg
+        if cfg.rollout.env is not None:
+            return run_episodes_on_host(
+                self.parts.episodes, prompts, tag=f"step{step}", group_size=cfg.rollout.group_size
+            )
         return score_on_host(
             self.parts.pool,
             prompts,

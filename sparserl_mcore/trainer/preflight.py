@@ -12,7 +12,7 @@ torchrun or srun run it themselves). It needs neither megatron nor a process gro
   prompt of either split has a token and leaves room for rollout.sampling.max_new_tokens in the
   model's context (`trainer.prompts.tokenize_rows`: refused naming file and line, or skipped and
   counted under data.skip_bad_rows);
-- reward: the function imports and accepts reward.kwargs;
+- reward: the function imports and accepts reward.kwargs (with rollout.env: the Env class imports);
 - outputs: telemetry.dir, checkpoint.dir and checkpoint.save_hf are directories this process can
   create files in (tried, as the run will: `ckpt.atomic.output_problem`); a remote engine's token
   variable is set;
@@ -247,6 +247,10 @@ def _check_data(cfg: RunConfig, context: int) -> tuple[int, tuple[str, ...]]:
 def _check_reward(cfg: RunConfig) -> None:
     from sparserl_mcore.rewards import build_reward
 
+    if cfg.rollout.env is not None:
+        _check_env(cfg.rollout.env.name)
+        return
+    assert cfg.reward.name is not None  # RunConfig resolves the default
     try:
         build_reward(cfg.reward.name, cfg.reward.kwargs)
     except KeyError as exc:
@@ -255,6 +259,18 @@ def _check_reward(cfg: RunConfig) -> None:
         raise PreflightError(str(exc)) from None
     except Exception as exc:  # user code: an import can raise anything
         raise PreflightError(f"reward.name={cfg.reward.name}: {type(exc).__name__}: {exc}") from None
+
+
+def _check_env(name: str) -> None:
+    """The environment class imports and is an `Env` (its module is user code: it may raise anything)."""
+    from sparserl_mcore.agent import resolve_env
+
+    try:
+        resolve_env(name)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+    except Exception as exc:
+        raise PreflightError(f"rollout.env.name={name}: {type(exc).__name__}: {exc}") from None
 
 
 def _check_outputs(cfg: RunConfig) -> None:

@@ -45,7 +45,7 @@ def tokenize_rows(
                 f"{context} positions"
             )
         else:
-            prompts.append(Prompt(input_ids=ids, answer=example.answer))
+            prompts.append(Prompt(input_ids=ids, answer=example.answer, text=example.prompt))
     return Tokenized(prompts, refused)
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from sparserl_mcore.agent.runner import EpisodeRunner, EpisodeSpec
+from sparserl_mcore.agent.trajectory import Episode
 from sparserl_mcore.rollout.protocol import GenerateRequest, Sample, SamplingParams
 from sparserl_mcore.trainer.engine_pool import EnginePool
 
@@ -28,10 +30,12 @@ HOST_RANK = 0
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    """One prompt of the dataset, tokenized, with the reference answer its reward checks."""
+    """One prompt of the dataset, tokenized, with the reference answer its reward checks; `text`
+    (the prompt before tokenizing) is what an environment's `reset` reads (rollout.env)."""
 
     input_ids: tuple[int, ...]
     answer: str
+    text: str = ""
 
 
 def request_seed(run_seed: int, tag: str) -> int:
@@ -72,6 +76,27 @@ def score_on_host(
     samples = pool.generate(requests)
     rewards = [reward_fn(s, prompts[i // group_size]) for i, s in enumerate(samples)]
     return samples, rewards
+
+
+def episode_specs(prompts: Sequence[Prompt], *, tag: str, group_size: int) -> list[EpisodeSpec]:
+    """G episodes per prompt (consecutive), ids as `make_requests`' (turn k adds "-t<k>"); the
+    environment's row holds the dataset's prompt and answer."""
+    return [
+        EpisodeSpec(
+            rid=f"{tag}-p{p}-g{g}", row={"prompt": prompt.text, "answer": prompt.answer}, group=f"{tag}-p{p}"
+        )
+        for p, prompt in enumerate(prompts)
+        for g in range(group_size)
+    ]
+
+
+def run_episodes_on_host(
+    runner: EpisodeRunner | None, prompts: Sequence[Prompt], *, tag: str, group_size: int
+) -> tuple[list[Episode], list[float]]:
+    """Host rank only (rollout.env): G episodes per prompt, each with its summed Reply rewards."""
+    assert runner is not None, "the host rank holds the episode runner"
+    episodes = runner.run(episode_specs(prompts, tag=tag, group_size=group_size))
+    return episodes, [e.reward for e in episodes]
 
 
 def share_from_host(payload: Any, group: dist.ProcessGroup) -> Any:

@@ -16,6 +16,9 @@ from typing import Any
 import torch
 
 from model_providers.hf_config import parse_hf_config
+from sparserl_mcore.agent import resolve_env
+from sparserl_mcore.agent.render import build_renderer
+from sparserl_mcore.agent.runner import EpisodeRunner
 from sparserl_mcore.ckpt.convert import save_hf
 from sparserl_mcore.ckpt.hf_io import load_hf_weights
 from sparserl_mcore.ckpt.layout import layout_for
@@ -25,6 +28,7 @@ from sparserl_mcore.diloco.optimizer import with_islands
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.loss.dgg import DynamicGradientGate
 from sparserl_mcore.rewards.runner import RewardRunner
+from sparserl_mcore.rollout.protocol import SamplingParams
 from sparserl_mcore.sglang.dense_sync import DenseSyncConfig, address_towards
 from sparserl_mcore.telemetry import MetricsLogger
 from sparserl_mcore.trainer import learner as learner_lib
@@ -32,7 +36,7 @@ from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
 from sparserl_mcore.trainer.evaluate import Evaluator
 from sparserl_mcore.trainer.learner import unwrap_model
 from sparserl_mcore.trainer.prompts import PromptData
-from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt
+from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, request_seed
 from sparserl_mcore.trainer.run_record import latest_checkpoint, read_saved_run
 from sparserl_mcore.trainer.weight_sync import WeightSyncer
 
@@ -180,7 +184,10 @@ class Parts:
     dense_pool: EnginePool | None
     data: PromptData
     reward_fn: Any
-    reward: RewardRunner  # the reward's process (host rank; started at the first call)
+    reward: (
+        RewardRunner | None
+    )  # the reward's process (host rank, started at its first call); None: rollout.env
+    episodes: EpisodeRunner | None  # rollout.env on the host rank: runs the step's episodes
     syncer: WeightSyncer
     evaluator: Evaluator
     telemetry: MetricsLogger
@@ -240,9 +247,16 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         context=parse_hf_config(cfg.model.hf_path).max_position_embeddings,
     )
     rc = cfg.reward
-    reward = RewardRunner(rc.name, rc.kwargs, timeout_s=rc.timeout_s, skip_nonfinite=rc.skip_nonfinite)
+    # with rollout.env the episodes carry their reward (the environment's Replies): no verifier
+    reward = (
+        RewardRunner(rc.name, rc.kwargs, timeout_s=rc.timeout_s, skip_nonfinite=rc.skip_nonfinite)
+        if rc.name is not None
+        else None
+    )
 
     def reward_fn(sample: Any, prompt: Prompt) -> float:
+        if reward is None:
+            return float(sample.reward)
         return reward(data.decode(sample.output_ids), prompt.answer, sample=sample.rid)
 
     saved = read_saved_run(resume_from).layout if resume_from else None
@@ -264,6 +278,7 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         # islands: engines only ever get the agreed weights (island 0's ranks send them)
         agreed=AgreedWeights(learner.outer, sender=runtime.island == 0) if learner.outer else None,
     )
+    runner = partial(episode_runner, cfg, data) if cfg.rollout.env is not None else None
     evaluator = Evaluator(
         cfg.eval,
         data.eval_prompts(cfg.eval.num_prompts),
@@ -271,6 +286,7 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         cfg.rollout,
         seed=cfg.train.seed,
         group=runtime.learner_group,
+        episodes=runner,
     )
     return Parts(
         learner=learner,
@@ -280,10 +296,36 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         data=data,
         reward_fn=reward_fn,
         reward=reward,
+        episodes=runner(pool, cfg.rollout.sampling) if runner is not None and pool is not None else None,
         syncer=syncer,
         evaluator=evaluator,
         telemetry=log,
         kv_bytes_per_token=kv_bytes_per_token(learner.spec, runtime),
+    )
+
+
+def episode_runner(
+    cfg: RunConfig, data: PromptData, pool: EnginePool, sampling: SamplingParams
+) -> EpisodeRunner:
+    """rollout.env's episodes over `pool`, sampled with `sampling` (train or eval), seeded from
+    train.seed; the context is the policy's max_position_embeddings."""
+    from transformers import AutoConfig
+
+    env = cfg.rollout.env
+    assert env is not None
+    hf = AutoConfig.from_pretrained(cfg.model.hf_path)
+    eos = hf.eos_token_id if isinstance(hf.eos_token_id, list) else [hf.eos_token_id]
+    eos = [t for t in (*eos, data.tokenizer.eos_token_id) if t is not None]
+    return EpisodeRunner(
+        pool,
+        resolve_env(env.name),
+        env,
+        build_renderer(env.renderer, data.tokenizer, tool_role=env.tool_role),
+        lambda ids: data.decode(tuple(ids)),
+        sampling=sampling,
+        context_length=hf.max_position_embeddings,
+        eos_token_ids=eos,
+        seed_of=partial(request_seed, cfg.train.seed),
     )
 
 

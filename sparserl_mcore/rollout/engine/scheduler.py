@@ -8,9 +8,12 @@ compaction.py's.
 Memory rules (see docs/rollout.md, "Engine"):
 - A request's page table = radix-shared prompt pages (read-only) + private pages.
 - Prompts are inserted into the radix tree right after their prefill; only whole pages are shared,
-  so decode never writes into a shared page. Admitted requests whose prompt shares a not-yet-cached
-  page prefix with another request admitted in the same step wait one step and then hit the cache
-  (the G samples of a GRPO prompt prefill once).
+  so decode never writes into a shared page. A request that finishes uncompressed, all of it under
+  the current weights, also inserts its whole sequence (prompt + output but the last token, which
+  was never fed): a multi-turn episode's next turn extends it and prefills only its new tokens.
+  Admitted requests whose prompt shares a not-yet-cached page prefix with another request
+  admitted in the same step wait one step and then hit the cache (the G samples of a GRPO prompt
+  prefill once).
 - Compression is copy-on-write into fresh private pages (compaction.py); shared pages are never
   modified.
 - Out of pages: evict unreferenced radix leaves (LRU), then retract the youngest running request
@@ -370,6 +373,17 @@ class Scheduler:
             full = len(r.req.input_ids) // self.pool.page_size
             self.radix.insert(r.req.input_ids, r.pages[:full])
 
+    def _cache_sequence(self, r: RequestState) -> None:
+        """Insert a finished request's cached positions (whole pages) if they are the plain,
+        uncompressed KV of its tokens under the weights the cache now serves."""
+        if self.radix is None or r.compressions or not r.output_ids or not r.pages:
+            return
+        if any(v != self.weight_version for v in r.versions):
+            return  # an update landed mid-request: its KV mixes versions
+        tokens = r.req.input_ids + tuple(r.output_ids[:-1])
+        full = min(r.n_cached, len(tokens)) // self.pool.page_size
+        self.radix.insert(tokens, r.pages[:full])
+
     # ---- per-token bookkeeping -----------------------------------------------------------------
     def _append(self, r: RequestState, token: int, logprob: float) -> FinishReason | None:
         r.output_ids.append(token)
@@ -386,6 +400,7 @@ class Scheduler:
         return "length" if len(r.output_ids) >= sp.max_new_tokens else None
 
     def _finish(self, r: RequestState, reason: FinishReason) -> None:
+        self._cache_sequence(r)
         self.release(r)
         r.result = r.sample(reason, weight_version=self.weight_version, page_bytes=self.pool.page_bytes)
 

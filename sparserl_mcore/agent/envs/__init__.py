@@ -1,0 +1,1 @@
+"""Built-in environments (named in `sparserl_mcore.agent.env.ENVS`)."""
