@@ -70,3 +70,44 @@ def test_expert_updates_by_hf_name_reach_the_forward(checkpoints):
     assert torch.equal(model.layers[1].moe.down[2], torch.zeros_like(model.layers[1].moe.down[2]))
     model.update({"model.layers.0.mlp.shared_expert_gate.weight": torch.zeros(1, 64)})
     assert not torch.allclose(model.forward_reference(ids), before)
+
+
+def _hf_routing(hf, ids: list[int], top_k: int) -> torch.Tensor:
+    """HF transformers' expert choices for `ids`: the router logits' top-k per layer, [T, L, k] sorted."""
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_router_logits=True)
+    return torch.stack([lg.topk(top_k, dim=-1).indices for lg in out.router_logits], dim=1).sort(-1).values
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_routed_experts_equal_hf_routing(checkpoints, arch):
+    """R3's sampler side: the ids the engine returns are HF's routing of the same tokens, for the
+    positions [routed_experts_start, seqlen - 1); a prompt prefix served from the radix cache starts
+    the range after it (routed by the earlier request, not misattributed to this one)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.float32).eval()
+    engine = EmbeddedEngine(checkpoints[arch], EngineConfig(device="cpu", page_size=4, capacity_pages=128))
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, VOCAB, (9,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 6)]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=5)
+    first = engine.generate([GenerateRequest(input_ids=prompts[0], sampling=sp, return_routed_experts=True)])
+    rest = engine.generate(
+        [GenerateRequest(input_ids=p, sampling=sp, return_routed_experts=True) for p in prompts]
+        + [GenerateRequest(input_ids=prompts[1], sampling=sp)]
+    )
+    samples = first + rest
+    assert [s.routed_experts_start for s in samples[:3]] == [0, 8, 8]  # two cached pages of 4
+    assert samples[3].routed_experts is None
+    for s in samples[:3]:
+        seq = list(s.prompt_ids + s.output_ids)
+        want = _hf_routing(hf, seq[:-1], top_k=2)[s.routed_experts_start :]
+        assert s.routed_experts is not None and s.routed_experts.dtype == torch.int16
+        assert s.routed_experts.shape == (len(seq) - 1 - s.routed_experts_start, 2, 2)
+        assert torch.equal(s.routed_experts.sort(-1).values.long(), want)
+
+
+def test_routed_experts_refused_on_a_dense_model(tmp_path):
+    dense = make_tiny(TinyModelConfig(arch="qwen3", vocab=VOCAB, seed=2), tmp_path / "dense")
+    engine = EmbeddedEngine(dense, EngineConfig(device="cpu", page_size=4, capacity_pages=16))
+    with pytest.raises(ValueError, match="return_routed_experts: qwen3 is a dense model"):
+        engine.generate([GenerateRequest(input_ids=[1, 2, 3], sampling=GREEDY, return_routed_experts=True)])
