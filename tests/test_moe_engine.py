@@ -111,3 +111,49 @@ def test_routed_experts_refused_on_a_dense_model(tmp_path):
     engine = EmbeddedEngine(dense, EngineConfig(device="cpu", page_size=4, capacity_pages=16))
     with pytest.raises(ValueError, match="return_routed_experts: qwen3 is a dense model"):
         engine.generate([GenerateRequest(input_ids=[1, 2, 3], sampling=GREEDY, return_routed_experts=True)])
+
+
+def test_routed_experts_over_http_as_sglang_returns_them(checkpoints, caplog):
+    """`sparserl serve` returns meta_info["routed_experts"] as SGLang does (base64 int32, read
+    with SGLang's `extract_routed_experts_from_meta_info` decoding), `RemoteEngine` reads them
+    back equal to the in-process engine's; a payload that does not fit its sample is refused."""
+    import base64
+
+    import httpx
+    import numpy as np
+
+    from sparserl_mcore.rollout.client import RemoteEngine
+    from sparserl_mcore.rollout.http.server import BackgroundServer, ServerConfig, create_app
+    from sparserl_mcore.rollout.http.wire import read_sample
+
+    cfg = EngineConfig(device="cpu", page_size=4, capacity_pages=128, radix_cache=False)
+    local = EmbeddedEngine(checkpoints["qwen3_moe"], cfg)
+    served = EmbeddedEngine(checkpoints["qwen3_moe"], cfg)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=9)
+    reqs = [
+        GenerateRequest(input_ids=p, sampling=sp, rid=f"r{i}", return_routed_experts=True)
+        for i, p in enumerate(([3, 1, 4, 1, 5], [9, 2, 6]))
+    ]
+    want = local.generate(reqs)
+    with BackgroundServer(create_app(served, ServerConfig())) as server:
+        raw = httpx.post(
+            f"{server.url}/generate",
+            json={
+                "input_ids": [3, 1, 4, 1, 5],
+                "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "seed": 9},
+                "return_routed_experts": True,
+            },
+            timeout=120,
+        ).json()
+        with RemoteEngine(server.url, routed_experts_shape=(2, 2)) as remote:
+            got = remote.generate(reqs)
+    flat = np.frombuffer(base64.b64decode(raw["meta_info"]["routed_experts"]), dtype=np.int32)
+    assert flat.size == (5 + 6 - 1) * 2 * 2 and raw["meta_info"]["routed_experts_start_len"] == 0
+    assert torch.equal(torch.from_numpy(flat.copy()).view(-1, 2, 2), want[0].routed_experts.int())
+    for g, w in zip(got, want, strict=True):
+        assert g.output_ids == w.output_ids and g.routed_experts_start == w.routed_experts_start
+        assert g.routed_experts is not None and torch.equal(g.routed_experts, w.routed_experts)
+    raw["meta_info"]["routed_experts"] = base64.b64encode(flat[:-4].tobytes()).decode()  # a row short
+    raw["meta_info"]["output_token_logprobs"] = [[0.0, t, None] for t in raw["output_ids"]]
+    short = read_sample(raw, reqs[0], (2, 2))
+    assert short.routed_experts is None and "routed_experts refused: 36 ids" in caplog.text
