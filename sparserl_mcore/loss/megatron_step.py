@@ -82,6 +82,9 @@ class UpdateBatch:
     # real tokens per row (the rest is right padding): MoE routers leave padding out of their aux
     # loss, z-loss and counts. None: every position is real.
     lengths_B: Tensor | None = None
+    # rollout routing replay: the engine's expert ids [B, T, layers, k] (-1 where it routed none),
+    # replayed by the MoE routers in the pi_old recompute and the policy forward. None: route freely.
+    routed_BTLK: Tensor | None = None
 
     def check(self, cfg: UpdateConfig) -> None:
         b, t = self.tokens_BT.shape
@@ -91,6 +94,8 @@ class UpdateBatch:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, tokens_BT {(b, t)}")
         if self.lengths_B is not None and tuple(self.lengths_B.shape) != (b,):
             raise ValueError(f"lengths_B has shape {tuple(self.lengths_B.shape)}, expected {(b,)}")
+        if self.routed_BTLK is not None and tuple(self.routed_BTLK.shape[:2]) != (b, t):
+            raise ValueError(f"routed_BTLK has shape {tuple(self.routed_BTLK.shape)}, tokens_BT {(b, t)}")
         if (self.lag_BT is None) != (cfg.max_staleness is None):
             raise ValueError(
                 "lag_BT and UpdateConfig.max_staleness go together (asynchronous RL) or are both None"
@@ -146,8 +151,10 @@ def compute_logprobs(
     temperature: float,
     vocab_size: int | None,
     runtime: Runtime,
+    routed_BTLK: Tensor | None = None,
 ) -> Tensor | None:
-    """Per-token log-probs of `tokens_BT` under `model` (forward only, no vocab gather)."""
+    """Per-token log-probs of `tokens_BT` under `model` (forward only, no vocab gather);
+    `routed_BTLK`: expert ids the MoE routers replay (`UpdateBatch.routed_BTLK`)."""
     if micro_batch_size < 1 or tokens_BT.shape[0] % micro_batch_size:
         raise ValueError(
             f"micro_batch_size={micro_batch_size} must divide the batch size {tokens_BT.shape[0]}"
@@ -160,7 +167,11 @@ def compute_logprobs(
 
     tokens_BT = tokens_BT.to(runtime.device)
     outputs = forward_only(
-        model, list(tokens_BT.split(micro_batch_size)), post_fn=post, groups=runtime.groups
+        model,
+        list(tokens_BT.split(micro_batch_size)),
+        post_fn=post,
+        groups=runtime.groups,
+        routed_experts=None if routed_BTLK is None else list(routed_BTLK.split(micro_batch_size)),
     )
     return torch.cat(outputs) if runtime.is_last_stage else None
 
@@ -196,7 +207,7 @@ def _loss_func(
 
 def _forward_step(loss_fn, data_iterator, model):
     mb = next(data_iterator)
-    output, cut = model_forward(model, mb["tokens"], padding_BT=mb["padding"])
+    output, cut = model_forward(model, mb["tokens"], padding_BT=mb["padding"], routed_BTLK=mb.get("routed"))
     return output, lambda logits: loss_fn(mb, cut(logits))
 
 
@@ -340,6 +351,7 @@ def train_on_batch(
         temperature=cfg.temperature,
         vocab_size=cfg.vocab_size,
         runtime=runtime,
+        routed_BTLK=batch.routed_BTLK,
     )
     data = _stage_data(batch, logp_old, runtime)
     correction_metrics = {}
@@ -400,6 +412,7 @@ def _stage_data(batch: UpdateBatch, logp_old: Tensor | None, runtime: Runtime) -
         "mask": None,
         "weights": None,
         "padding": None if batch.lengths_B is None else padding_mask(batch.tokens_BT, batch.lengths_B).to(to),
+        "routed": batch.routed_BTLK,
     }
 
 

@@ -15,6 +15,7 @@ Every stage must pass the same micro-batches (the first stage embeds them, the l
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -24,6 +25,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+from model_providers.routing_replay import replaying
 
 PostFn = Callable[[torch.Tensor, torch.Tensor], Any]
 
@@ -46,7 +49,11 @@ def padding_mask(tokens_BT: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tens
 
 
 def model_forward(
-    model: torch.nn.Module, tokens: torch.Tensor, *, padding_BT: torch.Tensor | None = None
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    *,
+    padding_BT: torch.Tensor | None = None,
+    routed_BTLK: torch.Tensor | None = None,
 ) -> tuple[Any, Callable[[Any], Any]]:
     """The GPT forward of one micro-batch of token ids [b, s] (positions 0..s-1, causal mask):
     (megatron's output, a function cutting its logits back to s positions). The one place a
@@ -54,16 +61,21 @@ def model_forward(
 
     `padding_BT` (True on padding) reaches megatron's MoE routers, which then leave padding out of
     the aux loss, the z-loss and their token counts; causal attention already keeps it out of
-    every real token's output. Dense models ignore it."""
+    every real token's output. Dense models ignore it.
+
+    `routed_BTLK` [b, s, layers, k] (the rollout engine's expert ids, -1 where it routed none):
+    the MoE routers replay them (rollout routing replay, `model_providers.routing_replay`)."""
     seq = tokens.shape[1]
     tokens = sequence_parallel_tokens(model, tokens)
     position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    if padding_BT is None or get_model_config(model).num_moe_experts is None:
-        output = model(tokens, position_ids, None)
-    else:
-        output = model(
-            tokens, position_ids, None, padding_mask=_stage_padding(model, padding_BT, tokens.shape[1])
-        )
+    replay = nullcontext() if routed_BTLK is None else replaying(model, routed_BTLK, tokens.shape[1])
+    with replay:
+        if padding_BT is None or get_model_config(model).num_moe_experts is None:
+            output = model(tokens, position_ids, None)
+        else:
+            output = model(
+                tokens, position_ids, None, padding_mask=_stage_padding(model, padding_BT, tokens.shape[1])
+            )
     return output, lambda logits: logits[:, :seq]
 
 
@@ -80,8 +92,9 @@ def _stage_padding(model: torch.nn.Module, padding_BT: torch.Tensor, padded_seq:
 
 
 def _step(post_fn: PostFn, data_iterator, model):
-    tokens = next(data_iterator)
-    output, cut = model_forward(model, tokens)
+    item = next(data_iterator)
+    tokens, routed = item if isinstance(item, tuple) else (item, None)
+    output, cut = model_forward(model, tokens, routed_BTLK=routed)
 
     def collect(logits: torch.Tensor, non_loss_data: bool = True) -> Any:
         return post_fn(cut(logits), tokens)
@@ -95,11 +108,13 @@ def forward_only(
     *,
     post_fn: PostFn,
     groups: ProcessGroupCollection,
+    routed_experts: Sequence[torch.Tensor] | None = None,
 ) -> list[Any]:
     """Run the model forward over `micro_batches` (each [b, s] int64, equal shapes).
 
     Returns `[post_fn(logits_local, tokens) for each micro-batch]` on the last pipeline stage and
     [] on other stages. `groups` is `Runtime.groups`. Gradients are not recorded.
+    `routed_experts`: per micro-batch, the expert ids its MoE routers replay (`model_forward`).
     """
     if not micro_batches:
         raise ValueError("forward_only needs at least one micro-batch")
@@ -107,10 +122,13 @@ def forward_only(
     if len(shapes) != 1:
         raise ValueError(f"micro-batches must share one [batch, seq] shape, got {sorted(shapes)}")
     ((micro_batch_size, seq_length),) = shapes
+    items: Sequence[Any] = micro_batches
+    if routed_experts is not None:
+        items = list(zip(micro_batches, routed_experts, strict=True))
     with torch.no_grad():
         return run_schedule(
             model,
-            micro_batches,
+            items,
             partial(_step, post_fn),
             groups=groups,
             micro_batch_size=micro_batch_size,

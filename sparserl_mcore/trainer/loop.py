@@ -35,7 +35,7 @@ from sparserl_mcore.config import RunConfig, to_dict
 from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.rollout.protocol import Sample
 from sparserl_mcore.telemetry import RunProgress
-from sparserl_mcore.trainer import checkpoint, moe_routing, run_layout
+from sparserl_mcore.trainer import checkpoint, moe_routing, routing_replay, run_layout
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
 from sparserl_mcore.trainer.preemption import StopRequest
@@ -135,6 +135,11 @@ class Trainer:
         self, cfg: RunConfig, runtime: Any, parts: Parts, *, layout: RunLayout, resume_from: Path | None
     ):
         self.cfg, self.runtime, self.parts = cfg, runtime, parts
+        self._routing = (
+            routing_replay.RoutingShape.of_checkpoint(cfg.model.hf_path)
+            if cfg.model.moe.routing_replay
+            else None
+        )
         self.layout, self.resume_from = layout, resume_from  # this run's layout; checkpoint or None
         self.state = LoopState()
         self._weights_changed = False  # an update was applied since the last sync
@@ -215,6 +220,11 @@ class Trainer:
             normalize_std=cfg.loss.advantage_std_normalize,
         )
         metrics = rollout_metrics(samples, batch, p.kv_bytes_per_token)
+        if self._routing is not None:  # rollout routing replay: the engines' ids beside the tokens
+            batch, replay_metrics, refused = routing_replay.attach(batch, samples, self._routing)
+            metrics.update(replay_metrics)
+            if refused:
+                p.telemetry.event("routed_experts_refused", {"step": step, "samples": refused})
         if self.producer.ahead:
             metrics["rollout/generate_s"] = produced.generate_s
         metrics.update(lag)
@@ -272,6 +282,7 @@ class Trainer:
             sampling=cfg.rollout.sampling,
             run_seed=cfg.train.seed,
             reward_fn=self.parts.reward_fn,
+            return_routed_experts=cfg.model.moe.routing_replay,
         )
 
     def _abort_generation(self) -> None:
@@ -396,6 +407,7 @@ class Trainer:
             logp_ref_BT=logp_ref,
             lag_BT=self.versions.lag(local.versions_BT) if asynchronous else None,
             lengths_B=local.lengths_B,
+            routed_BTLK=local.routed_BTLK,
         )
         cfg = dataclasses.replace(learner.update_cfg, minibatches_per_epoch=updates_per_epoch)
         self.progress.phase(f"update (<= {updates_per_epoch * cfg.epochs} optimizer steps)")
