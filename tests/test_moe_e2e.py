@@ -30,7 +30,11 @@ def test_train_at_ep2(tmp_path):
         tmp_path,
         hf,
         "run",
-        model={"hf_path": str(hf), "params_dtype": "bf16", "moe": {"aux_loss_coeff": 0.01, "routing_replay": True}},
+        model={
+            "hf_path": str(hf),
+            "params_dtype": "bf16",
+            "moe": {"aux_loss_coeff": 0.01, "routing_replay": True},
+        },
         parallel={"tensor_model_parallel_size": 1, "expert_model_parallel_size": 2},
         train={
             "steps": 2,

@@ -157,3 +157,34 @@ def test_routed_experts_over_http_as_sglang_returns_them(checkpoints, caplog):
     raw["meta_info"]["output_token_logprobs"] = [[0.0, t, None] for t in raw["output_ids"]]
     short = read_sample(raw, reqs[0], (2, 2))
     assert short.routed_experts is None and "routed_experts refused: 36 ids" in caplog.text
+
+
+def test_routed_experts_survive_kv_compression_and_batching(checkpoints):
+    """Compression evicts KV, not routing records: every fed token keeps its row. Requests decoded
+    together (rows handed out per request from one mixed forward) return what each returns alone,
+    and the prompt rows (routed before any compression) are HF's routing."""
+    from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
+
+    kv = KVCompressionConfig(method="snapkv", budget=8, interval=2, window=2, sink_tokens=2)
+    cfg = EngineConfig(device="cpu", page_size=4, capacity_pages=128, radix_cache=False, kv_compression=kv)
+    engine = EmbeddedEngine(checkpoints["qwen3_moe"], cfg)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoints["qwen3_moe"], dtype=torch.float32
+    ).eval()
+    g = torch.Generator().manual_seed(6)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=2)
+    reqs = [
+        GenerateRequest(input_ids=torch.randint(0, VOCAB, (n,), generator=g).tolist(), sampling=sp,
+                        return_routed_experts=True)
+        for n in (5, 11, 7)
+    ]  # fmt: skip
+    together = engine.generate(reqs)
+    alone = [engine.generate([r])[0] for r in reqs]
+    for t, a in zip(together, alone, strict=True):
+        assert t.kv_stats.compressions > 0 and t.output_ids == a.output_ids
+        assert t.routed_experts is not None and a.routed_experts is not None
+        assert t.routed_experts.shape[0] == len(t.prompt_ids) + len(t.output_ids) - 1
+        assert torch.equal(t.routed_experts, a.routed_experts)
+        n = len(t.prompt_ids)
+        want = _hf_routing(hf, list(t.prompt_ids), top_k=2)
+        assert torch.equal(t.routed_experts[:n].sort(-1).values.long(), want)
