@@ -1,7 +1,7 @@
 """Worker of tests/test_moe_replay.py: the learner's expert choices with and without rollout routing
 replay, on a batch the embedded engine sampled.
 
-    python tests/moe_replay_worker.py OUT HF_DIR BATCH [--tp T --ep E]   (or under torchrun)
+    python tests/moe_replay_worker.py OUT HF_DIR BATCH [--tp T --ep E --pp P]   (or under torchrun)
 
 BATCH (torch.save) holds the trainer's rollout batch pieces: tokens_BT, mask_BT, lengths_B,
 advantages_B, logp_sparse_BT, routed_BTLK. Every rank feeds the whole batch (one micro-batch).
@@ -49,11 +49,15 @@ def main() -> None:
     parser.add_argument("batch")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rt = initialize(
-        ParallelConfig(tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep), seed=7
+    par = ParallelConfig(
+        tensor_model_parallel_size=args.tp,
+        expert_model_parallel_size=args.ep,
+        pipeline_model_parallel_size=args.pp,
     )
+    rt = initialize(par, seed=7)
     data = torch.load(args.batch, weights_only=False)
     spec, gpt = learner.build_model(
         args.hf_dir, "fp32", rt, moe=MoEConfig(aux_loss_coeff=0.01, routing_replay=True)

@@ -1,8 +1,9 @@
 """Rollout routing replay (R3) end to end on CPU: the embedded engine returns the experts it routed
 (HF's routing: tests/test_moe_engine.py), the trainer lays them beside the tokens
 (`trainer.routing_replay.attach`), and the real megatron learner replays them in the pi_old
-recompute and in the training pass of a GRPO update, at TP=1 and at TP=2 x EP=2 (sequence parallel:
-each TP rank routes its own chunk of the sequence) over gloo.
+recompute and in the training pass of a GRPO update, at TP=1, TP=2 x EP=2 (sequence parallel:
+each TP rank routes its own chunk of the sequence) and TP=2 x PP=2 (the second stage's routers
+hold global layer 1) over gloo.
 
 The learner's routing is read back per router (`MergingReplay.recorded`, megatron's [s, b] token
 order) and laid out by position here, independently of the replay code: unperturbed, the learner
@@ -63,9 +64,10 @@ def rollout(tmp_path_factory) -> tuple[str, pathlib.Path, dict]:
     return hf, path, data
 
 
-def _run(out: pathlib.Path, hf: str, batch: pathlib.Path, tp: int, ep: int) -> list[dict]:
-    args = [WORKER, str(out), hf, str(batch), "--tp", str(tp), "--ep", str(ep)]
-    world = max(tp, ep) if tp == 1 or ep == 1 else tp * ep
+def _run(
+    out: pathlib.Path, hf: str, batch: pathlib.Path, tp: int, ep: int, pp: int, world: int
+) -> list[dict]:
+    args = [WORKER, str(out), hf, str(batch), "--tp", str(tp), "--ep", str(ep), "--pp", str(pp)]
     if world == 1:
         env = {**os.environ, **CPU_ONLY, "OMP_NUM_THREADS": "1"}
         run = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
@@ -76,20 +78,23 @@ def _run(out: pathlib.Path, hf: str, batch: pathlib.Path, tp: int, ep: int) -> l
 
 
 def _by_position(ranks: list[dict], run: str, layer: int, b: int, t: int) -> torch.Tensor:
-    """[b, t, k] sorted ids: the TP ranks' [s_local * b, k] chunks (sequence-major) joined."""
+    """[b, t, k] sorted ids: the TP ranks' [s_local * b, k] chunks (sequence-major) joined, from
+    the ranks of the pipeline stage that holds `layer`."""
+    ranks = [r for r in ranks if layer in r["runs"][run]]
     tp = max(r["tp_rank"] for r in ranks) + 1
     chunks = [next(r for r in ranks if r["tp_rank"] == i)["runs"][run][layer] for i in range(tp)]
     ids = torch.cat([c.view(-1, b, c.shape[-1]) for c in chunks])  # [s_padded, b, k]
     return ids.transpose(0, 1)[:, :t].sort(dim=-1).values
 
 
-@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 2)])
-def test_learner_replays_the_engines_routing(tmp_path, rollout, tp, ep):
+@pytest.mark.parametrize(("tp", "ep", "pp", "world"), [(1, 1, 1, 1), (2, 2, 1, 4), (2, 1, 2, 4)])
+def test_learner_replays_the_engines_routing(tmp_path, rollout, tp, ep, pp, world):
     hf, path, data = rollout
     routed = data["routed_BTLK"].long().sort(dim=-1).values  # [b, t, L, k]
     b, t = data["tokens_BT"].shape
     given = routed[..., 0, 0] >= 0
-    ranks = _run(tmp_path, hf, path, tp, ep)
+    ranks = _run(tmp_path, hf, path, tp, ep, pp, world)
+    assert sorted({layer for r in ranks for layer in r["runs"]["trained"]}) == [0, 1]
     flips = 0
     for layer in range(2):
         engine = routed[:, :, layer]
@@ -100,8 +105,9 @@ def test_learner_replays_the_engines_routing(tmp_path, rollout, tp, ep):
         flips += int((perturbed[given] != engine[given]).any(dim=-1).sum())
         assert torch.equal(replayed[given], engine[given])
         assert torch.equal(trained[given], engine[given])
-        for r in ranks:  # every rank's chunk matches (EP ranks and dense DP copies route alike)
-            same_tp = next(q for q in ranks if q["tp_rank"] == r["tp_rank"])
+        stage = [r for r in ranks if layer in r["runs"]["trained"]]
+        for r in stage:  # every rank's chunk matches (EP ranks and dense DP copies route alike)
+            same_tp = next(q for q in stage if q["tp_rank"] == r["tp_rank"])
             assert torch.equal(r["runs"]["trained"][layer], same_tp["runs"]["trained"][layer])
     assert flips > 0, "the noise on the routers changed no choice: the test could not fail"
     assert all(moved > 0 for r in ranks for moved in r["router_moved"].values())
