@@ -142,3 +142,36 @@ def test_a_payload_that_does_not_fit_is_refused(rollout):
     assert batch.mask_BT[0].sum() == 2 and torch.equal(
         batch.routed_BTLK[0, :4].long(), torch.zeros(4, 2, 2).long()
     )
+
+
+def test_remote_engines_carry_routing_into_the_batch(rollout):
+    """`rollout.engine=remote` with replay: the trainer's clients (`setup.build_engines`) read the
+    routed experts `sparserl serve` returns in the model's shape, and the batch replays them."""
+    from sparserl_mcore.config import config_from_dict
+    from sparserl_mcore.rollout.http.server import BackgroundServer, ServerConfig, create_app
+    from sparserl_mcore.trainer.setup import build_engines
+
+    hf, _, _ = rollout
+    served = EmbeddedEngine(hf, EngineConfig(device="cpu", page_size=4, capacity_pages=64))
+    with BackgroundServer(create_app(served, ServerConfig())) as server:
+        cfg = config_from_dict(
+            {"model": {"hf_path": hf, "moe": {"routing_replay": True}}, "data": {"train_path": "t.jsonl"}},
+            ["rollout.engine=remote", f"rollout.urls=[{server.url}]"],
+        )
+        (engine,) = build_engines(cfg, compressed=True, device="cpu").values()
+        prompts = [Prompt((5, 6, 7, 8, 9), "")]
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
+        requests = make_requests(
+            prompts, tag="r", group_size=2, sampling=sampling, run_seed=3, return_routed_experts=True
+        )
+        samples = engine.generate(requests)
+        engine.close()
+    shape = RoutingShape.of_checkpoint(hf)
+    assert shape is not None
+    batch = build_batch(samples, [0.0, 1.0], group_size=2, normalize_std=False)
+    batch, metrics, refused = attach(batch, samples, shape)
+    cached = sum(s.routed_experts_start for s in samples)  # prompt pages the prefix cache served
+    assert [s.routed_experts_start for s in samples] == [s.cached_prompt_tokens for s in samples]
+    assert refused == [] and metrics["moe/replayed_tokens"] == 2 * (5 + 4 - 1) - cached
+    assert metrics["moe/unreplayed_tokens"] == cached
+    assert batch.routed_BTLK is not None and batch.routed_BTLK.dtype == torch.int8
