@@ -6,10 +6,10 @@ what a synchronous RL step sees before any update. Per model: |log pi_learner - 
 over the sampled response tokens (mean, p99, max) and the K3 KL estimate the Sparse-RL correction
 logs. For the MoE policy also the routing disagreement: the sampler's expert choices are recorded
 per token and layer (`CausalLM.record_routing`, one request at a time so the engine's rows are the
-tokens in order) and compared with the learner's (megatron's `RouterReplay` in RECORD mode), and
+tokens in order) and compared with the learner's (`routing_replay.MergingReplay.recorded`), and
 the mismatch is split into tokens whose routing agreed in every layer and tokens with at least one
 layer routed differently; then recomputed with the sampler's choices replayed in the learner
-(`RouterReplay` REPLAY_FORWARD): what rollout routing replay would remove.
+(`compute_logprobs(routed_BTLK=...)`, the trainer's R3 path): what rollout routing replay removes.
 
     python -m benchmarks bench_moe_mismatch [--samples 16 --new-tokens 48 --experts 16 --top-k 4]
 """
@@ -75,29 +75,20 @@ def _learner(hf_dir: Path, rt):
 def _recompute(model, spec, rt, tokens: torch.Tensor, replay: torch.Tensor | None):
     """Learner log-probs of one sequence [1, T]; with `replay` [layers, T, k] the routers take those
     choices; returns (logp [T], the learner's own choices [layers, T, k] or None)."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
+    from model_providers.routing_replay import routers
     from sparserl_mcore.loss.megatron_step import compute_logprobs
-    from sparserl_mcore.trainer import moe_routing
 
-    routers = moe_routing.routers(model)
-    for layer, router in enumerate(routers):
-        router.router_replay.clear_indices()
-        if replay is not None:
-            router.router_replay.set_target_indices(replay[layer])
-            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        else:
-            router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+    found = routers(model)
     logp = compute_logprobs(
-        model, tokens, micro_batch_size=1, temperature=1.0, vocab_size=spec.vocab_size, runtime=rt
+        model,
+        tokens,
+        micro_batch_size=1,
+        temperature=1.0,
+        vocab_size=spec.vocab_size,
+        runtime=rt,
+        routed_BTLK=None if replay is None else replay.transpose(0, 1)[None],
     )
-    chosen = (
-        None
-        if replay is not None or not routers
-        else torch.stack([r.router_replay.recorded_topk_idx for r in routers])
-    )
-    for router in routers:
-        router.router_replay.clear_router_replay_action()
+    chosen = None if replay is not None or not found else torch.stack([r.recorded for _, r in found])
     return logp[0], chosen
 
 

@@ -37,6 +37,7 @@ from model_providers.attention import SDPACoreAttention
 from model_providers.hf_config import HFModelConfig
 from model_providers.moe_config import MoEConfig, check_moe_config
 from model_providers.norms import RMSNorm
+from model_providers.routing_replay import MergingReplay
 from sparserl_mcore.parallel.config import ParallelConfig
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -57,6 +58,8 @@ class TorchGatingRouter(TopKRouter):
         # to the params dtype, and checkpoints never see them
         self.tokens_per_expert = torch.zeros(self.config.num_moe_experts, dtype=torch.int64)
         self.aux_loss_sum = torch.zeros(2, dtype=torch.float64)
+        if self.config.moe_enable_routing_replay:  # R3: given ids merged with its own top-k
+            self.router_replay = MergingReplay()
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype or "", input.dtype)

@@ -16,7 +16,8 @@ it, in megatron-core's terms (`model_providers.moe.moe_transformer_fields` turns
   `moe_router_dtype`; fp32 keeps the top-k stable in a bf16 model, what RL recipes use);
 - `routing_replay`: build the routers with megatron's `RouterReplay` hook
   (`moe_enable_routing_replay`), through which given expert choices replace the router's own top-k
-  (rollout routing replay) or its choices are recorded.
+  (rollout routing replay: `model_providers.routing_replay`, which replays the engines' ids where
+  given and keeps the router's own top-k elsewhere); a dense checkpoint refuses it.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class MoEConfig:
 def check_moe_config(hf: HFModelConfig, moe: MoEConfig) -> None:
     """Refuse router training choices the checkpoint's routing cannot take, naming why."""
     if hf.moe is None:
+        if moe.routing_replay:
+            raise ValueError(
+                f"model.moe.routing_replay=true: {hf.arch} is a dense model, it routes no experts; "
+                "leave it false"
+            )
         return
     if moe.load_balancing == "expert_bias":
         raise ValueError(

@@ -80,12 +80,6 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.hf_path:
             raise ValueError("hf_path is empty: point it at an HF checkpoint directory")
-        if self.moe.routing_replay:  # the hook is built, but no trainer path gives it choices yet
-            raise ValueError(
-                "moe.routing_replay=true: the trainer does not carry the sampler's expert choices "
-                "to the learner yet (docs/moe.md, 'Rollout routing replay'); it is a benchmark tool "
-                "(benchmarks/bench_moe_mismatch.py), leave it false"
-            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -513,6 +507,12 @@ class RunConfig:
             )
         if self.train.async_.mode != "off":
             self._check_async()
+        if self.model.moe.routing_replay and self.rollout.server == "sglang":
+            raise ValueError(
+                "model.moe.routing_replay=true with rollout.server=sglang: SGLang returns routed experts "
+                "only when started with --enable-return-routed-experts, which `sparserl sglang-serve` "
+                "does not pass yet; use rollout.server=sparserl (or engine=embedded) or leave replay off"
+            )
         if self.rollout.sampling.seed is not None:
             raise ValueError(
                 f"rollout.sampling.seed={self.rollout.sampling.seed}: training seeds every request "

@@ -166,7 +166,15 @@ def test_remote_engine_urls_from_an_override() -> None:
             ["loss.correction.mode=off", "behavior correction"],
         ),
         (["train.async_.mode=off"], ["unknown key train.async_", "async"]),
-        (["model.moe.routing_replay=true"], ["moe.routing_replay=true", "leave it false"]),
+        (
+            [
+                "model.moe.routing_replay=true",
+                "rollout.engine=remote",
+                "rollout.urls=[http://a:1]",
+                "rollout.server=sglang",
+            ],
+            ["routing_replay=true with rollout.server=sglang", "--enable-return-routed-experts"],
+        ),
         (
             ["train.async.mode=one_step", "loss.correction.mode=tis", "parallel.islands=2"],
             ["train.async.mode=one_step with parallel.islands=2", "not combined yet"],

@@ -273,8 +273,14 @@ def test_build_spec_maps_hf_routing_onto_megatrons_router():
 
 
 def test_moe_router_settings_the_model_cannot_take_are_refused():
+    from model_providers.moe_config import check_moe_config
+
     with pytest.raises(ValueError, match=r"load_balancing='expert_bias'.*needs sigmoid router scores"):
         build_spec(tiny("qwen3_moe"), ParallelConfig(), moe=MoEConfig(load_balancing="expert_bias"))
+    with pytest.raises(
+        ValueError, match=r"routing_replay=true: qwen3 is a dense model, it routes no experts"
+    ):
+        check_moe_config(parse_hf_config(tiny("qwen3")), MoEConfig(routing_replay=True))
     with pytest.raises(ValueError, match=r"aux_loss_coeff=0.1 with load_balancing='none'"):
         MoEConfig(load_balancing="none", aux_loss_coeff=0.1)
     with pytest.raises(ValueError, match=r"load_balancing='sinkhorn'; choose one of aux_loss"):

@@ -1,7 +1,8 @@
 """End to end on CPU: `sparserl train` on a tiny Qwen3-MoE at EP=2 (2 gloo processes).
 
-The whole product path with experts: the embedded engine serving the MoE policy, the megatron
-learner with expert parallelism and the aux loss, sparse syncs of expert weights into the engine,
+The whole product path with experts: the embedded engine serving the MoE policy and returning the
+experts it routed, the megatron learner with expert parallelism and the aux loss replaying them
+(rollout routing replay), sparse syncs of expert weights into the engine,
 routing telemetry (metrics and the per-step table), a checkpoint and the HF export. Resuming at
 another EP is tests/test_moe_train.py's (equal to the uninterrupted run).
 """
@@ -29,7 +30,11 @@ def test_train_at_ep2(tmp_path):
         tmp_path,
         hf,
         "run",
-        model={"hf_path": str(hf), "params_dtype": "bf16", "moe": {"aux_loss_coeff": 0.01}},
+        model={
+            "hf_path": str(hf),
+            "params_dtype": "bf16",
+            "moe": {"aux_loss_coeff": 0.01, "routing_replay": True},
+        },
         parallel={"tensor_model_parallel_size": 1, "expert_model_parallel_size": 2},
         train={
             "steps": 2,
@@ -45,6 +50,7 @@ def test_train_at_ep2(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = [r for r in metrics(tmp_path, "run") if "moe/load_imbalance" in r]
     assert len(rows) == 2 and all(r["moe/aux_loss"] > 0 and r["sync/patch_bytes"] > 0 for r in rows)
+    assert all(r["moe/replayed_tokens"] > 0 and r["moe/replay_refused_samples"] == 0 for r in rows)
     table = [
         json.loads(line)
         for line in (tmp_path / "run" / "metrics" / "moe_routing.jsonl").read_text().splitlines()

@@ -99,6 +99,9 @@ class UpdateBatch:
     # real tokens per row (the rest is right padding): MoE routers leave padding out of their aux
     # loss, z-loss and counts. None: every position is real.
     lengths_B: Tensor | None = None
+    # rollout routing replay: the engine's expert ids [B, T, layers, k] (-1 where it routed none),
+    # replayed by the MoE routers in the pi_old recompute and the policy forward. None: route freely.
+    routed_BTLK: Tensor | None = None
 
     def check(self, cfg: UpdateConfig) -> None:
         b, t = self.tokens_BT.shape
@@ -108,6 +111,8 @@ class UpdateBatch:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, tokens_BT {(b, t)}")
         if self.lengths_B is not None and tuple(self.lengths_B.shape) != (b,):
             raise ValueError(f"lengths_B has shape {tuple(self.lengths_B.shape)}, expected {(b,)}")
+        if self.routed_BTLK is not None and tuple(self.routed_BTLK.shape[:2]) != (b, t):
+            raise ValueError(f"routed_BTLK has shape {tuple(self.routed_BTLK.shape)}, tokens_BT {(b, t)}")
         if (self.lag_BT is None) != (cfg.max_staleness is None):
             raise ValueError(
                 "lag_BT and UpdateConfig.max_staleness go together (asynchronous RL) or are both None"
@@ -165,17 +170,20 @@ def compute_logprobs(
     runtime: Runtime,
     fused: bool = True,
     mask_BT: Tensor | None = None,
+    routed_BTLK: Tensor | None = None,
 ) -> Tensor | None:
     """Per-token log-probs of `tokens_BT` under `model` (forward only, no vocab gather).
 
     `fused`: through the fused head (module docstring); then with `mask_BT` only the tokens in the
-    mask are scored (0 elsewhere), without it every position 1..T-1."""
+    mask are scored (0 elsewhere), without it every position 1..T-1. `routed_BTLK`: expert ids the
+    MoE routers replay (`UpdateBatch.routed_BTLK`)."""
     if micro_batch_size < 1 or tokens_BT.shape[0] % micro_batch_size:
         raise ValueError(
             f"micro_batch_size={micro_batch_size} must divide the batch size {tokens_BT.shape[0]}"
         )
     tokens_BT = tokens_BT.to(runtime.device)
     micro_batches = list(tokens_BT.split(micro_batch_size))
+    routed = None if routed_BTLK is None else list(routed_BTLK.split(micro_batch_size))
     if not fused:
 
         def post(logits_BTV: Tensor, tokens: Tensor) -> Tensor:
@@ -183,7 +191,9 @@ def compute_logprobs(
                 logits_BTV, tokens, runtime=runtime, temperature=temperature, vocab_size=vocab_size
             )[0]
 
-        outputs = forward_only(model, micro_batches, post_fn=post, groups=runtime.groups)
+        outputs = forward_only(
+            model, micro_batches, post_fn=post, groups=runtime.groups, routed_experts=routed
+        )
         return torch.cat(outputs) if runtime.is_last_stage else None
 
     head = Head.of(model) if runtime.is_last_stage else None
@@ -203,7 +213,12 @@ def compute_logprobs(
         )[0]
 
     outputs = forward_only(
-        model, micro_batches, post_fn=post_hidden, groups=runtime.groups, forward=hidden_forward
+        model,
+        micro_batches,
+        post_fn=post_hidden,
+        groups=runtime.groups,
+        forward=hidden_forward,
+        routed_experts=routed,
     )
     return torch.cat(outputs) if runtime.is_last_stage else None
 
@@ -252,7 +267,8 @@ def _loss_func(
 
 def _forward_step(loss_fn, fused: bool, data_iterator, model):
     mb = next(data_iterator)
-    output, cut = (hidden_forward if fused else model_forward)(model, mb["tokens"], padding_BT=mb["padding"])
+    forward = hidden_forward if fused else model_forward
+    output, cut = forward(model, mb["tokens"], padding_BT=mb["padding"], routed_BTLK=mb.get("routed"))
     return output, lambda out: loss_fn(mb, cut(out))
 
 
@@ -402,6 +418,7 @@ def train_on_batch(
         runtime=runtime,
         fused=cfg.fused_logprob,
         mask_BT=batch.mask_BT,
+        routed_BTLK=batch.routed_BTLK,
     )
     data = _stage_data(batch, logp_old, runtime)
     correction_metrics = {}
@@ -463,6 +480,7 @@ def _stage_data(batch: UpdateBatch, logp_old: Tensor | None, runtime: Runtime) -
         "weights": None,
         "padding": None if batch.lengths_B is None else padding_mask(batch.tokens_BT, batch.lengths_B).to(to),
         "response": batch.mask_BT.cpu() if last else None,  # on the host: response_rows reads it
+        "routed": batch.routed_BTLK,
     }
 
 

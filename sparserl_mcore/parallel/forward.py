@@ -17,6 +17,7 @@ Every stage must pass the same micro-batches (the first stage embeds them, the l
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -27,6 +28,8 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+from model_providers.routing_replay import replaying
 
 PostFn = Callable[[torch.Tensor, torch.Tensor], Any]
 
@@ -49,7 +52,11 @@ def padding_mask(tokens_BT: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tens
 
 
 def model_forward(
-    model: torch.nn.Module, tokens: torch.Tensor, *, padding_BT: torch.Tensor | None = None
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    *,
+    padding_BT: torch.Tensor | None = None,
+    routed_BTLK: torch.Tensor | None = None,
 ) -> tuple[Any, Callable[[Any], Any]]:
     """The GPT forward of one micro-batch of token ids [b, s] (positions 0..s-1, causal mask):
     (megatron's output, a function cutting its logits back to s positions). The one place a
@@ -57,16 +64,21 @@ def model_forward(
 
     `padding_BT` (True on padding) reaches megatron's MoE routers, which then leave padding out of
     the aux loss, the z-loss and their token counts; causal attention already keeps it out of
-    every real token's output. Dense models ignore it."""
+    every real token's output. Dense models ignore it.
+
+    `routed_BTLK` [b, s, layers, k] (the rollout engine's expert ids, -1 where it routed none):
+    the MoE routers replay them (rollout routing replay, `model_providers.routing_replay`)."""
     seq = tokens.shape[1]
     tokens = sequence_parallel_tokens(model, tokens)
     position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    if padding_BT is None or get_model_config(model).num_moe_experts is None:
-        output = model(tokens, position_ids, None)
-    else:
-        output = model(
-            tokens, position_ids, None, padding_mask=_stage_padding(model, padding_BT, tokens.shape[1])
-        )
+    replay = nullcontext() if routed_BTLK is None else replaying(model, routed_BTLK, tokens.shape[1])
+    with replay:
+        if padding_BT is None or get_model_config(model).num_moe_experts is None:
+            output = model(tokens, position_ids, None)
+        else:
+            output = model(
+                tokens, position_ids, None, padding_mask=_stage_padding(model, padding_BT, tokens.shape[1])
+            )
     return output, lambda logits: logits[:, :seq]
 
 
@@ -91,18 +103,22 @@ def _gpt(model: torch.nn.Module) -> Any:
 
 
 def hidden_forward(
-    model: torch.nn.Module, tokens: torch.Tensor, *, padding_BT: torch.Tensor | None = None
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    *,
+    padding_BT: torch.Tensor | None = None,
+    routed_BTLK: torch.Tensor | None = None,
 ) -> tuple[Any, Callable[[Any], Any]]:
     """`model_forward`, except that the last stage returns the decoder's final hidden states
     [s, b, H] (after the final norm) instead of logits: the embedding / decoder calls of
     GPTModel.forward without its output layer. The returned function cuts them to the
     micro-batch's s positions, gathering the sequence first under sequence parallelism (megatron's
     gather, whose backward reduce-scatters the partial d_hidden as the output layer's would).
-    Other stages: exactly `model_forward`. Not for multi-token prediction (refused). `padding_BT`:
-    as `model_forward`'s."""
+    Other stages: exactly `model_forward`. Not for multi-token prediction (refused). `padding_BT`,
+    `routed_BTLK`: as `model_forward`'s."""
     gpt = _gpt(model)
     if not gpt.post_process:
-        return model_forward(model, tokens, padding_BT=padding_BT)
+        return model_forward(model, tokens, padding_BT=padding_BT, routed_BTLK=routed_BTLK)
     if gpt.config.mtp_num_layers:
         raise ValueError("the fused log-prob head does not support multi-token prediction (mtp_num_layers)")
     seq = tokens.shape[1]
@@ -113,16 +129,18 @@ def hidden_forward(
         padding = _stage_padding(model, padding_BT, tokens.shape[1])
     pre = gpt._preprocess(input_ids=tokens, position_ids=position_ids, padding_mask=padding)
     decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset, padding_mask = pre[:6]
-    hidden = gpt.decoder(
-        hidden_states=decoder_input,
-        attention_mask=None,
-        rotary_pos_emb=rotary_pos_emb,
-        rotary_pos_cos=rotary_pos_cos,
-        rotary_pos_sin=rotary_pos_sin,
-        rotary_pos_cos_sin=pre[6] if len(pre) == 7 else None,
-        sequence_len_offset=sequence_len_offset,
-        padding_mask=padding_mask,
-    )
+    replay = nullcontext() if routed_BTLK is None else replaying(model, routed_BTLK, tokens.shape[1])
+    with replay:
+        hidden = gpt.decoder(
+            hidden_states=decoder_input,
+            attention_mask=None,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=pre[6] if len(pre) == 7 else None,
+            sequence_len_offset=sequence_len_offset,
+            padding_mask=padding_mask,
+        )
 
     def cut(h: torch.Tensor) -> torch.Tensor:
         if gpt.config.sequence_parallel:
@@ -143,8 +161,9 @@ def output_weight(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _step(post_fn: PostFn, forward: Callable, data_iterator, model):
-    tokens = next(data_iterator)
-    output, cut = forward(model, tokens)
+    item = next(data_iterator)
+    tokens, routed = item if isinstance(item, tuple) else (item, None)
+    output, cut = forward(model, tokens, routed_BTLK=routed)
 
     def collect(logits: torch.Tensor, non_loss_data: bool = True) -> Any:
         return post_fn(cut(logits), tokens)
@@ -159,12 +178,14 @@ def forward_only(
     post_fn: PostFn,
     groups: ProcessGroupCollection,
     forward: Callable = model_forward,
+    routed_experts: Sequence[torch.Tensor] | None = None,
 ) -> list[Any]:
     """Run the model forward over `micro_batches` (each [b, s] int64, equal shapes).
 
     Returns `[post_fn(logits_local, tokens) for each micro-batch]` on the last pipeline stage and
     [] on other stages. `groups` is `Runtime.groups`. Gradients are not recorded. `forward`:
     `model_forward`, or `hidden_forward` (post_fn then gets the final hidden states [s, b, H]).
+    `routed_experts`: per micro-batch, the expert ids its MoE routers replay (`model_forward`).
     """
     if not micro_batches:
         raise ValueError("forward_only needs at least one micro-batch")
@@ -172,10 +193,13 @@ def forward_only(
     if len(shapes) != 1:
         raise ValueError(f"micro-batches must share one [batch, seq] shape, got {sorted(shapes)}")
     ((micro_batch_size, seq_length),) = shapes
+    items: Sequence[Any] = micro_batches
+    if routed_experts is not None:
+        items = list(zip(micro_batches, routed_experts, strict=True))
     with torch.no_grad():
         return run_schedule(
             model,
-            micro_batches,
+            items,
             partial(_step, post_fn, forward),
             groups=groups,
             micro_batch_size=micro_batch_size,

@@ -49,6 +49,8 @@ class RemoteEngine:
     max_connections: HTTP connections open at once (calls beyond wait for one, within `timeout`).
     concurrency: `generate` calls the `EnginePool` makes at once (chunks in flight), so the server
     batches them; each holds a connection, so it raises max_connections to at least itself.
+    routed_experts_shape: the model's (layers, top_k) for an MoE policy, the shape routed experts
+    are read back in (requests with `return_routed_experts`); None for a dense one.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class RemoteEngine:
         bucket_bytes: int = 512 * 2**20,
         max_connections: int = 100,
         concurrency: int = 1,
+        routed_experts_shape: tuple[int, int] | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url={url!r}: must start with http:// or https://")
@@ -75,6 +78,7 @@ class RemoteEngine:
         if concurrency < 1:
             raise ValueError(f"concurrency={concurrency}: must be >= 1 (chunks in flight)")
         self.concurrency = concurrency
+        self.routed_experts_shape = routed_experts_shape
         self.url = url.rstrip("/")
         self.retries = retries
         self.backoff_s = backoff_s
@@ -116,7 +120,9 @@ class RemoteEngine:
 
     # The /generate dialect (SGLang's own differs in a few names: `sglang.client.SGLangWorker`).
     _generate_body: Callable[[Sequence[GenerateRequest]], dict[str, Any]] = staticmethod(generate_body)
-    _read_sample = staticmethod(read_sample)
+
+    def _read_sample(self, obj: dict[str, Any], request: GenerateRequest) -> Sample:
+        return read_sample(obj, request, self.routed_experts_shape)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Send HF-named tensors in buckets of about `bucket_bytes`, each a safetensors body.

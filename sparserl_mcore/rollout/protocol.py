@@ -147,11 +147,16 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class GenerateRequest:
-    """One prompt to complete. `rid` is echoed back in the `Sample` (a uuid is made when empty)."""
+    """One prompt to complete. `rid` is echoed back in the `Sample` (a uuid is made when empty).
+
+    return_routed_experts (SGLang's `GenerateReqInput` field): the sample carries the experts each
+    token it fed through the model was routed to (`Sample.routed_experts`); refused on a dense model.
+    """
 
     input_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rid: str = ""
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_ids", _token_ids("input_ids", self.input_ids, allow_empty=False))
@@ -159,6 +164,8 @@ class GenerateRequest:
             raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if not isinstance(self.rid, str):
             raise ValueError(f"rid={self.rid!r}: must be a string")
+        if not isinstance(self.return_routed_experts, bool):
+            raise ValueError(f"return_routed_experts={self.return_routed_experts!r}: must be true or false")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,6 +247,12 @@ class Sample:
     version of the forward that sampled each output token; a request that ran across an in-place
     weight update holds several (its earlier KV was computed under the older ones). Empty when the
     engine does not report them (then `token_versions` takes every token at `weight_version`).
+
+    routed_experts (asked for with `GenerateRequest.return_routed_experts`, else None): the expert
+    ids the engine routed each fed-in token to, [n, layers, top_k] integers, for the positions
+    [routed_experts_start, seqlen - 1) of prompt + output (SGLang's range; the last sampled token is
+    never fed in). routed_experts_start > 0 where the prompt's first tokens came from the prefix
+    cache (routed by an earlier request): the learner routes those itself.
     """
 
     rid: str
@@ -251,6 +264,8 @@ class Sample:
     weight_version: int = 0
     cached_prompt_tokens: int = 0
     output_versions: tuple[int, ...] = ()
+    routed_experts: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    routed_experts_start: int = 0
 
     def __post_init__(self) -> None:
         if self.output_versions and len(self.output_versions) != len(self.output_ids):
@@ -258,10 +273,35 @@ class Sample:
                 f"sample {self.rid}: {len(self.output_versions)} token versions for "
                 f"{len(self.output_ids)} output tokens"
             )
+        if self.routed_experts is not None:
+            routed_experts_problem(self)
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
 
     def token_versions(self) -> tuple[int, ...]:
         """The weight version that sampled each output token."""
         return self.output_versions or (self.weight_version,) * len(self.output_ids)
+
+
+def routed_experts_problem(sample: Sample) -> None:
+    """ValueError naming the mismatch when a sample's routed experts do not cover exactly the
+    positions [routed_experts_start, seqlen - 1) with one [layers, top_k] row each."""
+    x, start, end = sample.routed_experts, sample.routed_experts_start, max(0, sample.seqlen - 1)
+    if x is None:
+        return
+    if x.dim() != 3 or x.dtype not in (torch.int16, torch.int32, torch.int64, torch.uint8):
+        raise ValueError(
+            f"sample {sample.rid}: routed_experts {tuple(x.shape)} {x.dtype}: must be integer "
+            "[tokens, layers, top_k]"
+        )
+    if not 0 <= start <= len(sample.prompt_ids) or x.shape[0] != end - start:
+        raise ValueError(
+            f"sample {sample.rid}: routed_experts has {x.shape[0]} rows from position {start}, but "
+            f"positions [{start}, {end}) of its {len(sample.prompt_ids)}-token prompt + "
+            f"{len(sample.output_ids)} outputs need {end - start}"
+        )
 
 
 class RequestsFailed(RuntimeError):

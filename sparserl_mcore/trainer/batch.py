@@ -7,6 +7,8 @@ Shapes (legend): B sequences, T = longest prompt + response in the batch.
     advantages_B     GRPO advantage of each sequence
     versions_BT      the weight version that sampled tokens_BT[:, t] (0 outside mask_BT)
     lengths_B        real tokens of each row (prompt + response); the rest is padding
+    routed_BTLK      rollout routing replay only: the engine's expert ids of tokens_BT[:, t] per
+                     layer, -1 where it routed none (`trainer.routing_replay.attach`)
 Per-token arrays are indexed by the position of the token they score, the convention of
 `sparserl_mcore.loss` (the log-prob of token t comes from the logits at position t - 1).
 A multi-turn episode (`sparserl_mcore.agent.Episode`) is one row whose mask has holes: 1 on the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -34,6 +37,7 @@ class RolloutBatch:
     rewards_B: torch.Tensor
     versions_BT: torch.Tensor
     lengths_B: torch.Tensor
+    routed_BTLK: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -41,7 +45,11 @@ class RolloutBatch:
 
     def select(self, rows: torch.Tensor | slice) -> RolloutBatch:
         """The sub-batch of the given rows (micro-batches, filtered groups)."""
-        return RolloutBatch(*(getattr(self, f.name)[rows] for f in dataclasses.fields(self)))
+        picked: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            picked[f.name] = None if value is None else value[rows]
+        return RolloutBatch(**picked)
 
 
 def informative_rows(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ from sparserl_mcore.loss import megatron_step
 from sparserl_mcore.rewards.runner import RewardError
 from sparserl_mcore.rollout.protocol import Sample
 from sparserl_mcore.telemetry import RunProgress
-from sparserl_mcore.trainer import checkpoint, moe_routing, run_layout
+from sparserl_mcore.trainer import checkpoint, moe_routing, routing_replay, run_layout
 from sparserl_mcore.trainer.batch import RolloutBatch, build_batch, informative_rows
 from sparserl_mcore.trainer.empty_steps import (
     EmptySteps,
@@ -107,6 +107,11 @@ class Trainer:
         self, cfg: RunConfig, runtime: Any, parts: Parts, *, layout: RunLayout, resume_from: Path | None
     ):
         self.cfg, self.runtime, self.parts = cfg, runtime, parts
+        self._routing = (
+            routing_replay.RoutingShape.of_checkpoint(cfg.model.hf_path)
+            if cfg.model.moe.routing_replay
+            else None
+        )
         self.layout, self.resume_from = layout, resume_from  # this run's layout; checkpoint or None
         self.state = LoopState()
         self._weights_changed = False  # an update was applied since the last sync
@@ -187,7 +192,7 @@ class Trainer:
         with timer("rollout"):  # asynchronous: how long the learner waited for the batch
             produced = self.producer.take(step)
         samples, rewards, metrics = self._finite_groups(produced, step)
-        batch, informative, updates_per_epoch = self._train_batch(samples, rewards, metrics)
+        batch, informative, updates_per_epoch = self._train_batch(step, samples, rewards, metrics)
         if self.producer.ahead:
             metrics["rollout/generate_s"] = produced.generate_s
         metrics.update(lag)
@@ -248,7 +253,7 @@ class Trainer:
         return samples, rewards, {"reward/nonfinite_skipped": float(len(skipped))}
 
     def _train_batch(
-        self, samples: Sequence[Sample], rewards: Sequence[float], metrics: dict[str, float]
+        self, step: int, samples: Sequence[Sample], rewards: Sequence[float], metrics: dict[str, float]
     ) -> tuple[RolloutBatch | None, int, int]:
         """The batch to train on (None: no sample left), the sequences with reward variance in it
         before the trim, and its optimizer updates per epoch; adds the rollout metrics."""
@@ -265,6 +270,11 @@ class Trainer:
         metrics.update(rollout_metrics(samples, batch, self.parts.kv_bytes_per_token))
         if cfg.rollout.env is not None:
             metrics.update(episode_metrics(cast(list[Episode], samples)))
+        if self._routing is not None:  # rollout routing replay: the engines' ids beside the tokens
+            batch, replay_metrics, refused = routing_replay.attach(batch, samples, self._routing)
+            metrics.update(replay_metrics)
+            if refused:
+                self.parts.telemetry.event("routed_experts_refused", {"step": step, "samples": refused})
         informative = informative_rows(batch.rewards_B, cfg.rollout.group_size)
         if cfg.train.filter_zero_variance_groups:
             batch = batch.select(informative)
@@ -316,6 +326,7 @@ class Trainer:
             sampling=cfg.rollout.sampling,
             run_seed=cfg.train.seed,
             reward_fn=self.parts.reward_fn,
+            return_routed_experts=cfg.model.moe.routing_replay,
         )
 
     def _abort_generation(self) -> None:
@@ -444,6 +455,7 @@ class Trainer:
             logp_ref_BT=logp_ref,
             lag_BT=self.versions.lag(local.versions_BT) if asynchronous else None,
             lengths_B=local.lengths_B,
+            routed_BTLK=local.routed_BTLK,
         )
         cfg = dataclasses.replace(learner.update_cfg, minibatches_per_epoch=updates_per_epoch)
         self.progress.phase(f"update (<= {updates_per_epoch * cfg.epochs} optimizer steps)")

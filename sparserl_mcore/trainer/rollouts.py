@@ -45,15 +45,29 @@ def request_seed(run_seed: int, tag: str) -> int:
 
 
 def make_requests(
-    prompts: Sequence[Prompt], *, tag: str, group_size: int, sampling: SamplingParams, run_seed: int
+    prompts: Sequence[Prompt],
+    *,
+    tag: str,
+    group_size: int,
+    sampling: SamplingParams,
+    run_seed: int,
+    return_routed_experts: bool = False,
 ) -> list[GenerateRequest]:
-    """G requests per prompt (consecutive), each with its own id and seed."""
+    """G requests per prompt (consecutive), each with its own id and seed (and, for rollout routing
+    replay, asking for the experts the engine routed)."""
     requests = []
     for p, prompt in enumerate(prompts):
         for g in range(group_size):
             rid = f"{tag}-p{p}-g{g}"
             params = dataclasses.replace(sampling, seed=request_seed(run_seed, rid))
-            requests.append(GenerateRequest(input_ids=prompt.input_ids, sampling=params, rid=rid))
+            requests.append(
+                GenerateRequest(
+                    input_ids=prompt.input_ids,
+                    sampling=params,
+                    rid=rid,
+                    return_routed_experts=return_routed_experts,
+                )
+            )
     return requests
 
 
@@ -69,10 +83,18 @@ def score_on_host(
     sampling: SamplingParams,
     run_seed: int,
     reward_fn: RewardFn,
+    return_routed_experts: bool = False,
 ) -> tuple[list[Sample], list[float]]:
     """Host rank only: G samples per prompt from the engines, each scored by the reward function."""
     assert pool is not None, "the host rank holds the engine pool"
-    requests = make_requests(prompts, tag=tag, group_size=group_size, sampling=sampling, run_seed=run_seed)
+    requests = make_requests(
+        prompts,
+        tag=tag,
+        group_size=group_size,
+        sampling=sampling,
+        run_seed=run_seed,
+        return_routed_experts=return_routed_experts,
+    )
     samples = pool.generate(requests)
     rewards = [reward_fn(s, prompts[i // group_size]) for i, s in enumerate(samples)]
     return samples, rewards

@@ -155,9 +155,28 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
             )
             return {rc.router_url: router}
         # retries=0: the pool retries a failed chunk itself, on another server when one is live
-        kind = SGLangWorker if rc.server == "sglang" else RemoteEngine
+        if rc.server == "sglang":
+            return {
+                url: SGLangWorker(
+                    url, token, timeout=rc.request_timeout_s, retries=0, concurrency=rc.groups_in_flight
+                )
+                for url in rc.urls
+            }
+        shape = None  # rollout routing replay: the (layers, top_k) routed experts are read back in
+        if cfg.model.moe.routing_replay:
+            from sparserl_mcore.trainer.routing_replay import RoutingShape
+
+            routing = RoutingShape.of_checkpoint(cfg.model.hf_path)
+            shape = None if routing is None else (routing.layers, routing.top_k)
         return {
-            url: kind(url, token, timeout=rc.request_timeout_s, retries=0, concurrency=rc.groups_in_flight)
+            url: RemoteEngine(
+                url,
+                token,
+                timeout=rc.request_timeout_s,
+                retries=0,
+                concurrency=rc.groups_in_flight,
+                routed_experts_shape=shape,
+            )
             for url in rc.urls
         }
     from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig

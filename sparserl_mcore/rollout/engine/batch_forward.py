@@ -4,7 +4,9 @@ The linear layers see every new token of the step at once: one token of each dec
 the uncached prompt tail of each newly admitted one. Attention runs batched over pages for the
 decodes and per prompt for the prefills. Besides the logits, the forward feeds what compression
 needs: the window queries (SnapKV, R-KV) and the attention mass (H2O) of every request, stored in
-its lane of `CompressionLanes` with one indexed write per step.
+its lane of `CompressionLanes` with one indexed write per step. A step holding a request that
+asked for its routed experts records every MoE layer's choices (`CausalLM.record_routing`, rows in
+the step's order: decodes, then each prefill's new tokens) and hands each request its rows.
 """
 
 from __future__ import annotations
@@ -55,6 +57,23 @@ class BatchForward:
             self.static_steps += 1
             self._after_forward(decodes, [], [], None)
             return logits
+        model = self.model
+        if model.cfg.moe is not None and any(r.req.return_routed_experts for r in (*decodes, *prefills)):
+            outer = model.routing_sink  # a caller's own recording (bench_moe_mismatch) keeps its rows
+            fed = [1] * len(decodes) + [len(r.req.input_ids) - r.n_cached for r in prefills]
+            sink: list[list[torch.Tensor]] = []
+            model.record_routing(sink)
+            try:
+                logits = self._forward(decodes, prefills)
+            finally:
+                model.record_routing(outer)
+            if outer is not None:
+                outer.extend(sink)
+            self._hand_out_routing([*decodes, *prefills], fed, sink)
+            return logits
+        return self._forward(decodes, prefills)
+
+    def _forward(self, decodes: list[RequestState], prefills: list[RequestState]) -> torch.Tensor:
         dev, model, ps = self.pool.k.device, self.model, self.pool.page_size
         # token ids, RoPE positions and pool slots of every new token, as Python ints: one tensor
         ids, pos, write, prefill_tokens = [], [], [], []
@@ -107,6 +126,21 @@ class BatchForward:
             last = list(range(n_dec)) + [n_dec + e - 1 for e in ends]
             h = h.index_select(0, long_tensor(last, dev))
         return model.logits(h)
+
+    def _hand_out_routing(
+        self, batch: list[RequestState], fed: list[int], sink: list[list[torch.Tensor]]
+    ) -> None:
+        """Give each request that asked its rows of the step's expert ids ([T, L, k], compact)."""
+        (layers,) = sink  # one forward
+        assert self.model.cfg.moe is not None
+        dtype = routing_dtype(self.model.cfg.moe.num_experts)
+        ids = torch.stack(layers, dim=1).to(device="cpu", dtype=dtype)
+        assert sum(fed) == ids.shape[0], f"{ids.shape[0]} routed rows for {sum(fed)} fed tokens"
+        start = 0
+        for r, n in zip(batch, fed, strict=True):
+            if r.req.return_routed_experts:
+                r.routed.append(ids[start : start + n].clone())
+            start += n
 
     def _decode_layout(self, decodes: list[RequestState]) -> DecodeLayout:
         """Page tables padded with page 0 (real, finite, masked) and masks, built once per step and
@@ -166,6 +200,11 @@ class BatchForward:
             r.n_cached += t
             r.next_pos += t
             r.peak_retained = max(r.peak_retained, r.n_cached)
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The compact dtype of expert ids: int16 up to 32767 experts."""
+    return torch.int16 if num_experts <= 2**15 - 1 else torch.int32
 
 
 def _lane(r: RequestState) -> int:

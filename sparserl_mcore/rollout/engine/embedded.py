@@ -276,6 +276,10 @@ class EmbeddedEngine:
         self.limits.check(req)
         if req.sampling.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer, and {self.hf_dir} has none; use stop_token_ids")
+        if req.return_routed_experts and self.model.cfg.moe is None:
+            raise ValueError(
+                f"return_routed_experts: {self.model.cfg.arch} is a dense model, it routes no experts"
+            )
         seeded = req.sampling.seed is not None
         gen = torch.Generator(device=self.model.device) if seeded else self._generator
         return RequestState(req=req, rid=req.rid or uuid.uuid4().hex, generator=gen)

@@ -35,6 +35,7 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # weight version that sampled each output token
+    routed: list[torch.Tensor] = field(default_factory=list)  # [t, L, k] expert ids per forward it fed
     q_seen: int = 0  # queries pushed to its window ring
     lane: int | None = None  # its lane of the scheduler's CompressionLanes (queries, h2o's mass)
     kept_positions: torch.Tensor | None = None  # [L, Hk, k] positions of slots [0, k) after compressing
@@ -67,7 +68,14 @@ class RequestState:
         return self.slots
 
     def sample(self, reason: FinishReason, *, weight_version: int, page_bytes: int) -> Sample:
-        """Its result as the engine returns it."""
+        """Its result as the engine returns it. Routed experts, when asked for, cover the positions
+        it fed through the model itself: from its first uncached prompt token to its last fed
+        output (`Sample.routed_experts_problem` refuses any other count)."""
+        routed, start = None, 0
+        if self.req.return_routed_experts:
+            fed = len(self.req.input_ids) + len(self.output_ids) - 1
+            routed = torch.cat(self.routed) if self.routed else None
+            start = self.cached_prompt_tokens if routed is not None else max(0, fed)
         return Sample(
             rid=self.rid,
             prompt_ids=self.req.input_ids,
@@ -84,4 +92,6 @@ class RequestState:
             weight_version=weight_version,
             cached_prompt_tokens=self.cached_prompt_tokens,
             output_versions=tuple(self.versions),
+            routed_experts=routed,
+            routed_experts_start=start,
         )

@@ -3,13 +3,18 @@
 
 The shapes are SGLang's native /generate ones (the subset our trainer uses):
 request  {"input_ids": [..] | [[..], ..]} or {"text": str | [str, ..]}, "sampling_params": {..} | [{..}, ..],
-         "return_logprob": bool, "return_text_in_logprobs": bool, "rid": str | [str, ..]
+         "return_logprob": bool, "return_text_in_logprobs": bool, "rid": str | [str, ..],
+         "return_routed_experts": bool
 response {"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
          "cached_tokens", "finish_reason": {"type": "stop"|"length"|"abort", ...}, "weight_version",
          "kv_stats", "output_token_logprobs": [[logprob, token_id, text|null], ..],
-         "output_token_versions": [weight_version, ..]}}
+         "output_token_versions": [weight_version, ..],
+         "routed_experts": base64 of int32 (token, layer, top_k), "routed_experts_start_len": int}}
 (`output_token_versions`, ours: the weight version that sampled each token, sent with the
-log-probs; a request that ran across an in-place weight update holds several.)
+log-probs; a request that ran across an in-place weight update holds several.
+`routed_experts` is SGLang's: the expert ids of positions [routed_experts_start_len, seqlen - 1),
+little-endian int32, read the same way from both servers; `routed_experts_start_len` is ours (the
+positions before it came from the prefix cache; SGLang covers from the start it was asked for, 0).)
 A batch request (list of prompts) gets a list of responses in the same order. What sglang-router
 forwards is accepted too (`ROUTER_DEFAULTS`, SGLang's `sampling_seed`), so the router can front
 `sparserl serve` workers.
@@ -17,11 +22,16 @@ forwards is accepted too (`ROUTER_DEFAULTS`, SGLang's `sampling_seed`), so the r
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
+import logging
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
+import torch
 
 from sparserl_mcore.rollout.protocol import (
     PAUSE_MODES,
@@ -32,6 +42,8 @@ from sparserl_mcore.rollout.protocol import (
     SamplingParams,
 )
 
+log = logging.getLogger(__name__)
+
 GENERATE_KEYS = (
     "input_ids",
     "text",
@@ -39,6 +51,7 @@ GENERATE_KEYS = (
     "return_logprob",
     "return_text_in_logprobs",
     "rid",
+    "return_routed_experts",
     "stream",  # accepted only as false: results come back whole
 )
 # SGLang `GenerateReqInput` fields that sglang-router 0.3.2 adds to every /generate it forwards,
@@ -85,12 +98,14 @@ def parse_generate(body: Any, encode: Encode | None) -> ParsedGenerate:
     params = _sampling(body.get("sampling_params", {}), len(prompts), batch)
     rids = _rids(body.get("rid"), len(prompts), batch)
     flags = {}
-    for key in ("return_logprob", "return_text_in_logprobs"):
+    for key in ("return_logprob", "return_text_in_logprobs", "return_routed_experts"):
         flags[key] = body.get(key, False)
         if not isinstance(flags[key], bool):
             raise ValueError(f"{key} must be true or false, got {flags[key]!r}")
     requests = [
-        GenerateRequest(input_ids=tuple(ids), sampling=sp, rid=rid)
+        GenerateRequest(
+            input_ids=tuple(ids), sampling=sp, rid=rid, return_routed_experts=flags["return_routed_experts"]
+        )
         for ids, sp, rid in zip(prompts, params, rids, strict=True)
     ]
     return ParsedGenerate(requests, batch, flags["return_logprob"], flags["return_text_in_logprobs"])
@@ -198,6 +213,10 @@ def render_sample(
             for lp, tok, txt in zip(sample.output_logprobs, sample.output_ids, texts, strict=True)
         ]
         meta["output_token_versions"] = list(sample.token_versions())
+    if sample.routed_experts is not None:
+        ids = sample.routed_experts.to(torch.int32).numpy().astype("<i4", copy=False)
+        meta["routed_experts"] = base64.b64encode(ids.tobytes()).decode("ascii")
+        meta["routed_experts_start_len"] = sample.routed_experts_start
     return {
         "text": decode(sample.output_ids) if decode is not None else None,
         "output_ids": list(sample.output_ids),
@@ -220,12 +239,18 @@ def generate_body(
     """The batch /generate body `RemoteEngine` sends (always with log-probs; empty rids get uuids).
     `params_json`: the sampling dict of another server's dialect (SGLang's: `sglang.wire`)."""
     to_json = params_json or _params_json
-    return {
+    body = {
         "input_ids": [list(r.input_ids) for r in requests],
         "sampling_params": [to_json(r.sampling) for r in requests],
         "rid": [r.rid or uuid.uuid4().hex for r in requests],
         "return_logprob": True,
     }
+    routed = {r.return_routed_experts for r in requests}
+    if len(routed) > 1:  # one flag per body, as SGLang's batch GenerateReqInput has
+        raise ValueError("return_routed_experts differs within one batch; send the two kinds apart")
+    if routed == {True}:
+        body["return_routed_experts"] = True
+    return body
 
 
 def _params_json(params: SamplingParams) -> dict[str, Any]:
@@ -245,10 +270,40 @@ def read_outputs(obj: dict[str, Any], request: GenerateRequest) -> tuple[tuple[i
     return output_ids, tuple(float(item[0]) for item in items)
 
 
-def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
-    """A response object back into a `Sample`; KeyError/TypeError/ValueError if malformed."""
+def read_routed_experts(
+    meta: dict[str, Any], request: GenerateRequest, seqlen: int, shape: tuple[int, int] | None
+) -> tuple[torch.Tensor | None, int]:
+    """meta_info's routed experts as int16 [n, layers, top_k] and the first position they cover
+    (both servers' shape). A payload that does not fit the sample is dropped with one logged line
+    (None): the caller refuses the sample rather than replay misattributed ids."""
+    raw = meta.get("routed_experts")
+    if not request.return_routed_experts or raw is None:
+        return None, 0
+    start = int(meta.get("routed_experts_start_len", 0))
+    problem = ""
+    if shape is None:
+        problem = "the client was not told the model's (layers, top_k)"
+    else:
+        flat = np.frombuffer(base64.b64decode(raw), dtype="<i4")
+        rows = max(0, seqlen - 1 - start)
+        if not 0 <= start <= len(request.input_ids) or flat.size != rows * shape[0] * shape[1]:
+            problem = f"{flat.size} ids from position {start}, expected {rows} x {shape[0]} x {shape[1]}"
+        elif flat.size and not (0 <= flat.min() and flat.max() < 2**15):
+            problem = f"expert ids outside [0, 32767]: {flat.min()}..{flat.max()}"
+        else:
+            return torch.from_numpy(flat.astype(np.int16)).view(rows, *shape), start
+    log.warning("request %s: routed_experts refused: %s", request.rid, problem)
+    return None, 0
+
+
+def read_sample(
+    obj: dict[str, Any], request: GenerateRequest, routed_shape: tuple[int, int] | None = None
+) -> Sample:
+    """A response object back into a `Sample`; KeyError/TypeError/ValueError if malformed.
+    routed_shape: the model's (layers, top_k), to read routed experts by."""
     meta = obj["meta_info"]
     output_ids, logprobs = read_outputs(obj, request)
+    routed, start = read_routed_experts(meta, request, len(request.input_ids) + len(output_ids), routed_shape)
     return Sample(
         rid=str(meta["id"]),
         prompt_ids=request.input_ids,
@@ -259,4 +314,6 @@ def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
         weight_version=int(meta["weight_version"]),
         cached_prompt_tokens=int(meta["cached_tokens"]),
         output_versions=tuple(int(v) for v in meta.get("output_token_versions", ())),
+        routed_experts=routed,
+        routed_experts_start=start,
     )
