@@ -142,6 +142,11 @@ def hidden_forward(
             padding_mask=padding_mask,
         )
 
+    # the output layer's forward is skipped: run its forward pre-hooks (megatron DDP's wait for the
+    # all-gather of its parameters under overlap_param_gather) where its forward would run
+    for hook in list(gpt.output_layer._forward_pre_hooks.values()):
+        hook(gpt.output_layer, (hidden,))
+
     def cut(h: torch.Tensor) -> torch.Tensor:
         if gpt.config.sequence_parallel:
             h = gather_from_sequence_parallel_region(
