@@ -120,3 +120,55 @@ def test_a_weight_update_during_a_tool_wait_versions_the_next_turn(hf):
     sampled = [v for v, m in zip(ep.versions, ep.loss_mask, strict=True) if m]
     assert sampled == sorted(sampled)  # non-decreasing along the episode
     assert ep.turns[2].cached_prompt_tokens == 0 < ep.turns[3].cached_prompt_tokens
+
+
+def test_an_in_flight_update_mid_turn_versions_its_tokens_and_the_learners_lag(hf):
+    """train.async.mode=in_flight: an update that lands while a turn decodes splits that turn's
+    tokens between the two versions, later turns carry the new one, and the learner's lag per token
+    (build_batch -> PolicyVersions.lag -> staleness pieces) follows them turn by turn."""
+    import threading
+
+    import torch
+    from safetensors.torch import load_file
+    from waiting import wait_until
+
+    from sparserl_mcore.loss import staleness
+    from sparserl_mcore.trainer.batch import build_batch
+    from sparserl_mcore.trainer.versions import PolicyVersions
+
+    eng = engine(hf)
+    weights = load_file(str(hf / "model.safetensors"))
+    updated = {"lm_head.weight": weights["lm_head.weight"] * 1.5}
+    long = SamplingParams(temperature=1.0, max_new_tokens=200, ignore_eos=True)
+    run = runner({"e0": eng}, FourTurns, tokenizer(hf), sampling=long, max_turns=3, max_tokens_per_turn=200)
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(eps=run.run(specs(ROWS[:1], 1))), daemon=True)
+    thread.start()
+    wait_until(lambda: eng.stats()["generated_tokens"] >= 260, timeout=120, what="turn 1 decoding")
+    eng.update_weights(updated, version=7)
+    thread.join(120)
+    (ep,) = out["eps"]
+    per_turn = [list(t.token_versions()) for t in ep.turns]
+    assert len(per_turn) == 3 and all(len(v) == 200 for v in per_turn)
+    mixed = [k for k, v in enumerate(per_turn) if set(v) == {0, 7}]
+    assert len(mixed) == 1 and mixed[0] >= 1, [sorted(set(v)) for v in per_turn]
+    j = mixed[0]
+    assert per_turn[j] == sorted(per_turn[j])  # old, then new: the switch at a step boundary
+    assert all(set(v) == {0} for v in per_turn[:j]) and all(set(v) == {7} for v in per_turn[j + 1 :])
+    if j + 1 < len(ep.turns):  # no prefix KV of the old weights serves the next turn
+        assert ep.turns[j + 1].cached_prompt_tokens == 0
+    # the learner's side: each sampled token's lag behind version 7, per turn
+    batch = build_batch([ep, ep], [0.0, 1.0], group_size=2, normalize_std=False).select(slice(0, 1))
+    assert batch.turn_BT is not None
+    lag = PolicyVersions([0, 7]).lag(batch.versions_BT)
+    sampled = batch.mask_BT.bool()
+    for k, versions in enumerate(per_turn):
+        at = sampled & (batch.turn_BT == k)
+        assert lag[at].tolist() == [int(v == 0) for v in versions]
+    pieces = staleness.lag_pieces(batch.logp_sparse_BT, batch.logp_sparse_BT, batch.mask_BT, lag, 1)
+    assert pieces["staleness/mixed_sequences"].item() == 1
+    old = sum(v.count(0) for v in per_turn)
+    assert (
+        pieces["staleness/tokens_lag1"].item() == old and pieces["staleness/tokens_lag0"].item() == 600 - old
+    )
+    assert torch.equal(staleness.drop_stale(batch.mask_BT, lag, 0).bool(), sampled & (lag == 0))

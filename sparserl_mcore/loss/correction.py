@@ -8,6 +8,10 @@ cache, same weights as pi_old). Stages, each switched on by the mode:
                tokens of the whole (global) batch when `normalize` is on.
 log xi is clamped to +-log_ratio_clamp before exp.
 
+Multi-turn episodes: `turn_pieces` -> `reduce_metrics` -> `turn_metrics` report the mismatch KL,
+the veto triggers and the band rejections per turn index (turn k's sampled tokens), since every turn
+compresses a longer history.
+
 Distributed use: the batch mean of w and the metric denominators are global. Compute
 `CorrectionTotals.local(...)` on each rank's slice, `.all_reduce(dp_group)`, then pass the result
 as `totals=`; metric pieces then sum (or max, see totals.MAX_METRICS) to the global values.
@@ -190,3 +194,43 @@ def _metrics(
         "correction/weight_mean": share(weights.sum(dtype=torch.float64), totals.kept_tokens),
         "correction/weight_max": weights.max().to(torch.float64) if weights.numel() else zero,
     }
+
+
+def turn_pieces(
+    logp_old: Tensor, logp_sparse: Tensor, mask: Tensor, turn: Tensor, turns: int, cfg: CorrectionConfig
+) -> dict[str, Tensor]:
+    """Per turn index k < `turns` (turn: [b, s] the turn that sampled each token, -1 elsewhere):
+    sums over the tokens of `mask` that `totals.reduce_metrics` adds over micro-batches and DP
+    ranks; `turn_metrics` finishes them. Every k is present, so all ranks report the same names."""
+    if turn.shape != mask.shape:
+        raise ValueError(f"turn has shape {tuple(turn.shape)}, mask {tuple(mask.shape)}")
+    loc = _local(logp_old, logp_sparse, mask, cfg)
+    xi = loc.log_xi.exp()
+    triggers = loc.valid & (xi < cfg.veto_threshold) if cfg.stages[0] else torch.zeros_like(loc.valid)
+    k3 = xi - 1 - loc.log_xi
+    f64 = torch.float64
+    pieces = {}
+    for k in range(turns):
+        at = loc.valid & (turn == k)
+        pieces[f"turn/tokens{k}"] = at.sum(dtype=f64)
+        pieces[f"turn/k3_sum{k}"] = torch.where(at, k3, 0.0).sum(dtype=f64)
+        pieces[f"turn/segments{k}"] = at.any(dim=1).sum(dtype=f64)
+        pieces[f"turn/veto_segments{k}"] = (at & triggers).any(dim=1).sum(dtype=f64)
+        pieces[f"turn/rejected{k}"] = (at & loc.rejected).sum(dtype=f64)
+    return pieces
+
+
+def turn_metrics(reduced: dict[str, float], turns: int) -> dict[str, float]:
+    """Reduced `turn_pieces` (other metrics pass through) -> per turn k that has tokens:
+    `correction/mismatch_kl_turn<k>` (k3 mean over turn k's tokens), `correction/veto_frac_turn<k>`
+    (the share of turn-k segments holding a token under the veto threshold: the turns that veto
+    their episode) and `correction/rejected_token_frac_turn<k>` (band rejections / turn k's tokens)."""
+    out = {k: v for k, v in reduced.items() if not k.startswith("turn/")}
+    for k in range(turns):
+        tokens, segments = reduced[f"turn/tokens{k}"], reduced[f"turn/segments{k}"]
+        if not tokens:
+            continue
+        out[f"correction/mismatch_kl_turn{k}"] = reduced[f"turn/k3_sum{k}"] / tokens
+        out[f"correction/veto_frac_turn{k}"] = reduced[f"turn/veto_segments{k}"] / segments
+        out[f"correction/rejected_token_frac_turn{k}"] = reduced[f"turn/rejected{k}"] / tokens
+    return out

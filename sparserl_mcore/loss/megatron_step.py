@@ -38,7 +38,13 @@ from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from sparserl_mcore.loss import staleness
-from sparserl_mcore.loss.correction import CorrectionConfig, CorrectionTotals, sparse_rl_correction
+from sparserl_mcore.loss.correction import (
+    CorrectionConfig,
+    CorrectionTotals,
+    sparse_rl_correction,
+    turn_metrics,
+    turn_pieces,
+)
 from sparserl_mcore.loss.dgg import DynamicGradientGate, GateDecision
 from sparserl_mcore.loss.fused_head import Head, fused_token_logprobs, response_rows
 from sparserl_mcore.loss.lm_head_grad import lm_head_grad_energy
@@ -75,6 +81,9 @@ class UpdateConfig:
     # the head fused with the log-prob, response rows only (module docstring); False: the output
     # layer's full logits into vocab_parallel_logprobs
     fused_logprob: bool = True
+    # multi-turn episodes: batches carry turn_BT and the correction is also reported per turn
+    # index < max_turns (correction.turn_metrics). None: single-turn.
+    max_turns: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "minibatches_per_epoch", "epochs"):
@@ -84,6 +93,8 @@ class UpdateConfig:
             raise ValueError(f"max_staleness={self.max_staleness} must be >= 0 (or None: synchronous)")
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature} must be > 0 (the sampler's temperature)")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"max_turns={self.max_turns} must be >= 1 (or None: single-turn)")
 
 
 @dataclass(frozen=True)
@@ -102,10 +113,12 @@ class UpdateBatch:
     # rollout routing replay: the engine's expert ids [B, T, layers, k] (-1 where it routed none),
     # replayed by the MoE routers in the pi_old recompute and the policy forward. None: route freely.
     routed_BTLK: Tensor | None = None
+    # multi-turn episodes: the turn that sampled tokens_BT[:, t], -1 elsewhere (per-turn metrics)
+    turn_BT: Tensor | None = None
 
     def check(self, cfg: UpdateConfig) -> None:
         b, t = self.tokens_BT.shape
-        for name in ("mask_BT", "logp_sparse_BT", "lag_BT"):
+        for name in ("mask_BT", "logp_sparse_BT", "lag_BT", "turn_BT"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, t):
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, tokens_BT {(b, t)}")
@@ -117,6 +130,8 @@ class UpdateBatch:
             raise ValueError(
                 "lag_BT and UpdateConfig.max_staleness go together (asynchronous RL) or are both None"
             )
+        if (self.turn_BT is None) != (cfg.max_turns is None):
+            raise ValueError("turn_BT and UpdateConfig.max_turns go together (multi-turn) or are both None")
         if bool(self.mask_BT[:, 0].any()):
             raise ValueError("mask_BT[:, 0] is set: the first token has no logits before it to score it")
         step = cfg.minibatches_per_epoch * cfg.micro_batch_size
@@ -331,10 +346,16 @@ def _correct(batch: UpdateBatch, logp_old: Tensor, cfg: UpdateConfig, runtime: R
         lag_pieces = staleness.lag_pieces(logp_old, logp_sparse, mask, lag, cfg.max_staleness)
         mask = staleness.drop_stale(mask, lag, cfg.max_staleness)
     totals = CorrectionTotals.local(logp_old, logp_sparse, mask, cfg.correction).all_reduce(runtime.groups.dp)
+    per_turn: dict[str, Tensor] = {}
+    if batch.turn_BT is not None and cfg.max_turns is not None:  # both or neither (check)
+        turn = batch.turn_BT.to(runtime.device)
+        per_turn = turn_pieces(logp_old, logp_sparse, mask, turn, cfg.max_turns, cfg.correction)
     weights, mask, metrics = sparse_rl_correction(logp_old, logp_sparse, mask, cfg.correction, totals=totals)
-    reduced = reduce_metrics([{**metrics, **lag_pieces}], runtime.groups.dp)
+    reduced = reduce_metrics([{**metrics, **lag_pieces, **per_turn}], runtime.groups.dp)
     if lag_pieces and cfg.max_staleness is not None:
         reduced = staleness.lag_metrics(reduced, cfg.max_staleness)
+    if per_turn and cfg.max_turns is not None:
+        reduced = turn_metrics(reduced, cfg.max_turns)
     return weights, mask, reduced
 
 

@@ -9,6 +9,8 @@ Shapes (legend): B sequences, T = longest prompt + response in the batch.
     lengths_B        real tokens of each row (prompt + response); the rest is padding
     routed_BTLK      rollout routing replay only: the engine's expert ids of tokens_BT[:, t] per
                      layer, -1 where it routed none (`trainer.routing_replay.attach`)
+    turn_BT          multi-turn episodes only: the turn that sampled tokens_BT[:, t], -1 elsewhere
+                     (the per-turn correction metrics)
 Per-token arrays are indexed by the position of the token they score, the convention of
 `sparserl_mcore.loss` (the log-prob of token t comes from the logits at position t - 1).
 A multi-turn episode (`sparserl_mcore.agent.Episode`) is one row whose mask has holes: 1 on the
@@ -38,6 +40,7 @@ class RolloutBatch:
     versions_BT: torch.Tensor
     lengths_B: torch.Tensor
     routed_BTLK: torch.Tensor | None = None
+    turn_BT: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -72,6 +75,8 @@ def build_batch(
     mask_BT = torch.zeros(B, T, dtype=torch.float32)
     logp_sparse_BT = torch.zeros(B, T, dtype=torch.float32)
     versions_BT = torch.zeros(B, T, dtype=torch.long)
+    episodes = all(isinstance(s, Episode) for s in samples)
+    turn_BT = torch.full((B, T), -1, dtype=torch.long) if episodes else None
     for row, sample in enumerate(samples):
         if isinstance(sample, Episode):
             n = len(sample.tokens)
@@ -79,6 +84,8 @@ def build_batch(
             mask_BT[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
             logp_sparse_BT[row, :n] = torch.tensor(sample.logprobs, dtype=torch.float32)
             versions_BT[row, :n] = torch.tensor(sample.versions, dtype=torch.long)
+            if turn_BT is not None:
+                turn_BT[row, :n] = torch.tensor(sample.turn_of, dtype=torch.long)
             continue
         p, n = len(sample.prompt_ids), len(sample.output_ids)
         if len(sample.output_logprobs) != n:
@@ -92,4 +99,6 @@ def build_batch(
     rewards_B = torch.tensor(list(rewards), dtype=torch.float32)
     advantages_B = grpo_advantages(rewards_B, group_size, normalize_std=normalize_std)
     lengths_B = torch.tensor(lengths, dtype=torch.long)
-    return RolloutBatch(tokens_BT, mask_BT, logp_sparse_BT, advantages_B, rewards_B, versions_BT, lengths_B)
+    return RolloutBatch(
+        tokens_BT, mask_BT, logp_sparse_BT, advantages_B, rewards_B, versions_BT, lengths_B, turn_BT=turn_BT
+    )

@@ -456,6 +456,7 @@ class Trainer:
             lag_BT=self.versions.lag(local.versions_BT) if asynchronous else None,
             lengths_B=local.lengths_B,
             routed_BTLK=local.routed_BTLK,
+            turn_BT=local.turn_BT,
         )
         cfg = dataclasses.replace(learner.update_cfg, minibatches_per_epoch=updates_per_epoch)
         self.progress.phase(f"update (<= {updates_per_epoch * cfg.epochs} optimizer steps)")

@@ -51,6 +51,7 @@ def update_config(cfg: RunConfig, vocab_size: int) -> megatron_step.UpdateConfig
         policy=cfg.loss.policy,
         max_staleness=cfg.train.async_.max_staleness if cfg.train.async_.mode != "off" else None,
         fused_logprob=cfg.loss.fused_logprob,
+        max_turns=cfg.rollout.env.max_turns if cfg.rollout.env is not None else None,
     )
 
 
