@@ -1,5 +1,5 @@
 """Islands x asynchronous rollouts end to end on CPU: `sparserl train` with 2 DiLoCo islands of one
-rank each (gloo), in flight at max_staleness 1, outer step every 6 updates.
+rank each (gloo), at max_staleness 1 in flight and one-step-off, outer step every 6 updates.
 
 The demo-shaped loop makes 4 optimizer updates per RL step, so step 1 makes no outer step, steps 2
 and 3 make one (updates 6 and 12) and step 4 closes the round (update 16). The rule (docs/islands.md,
@@ -15,7 +15,9 @@ updates. Checked against that rule:
 - every trained token is within max_staleness and counted in the histogram, none is masked, and
   the bound is reached (batch 3 was admitted before the sync of step 2 and trained after it).
   The staleness metrics are island 0's, as `policy/*` are (reduced over the island's replicas);
-  island 1 trains the other half of the same broadcast batch against the same version table.
+  island 1 trains the other half of the same broadcast batch against the same version table;
+- one_step: each agreed sync waits for the batch in flight, so no sequence mixes versions, and the
+  lags are exactly 0, 0, 1, 1 (steps 3 and 4 train batches admitted one agreed version earlier).
 With `train.async.mode: off` the loop's islands path is unchanged (tests/test_e2e_islands.py).
 """
 
@@ -31,7 +33,8 @@ TOKENS, ETA = 12, 1
 
 
 @pytest.mark.timeout(600)
-def test_async_islands_roll_out_agreed_versions_only_and_count_staleness_in_them(tmp_path):
+@pytest.mark.parametrize("mode", ["in_flight", "one_step"])
+def test_async_islands_roll_out_agreed_versions_only_and_count_staleness_in_them(tmp_path, mode):
     hf = make_assets(tmp_path)
     cfg = write_config(
         tmp_path,
@@ -46,7 +49,7 @@ def test_async_islands_roll_out_agreed_versions_only_and_count_staleness_in_them
             "micro_batch_size": 8,
             "reuse_epochs": 2,
             "filter_zero_variance_groups": False,  # every step trains all 32 sequences: 4 updates
-            "async": {"mode": "in_flight", "max_staleness": ETA},
+            "async": {"mode": mode, "max_staleness": ETA},
         },
         checkpoint={"dir": None, "every": 0, "save_hf": None},
         telemetry={"plot": False, "progress": False},
@@ -67,3 +70,7 @@ def test_async_islands_roll_out_agreed_versions_only_and_count_staleness_in_them
         assert histogram == r["train/sequences"] / 2 * TOKENS, r  # island 0's half (policy/* too)
     assert steps[1]["staleness/lag_max"] == 0  # one RL step ahead, zero agreed versions behind
     assert sum(r[f"staleness/tokens_lag{ETA}"] for r in steps) > 0  # the bound is reached
+    if mode == "one_step":
+        assert [r["staleness/lag_max"] for r in steps] == [0, 0, 1, 1]
+        assert [r["staleness/lag_mean"] for r in steps] == [0, 0, 1, 1]
+        assert all(r["staleness/mixed_sequences"] == 0 for r in steps)
