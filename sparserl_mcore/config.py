@@ -544,11 +544,6 @@ class RunConfig:
                 f"train.async.mode={mode} with loss.correction.mode=off: stale samples need the behavior "
                 "correction (pi_old / pi_sampler per token); set loss.correction.mode to tis or sparse_rl"
             )
-        if self.parallel.islands > 1:
-            raise ValueError(
-                f"train.async.mode={mode} with parallel.islands={self.parallel.islands}: asynchronous "
-                "rollouts and DiLoCo islands are not combined yet; use one of them"
-            )
 
 
 def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunConfig:

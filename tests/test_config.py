@@ -176,12 +176,8 @@ def test_remote_engine_urls_from_an_override() -> None:
             ["routing_replay=true with rollout.server=sglang", "--enable-return-routed-experts"],
         ),
         (
-            ["train.async.mode=one_step", "loss.correction.mode=tis", "parallel.islands=2"],
-            ["train.async.mode=one_step with parallel.islands=2", "not combined yet"],
-        ),
-        (
             ["parallel.islands=2", "parallel.expert_model_parallel_size=2"],
-            ["islands=2 with expert_model_parallel_size=2", "not combined yet"],
+            ["islands=2 with expert_model_parallel_size=2", "cut its token all-to-all", "docs/islands.md"],
         ),
     ],
 )

@@ -73,7 +73,11 @@ class ParallelConfig:
         if self.islands > 1 and self.expert_model_parallel_size > 1:
             raise ValueError(
                 f"islands={self.islands} with expert_model_parallel_size={self.expert_model_parallel_size}: "
-                "DiLoCo islands and expert parallelism are not combined yet; use one of them"
+                "DiLoCo islands and expert parallelism are not combined: an island smaller than an "
+                "expert-parallel group would cut its token all-to-all at the island border (each rank "
+                "then builds every expert, unlike the layout its weights, sync and checkpoint use), and "
+                "islands of whole expert-parallel groups are untested (the outer step over the expert "
+                "optimizer's shards; docs/islands.md); use one of them"
             )
         if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
             raise ValueError(
