@@ -147,6 +147,31 @@ def test_an_engine_with_the_static_step_generates_what_one_without_does(hf_model
     assert on.pool.num_free == on.pool.num_pages - 1  # the scratch page stays reserved
 
 
+def test_rows_that_change_requests_read_their_new_requests_pages(hf_model):
+    """The page tables persist between steps and a row is rewritten only when its request or its
+    pages changed: requests finishing at different steps shift the others into new rows (with the
+    same page counts as the row's old request), and late admissions take the freed rows."""
+    _, path = hf_model
+    requests = [
+        GenerateRequest(
+            input_ids=p,
+            sampling=SamplingParams(temperature=0.0, max_new_tokens=3 + 5 * (i % 4), ignore_eos=True),
+        )
+        for i, p in enumerate(_prompts(10, lengths=(5, 6, 7, 8)))
+    ]
+    on = _engine(path, cuda_graph=True, max_running_requests=6, check_invariants=True)
+    off = _engine(path, cuda_graph=False, max_running_requests=6)
+    got, want = on.generate(requests), off.generate(requests)
+    assert on.scheduler._forward.static_steps > 0
+    assert [s.output_ids for s in got] == [s.output_ids for s in want]
+    torch.testing.assert_close(
+        torch.tensor([lp for s in got for lp in s.output_logprobs]),
+        torch.tensor([lp for s in want for lp in s.output_logprobs]),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
 @pytest.mark.parametrize(("method", "static"), [("h2o", False), ("snapkv", False), ("streamingllm", True)])
 def test_compression_that_needs_attention_data_stays_eager(hf_model, method, static):
     _, path = hf_model

@@ -340,9 +340,17 @@ def start_checkpoint_writer() -> None:
     import multiprocessing.managers
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
 
     if filesystem_async._results_queue is not None:
         return
     manager = multiprocessing.managers.SyncManager(ctx=torch.multiprocessing.get_context("spawn"))
     manager.start(initializer=helper_process_init)
-    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+    queue = manager.Queue()  # the proxy keeps the manager alive
+    # The manager unpickles what it is sent, so the first save's writer results made it import
+    # torch.distributed.checkpoint then: ~2 s inside that save (a stop checkpoint's grace period,
+    # or the last line of a resumed run that saves only at its end). One round trip now pays it.
+    queue.put(WriteResult(index=MetadataIndex("warm-up"), size_in_bytes=0, storage_data=None))
+    queue.get()
+    filesystem_async._results_queue = queue

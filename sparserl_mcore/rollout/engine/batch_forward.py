@@ -189,6 +189,12 @@ class BatchForward:
                 seen, n_rows = r.q_seen, min(len(r.req.input_ids) - r.n_cached, w)
                 rows.extend(lanes.ring_row(_lane(r), seen + j) for j in range(n_rows))
             lanes.push_queries(long_tensor(rows, dev), torch.stack(q_rows))  # [L, rows, Hq, d]
+        if not prefills and not q_rows and masses is None:  # pure decode (every static step)
+            for r in decodes:
+                r.n_cached += 1
+                r.next_pos += 1
+                r.peak_retained = max(r.peak_retained, r.n_cached)
+            return
         for i, r in enumerate(decodes + prefills):
             t = 1 if i < len(decodes) else len(r.req.input_ids) - r.n_cached
             if q_rows:

@@ -69,10 +69,18 @@ class DecodeGraphs:
         self.max_pages = self.widths[-1] // ps
         model.reserve_rope(self.widths[-1] + 1)
         (self.scratch,) = pool.reserve(1)
-        # per bucket of M rows: ids, positions, write slots, lengths [M] each, then page tables [M, P]
+        # per bucket of M rows: ids, positions, write slots, lengths [M] each, then page tables
+        # [M, P] (P = the bucket's pages per row), contiguous: one copy fills a step's inputs
         size = max_bs * (4 + self.max_pages)
         self._inputs = torch.zeros(size, dtype=torch.int64, device=dev)
-        self._staging = torch.empty(size, dtype=torch.int64).pin_memory() if dev.type == "cuda" else None
+        # the host side of the inputs: pinned staging on CUDA, the inputs themselves on the CPU
+        self._host = torch.empty(size, dtype=torch.int64).pin_memory() if dev.type == "cuda" else self._inputs
+        # Every row's page table kept between steps: a row is rewritten only when its request's
+        # pages (a list replaced, never modified, by its owners) or their count in use changed,
+        # i.e. on a new page or a new request in that row, not on each of a page's tokens.
+        self._tables = torch.full((max_bs, self.max_pages), self.scratch, dtype=torch.int64)
+        self._row_pages: list[list[int] | None] = [None] * max_bs
+        self._row_used = [0] * max_bs
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -102,26 +110,35 @@ class DecodeGraphs:
         """Fill the static inputs for `decodes` (padded rows: token 0 at position 0, writing and
         reading the scratch page); returns the bucket. Host work plus ONE host->device copy."""
         rows, width = self.bucket(decodes)
-        ps, pad = self.pool.page_size, rows - len(decodes)
+        ps, pad, n_pages = self.pool.page_size, rows - len(decodes), width // self.pool.page_size
         ids = [r.output_ids[-1] for r in decodes] + [0] * pad
         pos = [r.next_pos for r in decodes] + [0] * pad
         write = [r.pages[r.n_cached // ps] * ps + r.n_cached % ps for r in decodes]
         write += [self.scratch * ps] * pad
         lengths = [r.n_cached + 1 for r in decodes] + [1] * pad
-        tables: list[int] = []
-        for r in decodes:
-            used = r.pages[: -(-(r.n_cached + 1) // ps)]
-            tables.extend(used)
-            tables.extend([self.scratch] * (self.max_pages - len(used)))
-        tables.extend([self.scratch] * (self.max_pages * pad))
-        host = long_tensor(ids + pos + write + lengths + tables, torch.device("cpu"))
-        n = host.numel()
-        if self._staging is None:  # CPU: the static inputs are host memory already
-            self._inputs[:n].copy_(host)
-        else:  # pinned staging, then one asynchronous copy: the host never waits for the device
-            self._staging[:n].copy_(host)
-            self._inputs[:n].copy_(self._staging[:n], non_blocking=True)
+        for row, r in enumerate(decodes):
+            self._set_row(row, r.pages, -(-(r.n_cached + 1) // ps))
+        for row in range(len(decodes), rows):
+            self._set_row(row, None, 0)
+        head = 4 * rows
+        self._host[:head].copy_(long_tensor(ids + pos + write + lengths, torch.device("cpu")))
+        n = head + rows * n_pages
+        self._host[head:n].view(rows, n_pages).copy_(self._tables[:rows, :n_pages])
+        if self._host is not self._inputs:  # one asynchronous copy: the host never waits for the device
+            self._inputs[:n].copy_(self._host[:n], non_blocking=True)
         return rows, width
+
+    def _set_row(self, row: int, pages: list[int] | None, used: int) -> None:
+        """Row `row` of the page tables: pages[:used], then the scratch page (None: all scratch)."""
+        if self._row_pages[row] is pages and self._row_used[row] == used:
+            return
+        old = self._row_used[row]
+        if used:
+            assert pages is not None
+            self._tables[row, :used] = long_tensor(pages[:used], torch.device("cpu"))
+        if old > used:
+            self._tables[row, used:old] = self.scratch
+        self._row_pages[row], self._row_used[row] = pages, used
 
     def decode_step(self, rows: int, width: int) -> torch.Tensor:
         """The captured region: logits [M, V] from the static inputs, device ops only.
@@ -130,8 +147,7 @@ class DecodeGraphs:
         model, pool = self.model, self.pool
         ps, n_pages = pool.page_size, width // pool.page_size
         ids, pos, write, lengths = (self._inputs[i * rows : (i + 1) * rows] for i in range(4))
-        pages = self._inputs[4 * rows : rows * (4 + self.max_pages)].view(rows, self.max_pages)
-        pages = pages[:, :n_pages].reshape(-1)
+        pages = self._inputs[4 * rows : rows * (4 + n_pages)]  # [M * P], row-major
         valid = torch.arange(width, device=ids.device)[None, :] < lengths[:, None]
         bias = torch.where(valid, 0.0, -math.inf).to(pool.k.dtype)[:, None, None, :]
         layout = DecodeLayout(pages=pages, lengths=lengths, page_size=ps, valid=valid, bias=bias)

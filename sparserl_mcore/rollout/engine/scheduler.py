@@ -162,6 +162,7 @@ class Scheduler:
         tokens, logprobs = sample(logits, [r.req.sampling for r in batch], [r.generator for r in batch])
         for r in prefills:
             self._cache_prompt(r)
+        self.stats.generated_tokens += len(batch)
         for r, tok, lp in zip(batch, tokens, logprobs, strict=True):
             reason = self._append(r, tok, lp)
             if reason is not None:
@@ -256,8 +257,11 @@ class Scheduler:
 
     def _reserve_decode_slots(self) -> list[RequestState]:
         """Give each running request room for its next token (a new page when the last is full)."""
-        for r in list(self.running):
-            if r in self.running and r.n_cached == len(r.pages) * self.pool.page_size:
+        ps = self.pool.page_size
+        # only the requests whose last page is full (one in page_size, each step) pay the
+        # membership test: an allocation may retract others
+        for r in [r for r in self.running if r.n_cached == len(r.pages) * ps]:
+            if r in self.running:
                 pages = self._alloc(1, requester=r, may_retract_requester=True)
                 if pages is not None:
                     r.set_pages(r.pages + pages)
@@ -389,7 +393,6 @@ class Scheduler:
         r.output_ids.append(token)
         r.logprobs.append(logprob)
         r.versions.append(self.weight_version)
-        self.stats.generated_tokens += 1
         sp = r.req.sampling
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.model.cfg.eos_token_ids):
             return "stop"
