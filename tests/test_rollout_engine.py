@@ -9,8 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-import transformers
-from hf_reference import hf_greedy
+from hf_reference import hf_greedy, tiny_qwen2
 
 from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
 from sparserl_mcore.rollout.kvcompress import METHODS, KVCompressionConfig
@@ -27,20 +26,8 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        eos_token_id=VOCAB - 1,
-    )
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
     path = tmp_path_factory.mktemp("qwen2")
-    model.save_pretrained(path)
-    return model, path
+    return tiny_qwen2(path, VOCAB), path
 
 
 def _engine(path, **kw) -> EmbeddedEngine:

@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 import transformers
+from hf_reference import tiny_qwen2
 from waiting import wait_until
 
 from sparserl_mcore.rollout.client import RemoteEngine
@@ -28,18 +29,8 @@ SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=160, ignore_eos=True)
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A tiny Qwen2 saved in BF16: the fp32 engine then holds exactly the learner's BF16 values."""
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        eos_token_id=VOCAB - 1,
-    )
     path = tmp_path_factory.mktemp("qwen2-bf16")
-    transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    tiny_qwen2(path, VOCAB, torch.bfloat16)
     return path
 
 
