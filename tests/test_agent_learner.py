@@ -3,11 +3,10 @@ fp32, megatron-core's recomputed log-probs over the whole row equal the engine's
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from agent_support import engine, runner, specs, tiny_checkpoint, tokenizer
+from single_process import cpu_runtime
 
 from sparserl_mcore.agent import Env, Reply, Turn
 from sparserl_mcore.trainer.batch import build_batch
@@ -27,16 +26,9 @@ class ThreeTurns(Env):
 
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory):
-    from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
-
-    if torch.cuda.is_available():
-        pytest.skip("single CPU process")
-    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS") if k in os.environ}
     hf = tiny_checkpoint(tmp_path_factory.mktemp("agent_learner") / "hf")
-    rt = initialize(ParallelConfig(), seed=5)
-    yield rt, hf
-    shutdown()
-    os.environ.update(saved)
+    with cpu_runtime(seed=5) as rt:
+        yield rt, hf
 
 
 def _learner(rt, hf):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from single_process import tiny_qwen2_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model_providers.hf_config import parse_hf_config
@@ -26,21 +27,8 @@ from sparserl_mcore.sync.codec import CodecConfig
 from sparserl_mcore.sync.learner import ShardSyncConfig, ShardSyncer, SyncGroups, even_ranges
 from sparserl_mcore.sync.per_rank import ModelMeta, encode_fragment
 
-HF = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 2000,  # embedding 2000 x 64 = 128,000 elements: room for gaps >= 65535
-    "max_position_embeddings": 256,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-    "hidden_act": "silu",
-}
+# embedding 2000 x 64 = 128,000 elements: room for gaps >= 65535
+HF = tiny_qwen2_config(vocab_size=2000, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")

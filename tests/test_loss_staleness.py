@@ -66,22 +66,16 @@ def test_lag_metrics_by_hand():
 
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory):
-    import os
+    from single_process import cpu_runtime
 
     from sparserl_mcore.ckpt.tiny import TinyModelConfig, make_tiny
-    from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
 
-    if torch.cuda.is_available():
-        pytest.skip("single CPU process")
-    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS") if k in os.environ}
     hf = make_tiny(
         TinyModelConfig(arch="qwen2", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128),
         tmp_path_factory.mktemp("tiny") / "hf",
     )
-    rt = initialize(ParallelConfig(), seed=5)
-    yield rt, hf
-    shutdown()
-    os.environ.update(saved)
+    with cpu_runtime(seed=5) as rt:
+        yield rt, hf
 
 
 def _learner(rt, hf, max_staleness):

@@ -10,39 +10,17 @@ fused Adam) against megatron-core's own step, in one CPU process over gloo.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from single_process import cpu_runtime, tiny_qwen2_config
 
-HF = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 128,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-    "hidden_act": "silu",
-}
+HF = tiny_qwen2_config()
 
 
 @pytest.fixture(scope="module")
 def rt():
-    from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
-
-    if torch.cuda.is_available():
-        pytest.skip("single CPU process")
-    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS") if k in os.environ}
-    runtime = initialize(ParallelConfig(), seed=7)
-    yield runtime
-    shutdown()
-    os.environ.update(saved)
+    with cpu_runtime(seed=7) as runtime:
+        yield runtime
 
 
 def _learner(rt, *, dtype: str, fused_adam: bool, clip_grad: float = 1.0, seed: int = 3):

@@ -6,39 +6,17 @@ the other instead of summed first, so it is bit-equal for one micro-batch in fp3
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from single_process import cpu_runtime, tiny_qwen2_config
 
-HF = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 128,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-}
+HF = tiny_qwen2_config(num_hidden_layers=1, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")
 def rt():
-    from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
-
-    if torch.cuda.is_available():
-        pytest.skip("single CPU process")
-    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS") if k in os.environ}
-    runtime = initialize(ParallelConfig(), seed=11)
-    yield runtime
-    shutdown()
-    os.environ.update(saved)
+    with cpu_runtime(seed=11) as runtime:
+        yield runtime
 
 
 def _main_grads(rt, hf: dict, dtype: str, fusion: bool, micro_batches: int) -> dict[str, torch.Tensor]:
