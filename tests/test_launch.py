@@ -10,6 +10,7 @@ event, never on a sleep.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -50,6 +51,14 @@ def main():
             raise ValueError("rank one is different" if rank == 1 else "bad layout: TP=3 on 4 heads")
     if mode == "suicide" and rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "slow-stop":  # a stop that takes a while, as a stop checkpoint does
+        stop, asked = threading.Event(), []
+        signal.signal(signal.SIGTERM, lambda *_: (asked.append(1), stop.set()))
+        stop.wait()
+        open(os.path.join(sys.argv[3], f"stopping{rank}"), "w").close()
+        threading.Event().wait(3.0)
+        print(f"asked to stop {len(asked)} time(s)", file=sys.stderr)
+        return 0
     threading.Event().wait()
 
 sys.exit(rank_main(main))
@@ -225,12 +234,75 @@ def test_sigkill_leaves_no_orphans(tmp_path, rank_script, victim):
         launcher.communicate()
 
 
+# The launcher's stand-in for the next test: torchrun is started by a thread that exits once the
+# ranks are up (Linux then sends torchrun its parent-death signal), and the process is SIGKILLed
+# once the ranks are stopping (the signal again): what a killed launcher with threads does.
+TWO_PARENT_DEATHS = """
+import os, signal, subprocess, sys, threading
+from sparserl_mcore.parallel.launch import _torchrun_dies_with_us, torchrun_command
+from sparserl_mcore.parallel.rank_entry import LOG_DIR_ENV
+
+log_dir, argv = sys.argv[1], sys.argv[2:]
+up = threading.Event()
+def start():
+    subprocess.Popen(torchrun_command(argv, 2, log_dir=os.path.join(log_dir, "torchelastic")),
+                     env={**os.environ, LOG_DIR_ENV: log_dir}, preexec_fn=_torchrun_dies_with_us,
+                     stderr=open(os.path.join(log_dir, "torchrun.log"), "w"))
+    up.wait()
+thread = threading.Thread(target=start)
+thread.start()
+sys.stdin.readline()  # the ranks are up
+up.set()
+thread.join()
+sys.stdin.readline()  # the ranks are stopping
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_repeated_parent_death_signal_still_lets_the_ranks_finish_their_stop(tmp_path, rank_script):
+    """torchrun takes its parent-death signal as one stop request however often the kernel sends it
+    (here twice: its parent thread, then its parent process). It used to take each as a SIGTERM,
+    send the ranks a second stop request, and a third would end it mid-stop with its ranks."""
+    logs, roll = tmp_path / "logs", _Roll()
+    logs.mkdir()
+    launcher_script = tmp_path / "two_deaths.py"
+    launcher_script.write_text(TWO_PARENT_DEATHS)
+    argv = [
+        sys.executable,
+        str(launcher_script),
+        str(logs),
+        rank_script,
+        "slow-stop",
+        str(roll.port),
+        str(logs),
+    ]
+    launcher = subprocess.Popen(argv, stdin=subprocess.PIPE, text=True)
+    try:
+        pids = roll.wait(2)
+        launcher.stdin.write("up\n")
+        launcher.stdin.flush()
+        stopping = [logs / f"stopping{rank}" for rank in (0, 1)]
+        wait_until(lambda: all(p.exists() for p in stopping), timeout=60, what="both ranks stopping")
+        launcher.stdin.write("stopping\n")
+        launcher.stdin.flush()
+        assert launcher.wait(timeout=60) == -signal.SIGKILL
+        assert _gone(pids.values(), timeout=60) == []
+    finally:
+        roll.close()
+        launcher.kill()
+        launcher.wait()
+    records = [json.loads(p.read_text()) for p in sorted(logs.glob("rank*.exit.json"))]
+    assert [r["exit_code"] for r in records] == [0, 0], (logs / "torchrun.log").read_text()[-3000:]
+    asked = [(logs / f"rank{rank}.log").read_text().strip() for rank in (0, 1)]
+    assert asked == ["asked to stop 1 time(s)"] * 2, (logs / "torchrun.log").read_text()[-3000:]
+
+
 # -- the real commands ---------------------------------------------------------------------------
 
 
 def _ranks_of(launcher: subprocess.Popen, entry: str, n: int) -> list[psutil.Process]:
     """The launcher's rank processes (cmdline names `entry`), once all `n` have started. torchrun's
-    own cmdline names `entry` too (`-m torch.distributed.run ... -m entry`): it is not a rank."""
+    own cmdline names `entry` too (`-m sparserl_mcore.parallel.torchrun ... -m entry`): not a rank."""
 
     def ranks() -> list[psutil.Process] | None:
         assert launcher.poll() is None, launcher.communicate()
@@ -238,7 +310,7 @@ def _ranks_of(launcher: subprocess.Popen, entry: str, n: int) -> list[psutil.Pro
         for proc in psutil.Process(launcher.pid).children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
                 cmdline = " ".join(proc.cmdline())
-                if entry in cmdline and "torch.distributed.run" not in cmdline:
+                if entry in cmdline and "parallel.torchrun" not in cmdline:
                     found.append(proc)
         return found if len(found) == n else None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -33,6 +34,23 @@ def test_stop_request_flags_the_first_signal_and_restores_the_handlers():
         assert stop.signum == signal.SIGTERM  # the first one is kept
     assert signal.getsignal(signal.SIGUSR1) is before
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_after_the_trainers_loop_a_late_sigterm_cannot_cut_its_teardown_short():
+    """The trainer's use (`ignore_after`): once the loop is over, SIGTERM and SIGUSR1 are ignored
+    (a second stop request from torchrun used to kill a rank before its exit record); Ctrl-C still
+    interrupts. In a process of its own: without the fix that SIGTERM ends it."""
+    code = (
+        "import os, signal\n"
+        "from sparserl_mcore.trainer.preemption import StopRequest\n"
+        "with StopRequest(ignore_after=True) as stop:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "print('alive', stop.signum, signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.strip()) == (0, f"alive {int(signal.SIGTERM)} True"), proc.stderr
 
 
 def _rank_process(torchrun: subprocess.Popen, rank: int, timeout: float = 120) -> psutil.Process:

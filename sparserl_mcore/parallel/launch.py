@@ -13,8 +13,9 @@ Lifetime (the contract a rank's checkpoint-on-SIGTERM handler can rely on):
   `grace_s` seconds later (SPARSERL_STOP_GRACE_S, default 60) are SIGKILLed with torchrun; a second
   signal kills at once.
   The launcher then exits 128 + the signal number.
-- SIGKILL of the launching process: the kernel sends torchrun SIGTERM (PR_SET_PDEATHSIG, set in the
-  child before exec); torchrun SIGTERMs its ranks' process groups and SIGKILLs them 30 s later.
+- SIGKILL of the launching process: the kernel signals torchrun (PR_SET_PDEATHSIG, set in the
+  child before exec), which takes it as one SIGTERM however often it comes (`parallel.torchrun`);
+  torchrun SIGTERMs its ranks' process groups and SIGKILLs them 30 s later.
   The trainer's ranks take it as a stop: they finish the step, checkpoint and exit 0 (their console
   output goes on in rank 0's log, `rank_entry.ConsoleOut`).
 - A rank whose torchrun dies gets SIGKILL (`rank_entry` sets its own parent-death signal).
@@ -51,6 +52,7 @@ from sparserl_mcore.parallel.rank_entry import (
     rank_groups,
     summarize,
 )
+from sparserl_mcore.parallel.torchrun import PARENT_GONE
 
 GRACE_ENV = "SPARSERL_STOP_GRACE_S"
 DEFAULT_GRACE_S = 60.0
@@ -69,7 +71,8 @@ class LaunchError(RuntimeError):
 def torchrun_command(
     argv: Sequence[str], nproc: int, *, log_dir: str | os.PathLike | None = None
 ) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc_per_node N <argv>` for this interpreter.
+    """torchrun (`python -m sparserl_mcore.parallel.torchrun`: `torch.distributed.run` behind a
+    parent-death guard) `--standalone --nproc_per_node N <argv>` for this interpreter.
 
     log_dir: torchrun's own per-run files (its workers' error records). Without it torchrun makes a
     `torchelastic_*` directory in the temp directory for every launch and never removes it; the
@@ -77,8 +80,14 @@ def torchrun_command(
     """
     if nproc < 1:
         raise ValueError(f"nproc={nproc}: must be >= 1")
-    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    head = [sys.executable, "-m", "sparserl_mcore.parallel.torchrun", "--standalone"]
+    head.append(f"--nproc_per_node={nproc}")
     return head + ([f"--log-dir={log_dir}"] if log_dir is not None else []) + list(argv)
+
+
+def _torchrun_dies_with_us() -> None:
+    """preexec_fn of torchrun: PARENT_GONE when this process exits (see `parallel.torchrun`)."""
+    die_with_parent(PARENT_GONE)
 
 
 def _kill_tree(pid: int) -> None:
@@ -123,7 +132,7 @@ def launch_local(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=_torchrun_dies_with_us,
         ) as proc:
             try:
                 output, _ = proc.communicate(timeout=timeout)
@@ -241,7 +250,7 @@ def run_ranks(
             env={**_child_env(env), LOG_DIR_ENV: str(log_path)},
             stderr=torchrun_log,
             start_new_session=True,  # terminal signals reach the launcher only; it forwards them
-            preexec_fn=die_with_parent,
+            preexec_fn=_torchrun_dies_with_us,
         )
     stopper = _Stopper(proc, grace)
     timed_out = False

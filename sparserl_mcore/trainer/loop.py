@@ -141,7 +141,7 @@ class Trainer:
             self.progress = bars
             if p.pool is not None:
                 p.pool.on_chunk_done = bars.advance_rollouts
-            with StopRequest() as stop:
+            with StopRequest(ignore_after=True) as stop:
                 return self._fit(stop)
 
     def _fit(self, stop: StopRequest) -> RunSummary:

@@ -33,8 +33,15 @@ class StopRequest:
     their previous behaviour and `agreed` still takes part in the collective (with flag 0).
     """
 
-    def __init__(self, signals: Sequence[signal.Signals] = STOP_SIGNALS) -> None:
+    def __init__(
+        self, signals: Sequence[signal.Signals] = STOP_SIGNALS, *, ignore_after: bool = False
+    ) -> None:
+        """ignore_after: on exit, the stop signals other than SIGINT are ignored, not restored. The
+        trainer's loop is then over, and what is left (closing engines, destroying process groups,
+        the rank's exit record) must not be cut short by a late SIGTERM, e.g. torchrun repeating its
+        stop request; the exit watchdog (`trainer.cli`) and torchrun's SIGKILL bound that teardown."""
         self.signals = tuple(signals)
+        self.ignore_after = ignore_after
         self.signum = 0  # the first stop signal this process received, 0 for none
         self._previous: dict[signal.Signals, Any] = {}
 
@@ -46,7 +53,8 @@ class StopRequest:
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            late = self.ignore_after and sig != signal.SIGINT
+            signal.signal(sig, signal.SIG_IGN if late else handler)
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
