@@ -63,21 +63,21 @@ def live(tmp_path_factory):
         TinyModelConfig(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, seed=1),
         root / "tiny",
     )
-    cfg = WarmStartConfig(steps=120, batch_size=32, lr=1e-2, warmup_steps=10)
-    warm_start(tiny, warm_start_rows(2000, early=0.5, seed=0), root / "warm", cfg)
-    write_splits(root / "data", n_train=64, n_eval=8, seed=1)
-    hf = root / "warm"
-    servers = [start(hf, root / f"worker{i}.log", {"method": "none"}) for i in range(2)]  # both at once
+    # the servers start on the random weights while the warm start runs (the tests give them the
+    # warm-started ones: from disk, or by the trainer's sync)
+    servers = [start(tiny, root / f"worker{i}.log", {"method": "none"}) for i in range(2)]
     router = None
     try:
+        cfg = WarmStartConfig(steps=120, batch_size=32, lr=1e-2, warmup_steps=10)
+        hf = warm_start(tiny, warm_start_rows(2000, early=0.5, seed=0), root / "warm", cfg).out_dir
+        write_splits(root / "data", n_train=64, n_eval=8, seed=1)
         for server in servers:
             server.wait_ready()
         urls = [s.url for s in servers]
         launch = LaunchConfig(model_path="unused", port=free_port(), startup_timeout_s=120, grace_s=10)
-        # manual: a routing key's requests stay on one worker; min_group: a new key goes to the
-        # worker holding fewer keys
+        # manual: a routing key's requests stay on one worker
         argv = router_argv(urls, host=launch.host, port=launch.port, policy="manual")
-        router = ServerProcess(launch, argv=[*argv, "--assignment-mode", "min_group"]).__enter__()
+        router = ServerProcess(launch, argv=argv).__enter__()
         router.wait_healthy()
         wait_until(
             lambda: sorted(router_workers(launch.url)) == sorted(urls), timeout=60, what="router lists both"
