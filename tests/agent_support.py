@@ -1,9 +1,15 @@
 """Shared pieces of the agent tests: a tiny character-level checkpoint, an engine over it, a
-ChatML template with a tool role, and a runner over a one-engine pool."""
+ChatML template with a tool role, a runner over a one-engine pool, and an environment that records
+its turns (for runs in a subprocess)."""
 
 from __future__ import annotations
 
+import json
+import os
+import threading
 from typing import Any
+
+from sparserl_mcore.agent import Env, Reply, Turn
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -68,3 +74,26 @@ def specs(rows, group_size: int, tag: str = "s1"):
         for p, row in enumerate(rows)
         for g in range(group_size)
     ]
+
+
+RECORD_ENV = "SPARSERL_TEST_TURNS"  # where RecordedTurns appends its turns
+_record_lock = threading.Lock()
+
+
+class RecordedTurns(Env):
+    """Three turns whatever the policy writes (a random tiny model's episodes are multi-turn), the
+    reward the parity of the last turn's length (groups have reward variance, so the policy moves);
+    every turn is appended to the JSONL file named by $SPARSERL_TEST_TURNS as (prompt, turn index,
+    sampled text). `sparserl train` imports it as `agent_support:RecordedTurns`."""
+
+    def reset(self, row: dict[str, Any]) -> str:
+        self.prompt = str(row["prompt"])
+        return self.prompt
+
+    def step(self, turn: Turn) -> Reply:
+        line = json.dumps({"prompt": self.prompt, "turn": turn.index, "text": turn.text})
+        with _record_lock, open(os.environ[RECORD_ENV], "a") as f:
+            f.write(line + "\n")
+        if turn.index < 2:
+            return Reply(observation=f"={turn.index} r1\n")
+        return Reply(done=True, reward=float(len(turn.text) % 2))

@@ -85,3 +85,61 @@ def test_grpo_on_lookup_chain_raises_the_episode_reward(warm, kv):
     assert all(r["agent/cached_tokens_turn2"] > 0 for r in records)  # later turns hit the radix cache
     if kv != "none":  # the sampler really was compressed: the correction sees a mismatch
         assert all(r["correction/mismatch_kl"] > 0 for r in records)
+
+
+ASYNC_STEPS, ETA = 5, 1
+
+
+@pytest.mark.timeout(600)
+def test_in_flight_async_episodes_train_every_sampled_token_at_its_version(warm):
+    """`train.async: {mode: in_flight, max_staleness: 1}` on lookup_chain: the next step's episodes
+    generate while the learner updates, and a sync may land between or inside their turns (one
+    run measured: inside 8 episodes of step 4; tests/test_agent_engine.py makes it land). The run
+    finishes, and every token the policy sampled is trained at the version that sampled it: the
+    learner's lag histogram counts exactly the step's sampled tokens, none older than
+    max_staleness, none masked."""
+    cfg = write_config(
+        warm,
+        warm / "warm",
+        "async",
+        data={"train_path": str(warm / "data" / "train.jsonl"), "eval_fraction": 0.0},
+        parallel={"tensor_model_parallel_size": 1},
+        rollout={
+            "group_size": 4,
+            "sampling": {"temperature": 1.0, "max_new_tokens": 8},
+            "kv": {"method": "none"},
+            "env": {
+                "name": "lookup_chain",
+                "max_turns": 5,
+                "max_tokens_per_turn": 8,
+                "max_episode_tokens": 80,
+            },
+        },
+        loss={"policy": {"kl_coef": 0.0}},
+        optimizer={"lr": 1e-3, "weight_decay": 0.0},
+        train={
+            "steps": ASYNC_STEPS,
+            "prompts_per_step": 4,
+            "global_batch_size": 16,
+            "micro_batch_size": 8,
+            "reuse_epochs": 1,
+            "filter_zero_variance_groups": False,  # every episode trains: the histogram counts all
+            "async": {"mode": "in_flight", "max_staleness": ETA},
+        },
+        eval={"every": 0, "at_start": False, "dense": False, "compressed": False},
+        checkpoint={"every": 0, "save_hf": None},
+        telemetry={"plot": False, "progress": False},
+    )
+    run = yaml.safe_load(cfg.read_text())
+    run["reward"] = {}
+    cfg.write_text(yaml.safe_dump(run))
+    launch_local([TRAIN, "--config", str(cfg)], 1, env=subprocess_env(), timeout=540)
+    steps = [r for r in metrics(warm, "async") if "rollout/reward_mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, ASYNC_STEPS + 1))
+    for r in steps:
+        assert r["train/sequences"] == 16 and r["agent/turns_mean"] > 1, r
+        histogram = sum(r[f"staleness/tokens_lag{k}"] for k in range(ETA + 1))
+        assert histogram == pytest.approx(r["agent/sampled_tokens_mean"] * 16), r
+        assert r["staleness/lag_max"] <= ETA and r["staleness/masked_tokens"] == 0, r
+    # step 1 generated under the start weights; later steps generated while an update ran
+    assert sum(r["staleness/tokens_lag1"] for r in steps) > 0, steps

@@ -142,6 +142,46 @@ def test_the_trainer_generates_through_router_url(stack):
     pool.close()
 
 
+def test_a_routing_key_keeps_its_requests_on_one_worker(stack):
+    """A multi-turn episode group's requests carry its routing key (`x-smg-routing-key`): under the
+    router's `manual` policy every request of one key goes to one worker, whichever that is. The
+    same requests without a key are spread at random. Counted by a proxy in front of each worker."""
+    import dataclasses
+
+    _, _, urls, _ = stack
+    proxies = [FaultProxy(u) for u in urls]
+    cfg = _launch(free_port())
+    argv = router_argv([p.url for p in proxies], host=cfg.host, port=cfg.port, policy="manual")
+    router = None
+    try:
+        with ServerProcess(cfg, argv=argv) as process:
+            process.wait_healthy()
+            wait_until(
+                lambda: sorted(router_workers(cfg.url)) == sorted(p.url for p in proxies),
+                timeout=60,
+                what="the manual router lists both proxies",
+            )
+            router = SGLangRouter(cfg.url, concurrency=2, chunk_size=4, timeout=60)
+
+            def served(requests) -> list[int]:
+                before = [p.generates for p in proxies]
+                assert len(router.generate(requests)) == len(requests)
+                return [p.generates - b for p, b in zip(proxies, before, strict=True)]
+
+            per_key = []
+            for key in range(4):  # 2 turns of one group: 8 requests of one key, all at once
+                keyed = _requests(2, f"k{key}")
+                per_key.append(served([dataclasses.replace(r, routing_key=f"group-{key}") for r in keyed]))
+            assert all(sorted(counts) == [0, 8] for counts in per_key), per_key
+            unkeyed = served(_requests(4, "unkeyed"))  # 16 requests, each routed on its own
+            assert sum(unkeyed) == 16 and min(unkeyed) > 0, unkeyed
+    finally:
+        if router is not None:
+            router.close()
+        for proxy in proxies:
+            proxy.close()
+
+
 def test_a_step_through_the_router_runs_on_one_io_thread_not_a_thread_per_request(stack):
     """The router takes one prompt per call, so a step is hundreds of calls at scale: they share the
     router engine's asyncio loop (started with it). While a step's 32 requests run, the host has

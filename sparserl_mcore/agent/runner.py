@@ -6,7 +6,9 @@ merges concurrent calls into one continuous batch; remote engines serve them con
 episode group (the G episodes of a prompt) sticks to one engine of the pool (`EnginePool.sticky`),
 so each turn's request finds the previous turns in that engine's prefix cache; an engine that
 fails or does not answer leaves the pool and the turn goes to the group's next engine, which is
-still correct because the request carries every id (only the cache is lost).
+still correct because the request carries every id (only the cache is lost). Behind one
+sglang-router (a pool of one engine) the group's key travels with each request (`routing_key`),
+and the router's `manual` policy keeps the group on one worker instead.
 
 Limits, each an end reason of the episode (agent/trajectory.py END_REASONS):
 - a turn's max_new_tokens is min(max_tokens_per_turn, the episode budget left, the context left);
@@ -172,7 +174,7 @@ class EpisodeRunner:
             stop_token_ids=(*self.sampling.stop_token_ids, *self.renderer.stop_token_ids),
             seed=self.seed_of(rid),
         )
-        req = GenerateRequest(input_ids=tuple(traj.tokens), sampling=params, rid=rid)
+        req = GenerateRequest(input_ids=tuple(traj.tokens), sampling=params, rid=rid, routing_key=spec.group)
         timeout = self.pool.cfg.chunk_timeout_s
         why = "no attempt"
         for _ in range(self.pool.cfg.max_attempts):

@@ -151,12 +151,15 @@ class GenerateRequest:
 
     return_routed_experts (SGLang's `GenerateReqInput` field): the sample carries the experts each
     token it fed through the model was routed to (`Sample.routed_experts`); refused on a dense model.
+    routing_key: requests with one key belong together (a multi-turn episode group): sglang-router
+    sends them to one worker (`sglang.client.SGLangRouter`); engines ignore it.
     """
 
     input_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rid: str = ""
     return_routed_experts: bool = False
+    routing_key: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_ids", _token_ids("input_ids", self.input_ids, allow_empty=False))
@@ -164,6 +167,8 @@ class GenerateRequest:
             raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if not isinstance(self.rid, str):
             raise ValueError(f"rid={self.rid!r}: must be a string")
+        if not isinstance(self.routing_key, str):
+            raise ValueError(f"routing_key={self.routing_key!r}: must be a string")
         if not isinstance(self.return_routed_experts, bool):
             raise ValueError(f"return_routed_experts={self.return_routed_experts!r}: must be true or false")
 

@@ -36,6 +36,8 @@ from sparserl_mcore.rollout.protocol import GenerateRequest, RequestsFailed, Sam
 from sparserl_mcore.sglang import wire
 from sparserl_mcore.sglang.loader import LOADER_PATH, PATCH_TENSOR, VERSION_TENSOR
 
+ROUTING_KEY_HEADER = "x-smg-routing-key"
+
 
 def _payload(named: list[tuple[str, torch.Tensor]]) -> str:
     """One TP rank's `serialized_named_tensors` entry: a plain pickle of CPU tensors (what SGLang's
@@ -200,6 +202,15 @@ class SGLangRouter(RemoteEngine):
     retries comes back as `RequestsFailed` with every other request's sample, so the pool retries
     only the chunks holding a failed request. The router forwards generation only, so `pause` /
     `resume` (a stop aborting what runs) go to `workers`, the servers behind it.
+
+    A request's `routing_key` (a multi-turn episode group's) goes out as the `x-smg-routing-key`
+    header. Under the router's `manual` policy (`--policy manual`; sglang-router 0.3.2's binary
+    names the header `smg::routers::header_utils::HEADER_ROUTING_KEY`, the policy
+    `policies/manual.rs`; tests/test_sglang_router.py measures it) a key's first request is
+    assigned a worker (`--assignment-mode`: random by default) and every later request with the
+    key goes to that worker while it is healthy, so each turn finds the previous ones in that
+    worker's radix cache; a request without a key, or any request under another policy, is routed
+    as the policy routes it.
     """
 
     _read_sample = staticmethod(wire.read_sample)
@@ -245,12 +256,13 @@ class SGLangRouter(RemoteEngine):
 
     async def _generate_one(self, request: GenerateRequest) -> Sample:
         body = wire.single_body(request, self.prefix_key)
+        headers = {ROUTING_KEY_HEADER: request.routing_key} if request.routing_key else None
         last, retry_after = "", 0.0
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(max(self.backoff_s * 2 ** (attempt - 1), retry_after))
             try:
-                response = await self._async_http.post("/generate", json=body)
+                response = await self._async_http.post("/generate", json=body, headers=headers)
             except httpx.TransportError as exc:
                 last, retry_after = f"{type(exc).__name__}: {exc}", 0.0
                 continue

@@ -276,15 +276,22 @@ def child_env(cfg: LaunchConfig, base: dict[str, str] | None = None) -> dict[str
 
 
 def router_argv(
-    worker_urls: Sequence[str], *, host: str, port: int, python: str = sys.executable
+    worker_urls: Sequence[str],
+    *,
+    host: str,
+    port: int,
+    python: str = sys.executable,
+    policy: str | None = None,
 ) -> list[str]:
     """sglang-router in front of `worker_urls`, with its defaults otherwise (cache_aware policy,
     a failed call retried on another worker); its Prometheus metrics on `port + 1` (not its fixed
-    default 29000, so two routers on one host do not collide). Run it with `ServerProcess` (it
-    answers GET /health)."""
+    default 29000, so two routers on one host do not collide). `policy`: "manual" keeps the
+    requests of one routing key (a multi-turn episode group) on one worker (`SGLangRouter`). Run it
+    with `ServerProcess` (it answers GET /health)."""
+    chosen = ["--policy", policy] if policy is not None else []
     return [
         python, "-m", ROUTER_MODULE, "--host", host, "--port", str(port),
-        "--prometheus-port", str(port + 1), "--worker-urls", *worker_urls,
+        "--prometheus-port", str(port + 1), *chosen, "--worker-urls", *worker_urls,
     ]  # fmt: skip
 
 
