@@ -15,6 +15,8 @@ path; CI has no triton, so there these tests skip with the reason) and on a GPU 
   output plus one rounding step of the dtype;
 - an engine with the kernel (static step and eager step, SnapKV's compacted pages) generates the
   gather engine's tokens;
+- both kernels compile for sm_90 (H100 / H200) on a CPU box (triton ships ptxas), half types on
+  the tensor cores;
 - GPU: a CUDA graph captured once replays correctly for new lengths and page tables (no host sync,
   nothing baked in). The engine with graphs and the kernel against HF greedy in fp32 is
   tests/test_gpu.py's engine test (the kernel is the default there).
@@ -23,6 +25,9 @@ path; CI has no triton, so there these tests skip with the reason) and on a GPU 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -154,6 +159,46 @@ def test_triton_decode_true_where_it_cannot_run_names_the_reason(tmp_path):
         EmbeddedEngine(tmp_path / "m", EngineConfig(device="cpu", triton_decode=True))
     engine = EmbeddedEngine(tmp_path / "m", EngineConfig(device="cpu"))
     assert engine.model_info()["decode_attention"] == "gather"
+
+
+# Compiles both kernels for sm_90 (H100 / H200) the way `paged_decode` launches them, in a process
+# without the interpreter: a CPU box has triton's ptxas, so a kernel that would not compile for the
+# GPU fails here; fp16 / bf16 must reach the tensor cores (mma), fp32 must not (IEEE dots).
+COMPILE = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sparserl_mcore.rollout.engine import triton_decode as td
+hopper = GPUTarget("cuda", 90, 32)
+names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+for dtype, name in names.items():
+    for group, d, page, kv_heads, splits in ((7, 64, 16, 2, 1), (7, 64, 16, 2, 4), (1, 128, 5, 8, 3)):
+        meta = td.chunk_meta(dtype, group=group, head_dim=d, page_size=page, kv_heads=kv_heads, splits=splits)
+        options = {"num_warps": meta.pop("num_warps")}
+        meta["UPCAST"] = False
+        part = f"*{name}" if splits == 1 else "*fp32"
+        sig = dict(q_ptr=f"*{name}", k_ptr=f"*{name}", v_ptr=f"*{name}", pages_ptr="*i64", lengths_ptr="*i64",
+                   part_ptr=part, lse_ptr=part, scale_log2="fp32", page_stride="i32", pages_per_row="i32",
+                   chunk="i32", q_stride_b="i32", q_stride_h="i32", **{k: "constexpr" for k in meta})
+        kernel = triton.compile(ASTSource(td._chunk_kernel, sig, meta), target=hopper, options=options)
+        assert ("mma." in kernel.asm["ptx"]) == (dtype != torch.float32), (name, group, d)
+        if splits > 1:
+            meta = td.merge_meta(head_dim=d, splits=splits)
+            sig = dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{name}")
+            sig |= dict.fromkeys(meta, "constexpr")
+            triton.compile(ASTSource(td._merge_kernel, sig, meta), target=hopper)
+print("compiled")
+"""
+
+
+def test_the_kernels_compile_for_hopper_without_a_gpu():
+    if not triton_decode.importable():
+        pytest.skip(NO_TRITON)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([*sys.path, env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-c", COMPILE]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
