@@ -184,7 +184,7 @@ for dtype, name in names.items():
         assert ("mma." in kernel.asm["ptx"]) == (dtype != torch.float32), (name, group, d)
         if splits > 1:
             meta = td.merge_meta(head_dim=d, splits=splits)
-            sig = dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{name}")
+            sig = dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{name}", splits="i32")
             sig |= dict.fromkeys(meta, "constexpr")
             triton.compile(ASTSource(td._merge_kernel, sig, meta), target=hopper)
 print("compiled")

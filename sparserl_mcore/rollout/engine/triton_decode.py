@@ -12,7 +12,8 @@ of request b's entries for KV head h and all g query heads of that GQA group at 
 entry is read once per group, and the group's queries form the rows of one `tl.dot`), keeps an
 online softmax in fp32, and writes its chunk's normalised output and log-sum-exp; a second kernel
 merges the S chunks (with S == 1 the first kernel writes the output itself). S is chosen from the
-shapes only (batch rows, KV heads, padded width), so one graph per bucket stays valid. fp32 inputs
+shapes only (batch rows, KV heads, padded width), so one graph per bucket stays valid; it is a
+launch dimension, not a compile-time constant, so the graph buckets share a few compiled kernels. fp32 inputs
 take IEEE dots (no TF32), so the fp32 output equals the gather path's to rounding; with fp16 / bf16
 inputs Q K^T runs in their dtype on the tensor cores and P @ V in TF32 (fp32 probabilities, 10-bit
 mantissa, not rounded to bf16 as FlashAttention does: bf16 errors stay at the output's rounding).
@@ -140,20 +141,22 @@ def paged_decode(
         **meta, UPCAST=interp_bf16,
     )  # fmt: skip
     if s > 1:
-        _merge_kernel[(B, Hq)](part, lse, out, **merge_meta(head_dim=d, splits=s))
+        _merge_kernel[(B, Hq)](part, lse, out, s, **merge_meta(head_dim=d, splits=s))
     return out.to(q.dtype)
 
 
 def chunk_meta(
     dtype: torch.dtype, *, group: int, head_dim: int, page_size: int, kv_heads: int, splits: int
 ) -> dict:
-    """The chunk kernel's compile-time parameters and warps (also what tests compile for sm_90)."""
+    """The chunk kernel's compile-time parameters and warps (also what tests compile for sm_90).
+    The split count itself is not one (the grid's third dimension): every bucket of the decode
+    graphs would compile its own kernel."""
     return dict(
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         KV_HEADS=kv_heads,
-        SPLITS=splits,
+        DIRECT=splits == 1,  # one split: the chunk kernel writes the output itself
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # padded to the tensor cores' minimum tile
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=BLOCK_N,
@@ -163,9 +166,8 @@ def chunk_meta(
 
 
 def merge_meta(*, head_dim: int, splits: int) -> dict:
-    """The merge kernel's compile-time parameters."""
+    """The merge kernel's compile-time parameters (the split count only through its power of 2)."""
     return dict(
-        SPLITS=splits,
         HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(splits),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -193,7 +195,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         KV_HEADS: tl.constexpr,
-        SPLITS: tl.constexpr,
+        DIRECT: tl.constexpr,
         BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -242,33 +244,34 @@ if triton is not None:
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         row = b.to(tl.int64) * (KV_HEADS * GROUP) + heads  # [BLOCK_G] flat (b, query head)
         keep = g_ok[:, None] & d_ok[None, :]
-        if SPLITS == 1:
+        if DIRECT:
             at_out = row[:, None] * HEAD_DIM + dim[None, :]
             tl.store(part_ptr + at_out, out.to(part_ptr.dtype.element_ty), mask=keep)
         else:
-            at_part = (row[:, None] * SPLITS + s) * HEAD_DIM + dim[None, :]
+            splits = tl.num_programs(2)
+            at_part = (row[:, None] * splits + s) * HEAD_DIM + dim[None, :]
             tl.store(part_ptr + at_part, out, mask=keep)
             lse = tl.where(total > 0, top + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
-            tl.store(lse_ptr + row * SPLITS + s, lse, mask=g_ok)
+            tl.store(lse_ptr + row * splits + s, lse, mask=g_ok)
 
     @triton.jit
     def _merge_kernel(
         part_ptr,
         lse_ptr,
         out_ptr,
-        SPLITS: tl.constexpr,
+        splits,
         HEAD_DIM: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        """Program (b, query head): the SPLITS chunk outputs weighted by their softmax mass."""
+        """Program (b, query head): the `splits` chunk outputs weighted by their softmax mass."""
         row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
         s = tl.arange(0, BLOCK_S)
         dim = tl.arange(0, BLOCK_D)
-        s_ok = s < SPLITS
-        lse = tl.load(lse_ptr + row * SPLITS + s, mask=s_ok, other=float("-inf"))
+        s_ok = s < splits
+        lse = tl.load(lse_ptr + row * splits + s, mask=s_ok, other=float("-inf"))
         w = tl.exp2(lse - tl.max(lse, 0))  # chunk 0 always holds entries: the max is finite
-        at = (row * SPLITS + s[:, None]) * HEAD_DIM + dim[None, :]
+        at = (row * splits + s[:, None]) * HEAD_DIM + dim[None, :]
         part = tl.load(part_ptr + at, mask=s_ok[:, None] & (dim[None, :] < HEAD_DIM), other=0.0)
         out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
         tl.store(out_ptr + row * HEAD_DIM + dim, out.to(out_ptr.dtype.element_ty), mask=dim < HEAD_DIM)
