@@ -230,7 +230,7 @@ def _attention_rows(args, device: torch.device, dtype: torch.dtype) -> list[dict
     d, page, batch = hf["hidden_size"] // heads, 16, args.batch
     rows = []
     for length in (128, 512, 1024, 3000):
-        width = next(w for w in context_buckets(page, 4096) if w > length)  # the static step's bucket
+        width = next(w for w in context_buckets(page, 4096) if w >= length)  # the static step's bucket
         per_row = width // page
         pool = torch.randn(2, batch * per_row, page * kv_heads * d, device=device, dtype=dtype)
         k_rows, v_rows = pool[0], pool[1]
