@@ -13,14 +13,15 @@ entry is read once per group, and the group's queries form the rows of one `tl.d
 online softmax in fp32, and writes its chunk's normalised output and log-sum-exp; a second kernel
 merges the S chunks (with S == 1 the first kernel writes the output itself). S is chosen from the
 shapes only (batch rows, KV heads, padded width), so one graph per bucket stays valid; it is a
-launch dimension, not a compile-time constant, so the graph buckets share a few compiled kernels. fp32 inputs
-take IEEE dots (no TF32), so the fp32 output equals the gather path's to rounding; with fp16 / bf16
-inputs Q K^T runs in their dtype on the tensor cores and P @ V in TF32 (fp32 probabilities, 10-bit
+launch dimension, not a compile-time constant, so the graph buckets share a few compiled kernels.
+fp32 inputs take IEEE dots (no TF32), so the fp32 output equals the gather path's to rounding; with
+fp16 / bf16 inputs Q K^T runs in their dtype on the tensor cores and P @ V in TF32 (fp32 probabilities, 10-bit
 mantissa, not rounded to bf16 as FlashAttention does: bf16 errors stay at the output's rounding).
 
 The gather path is the fallback (no Triton, CPU tensors, the attention mass H2O needs) and the
 test oracle: tests/test_rollout_triton_decode.py runs this kernel under Triton's interpreter
-(`TRITON_INTERPRET=1`, CPU, numpy) and on the GPU against it (docs/rollout.md, "Decode graphs").
+(`TRITON_INTERPRET=1`, CPU, numpy) and on the GPU against it (docs/rollout.md, "Triton paged
+decode attention").
 
 Shape legend: B requests, Hq query heads, Hk KV heads, g = Hq / Hk, d head dim, P pages per row.
 """
