@@ -2,7 +2,9 @@
 
 - every parameter, buffer and tensor attribute of the trainer's model on the rank's GPU, in the
   configured dtype, for every registered architecture;
-- the embedded engine on CUDA in fp32: greedy tokens equal to HF `generate` on the same GPU;
+- the embedded engine on CUDA in fp32: greedy tokens equal to HF `generate` on the same GPU (decode
+  attention by the Triton paged kernel and by the gather path; the kernel's own GPU tests are in
+  tests/test_rollout_triton_decode.py);
 - the trainer's bf16 learner (distributed optimizer) syncing sparse patches into a bf16 engine on
   the GPU: the engine ends bit-identical to a dense export (tests/bf16_sync_worker.py, 1 rank);
 - a 3-step `sparserl train` on the GPU with compressed rollouts (SnapKV), Sparse-RL correction, DGG,
@@ -51,19 +53,29 @@ def test_the_trainer_model_lives_on_the_gpu(runtime, tmp_path, arch, params_dtyp
     assert misplaced(model, runtime.device, spec.params_dtype) == []
 
 
-@pytest.mark.parametrize("cuda_graph", [True, False])
-def test_engine_greedy_equals_hf_generate_in_fp32_on_cuda(tmp_path, cuda_graph):
+@pytest.mark.parametrize(
+    ("cuda_graph", "triton_decode"),
+    [(True, None), (False, None), (True, False)],
+    ids=["graph", "eager", "graph-gather"],
+)
+def test_engine_greedy_equals_hf_generate_in_fp32_on_cuda(tmp_path, cuda_graph, triton_decode):
     """Also: decode steps replayed as CUDA graphs give HF's tokens, and survive a weight update
-    (parameters are written in place, so the graphs read the new weights)."""
+    (parameters are written in place, so the graphs read the new weights); decode attention by the
+    Triton paged kernel (the default where triton imports) and by the gather path."""
     import transformers
 
     from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
+    from sparserl_mcore.rollout.engine import triton_decode as triton_decode_lib
     from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
 
     path = make_tiny(TinyModelConfig(arch="qwen2", layers=2, hidden=64, vocab=160), tmp_path / "m")
-    cfg = EngineConfig(device="cuda", dtype="float32", page_size=4, cuda_graph=cuda_graph)
+    cfg = EngineConfig(
+        device="cuda", dtype="float32", page_size=4, cuda_graph=cuda_graph, triton_decode=triton_decode
+    )
     engine = EmbeddedEngine(path, cfg)
     assert str(engine.model.device).startswith("cuda")
+    kernel = triton_decode is None and triton_decode_lib.why_unusable(torch.device("cuda")) is None
+    assert engine.model_info()["decode_attention"] == ("triton" if kernel else "gather")
     assert engine.decode_graphs.endswith(" graphs") if cuda_graph else engine.decode_graphs == "off"
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
     g = torch.Generator().manual_seed(1)

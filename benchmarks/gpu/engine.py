@@ -7,8 +7,13 @@ tokens (ignore EOS), so both systems generate the same number of tokens. Rows:
   KV cache, SDPA);
 - RL shape: `--rl-prompts` prompts x G=`--group` samples at temperature 1 (engine: one request
   per sample, its radix cache shares each prompt; HF: `num_return_sequences=G`);
-- decode graphs: greedy `--batch` x `--gen` with decode steps replayed as CUDA graphs vs eager
-  (`EngineConfig.cuda_graph`), and how many sequences come out token-identical;
+- decode steps: greedy `--batch` x `--gen`, replayed as CUDA graphs or eager
+  (`EngineConfig.cuda_graph`), decode attention by the Triton paged kernel or the gather path
+  (`EngineConfig.triton_decode`), each against eager + gather, and how many sequences come out
+  token-identical to it;
+- decode attention alone: the Triton kernel vs the gather path, one layer's call at `--batch` rows
+  of the model's heads, every request at one length, the table padded to its CUDA-graph context
+  bucket (what the static step reads), microseconds per call by CUDA events;
 - compression: every KV policy at a budget of half the generated length, at
   `--compression-batch` x `--compression-gen`, tokens/s relative to `none` (goal >= 0.9x).
 Wall tokens/s = generated tokens / wall seconds between device synchronisations; each system is
@@ -20,6 +25,7 @@ warmed up first, then timed `--repeats` times (median).
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -158,37 +164,112 @@ def _throughput_rows(args, path: Path, device: torch.device, dtype: torch.dtype,
     return rows
 
 
-def _graph_row(args, path: Path, device: torch.device, dtype: torch.dtype, vocab: int) -> dict:
-    """Greedy at `--batch` x `--gen`: decode steps as CUDA graph replays vs eager, and how many
-    sequences come out token-identical (bf16: padded rows change GEMM shapes, so an argmax tie
-    may flip; fp32 must match)."""
-    from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig
+# (name, cuda_graph, triton_decode); the first is the reference the others are compared with
+DECODE_VARIANTS = (
+    ("eager, gather", False, False),
+    ("graph, gather", True, False),
+    ("graph, triton", True, True),
+    ("eager, triton", False, True),
+)
+
+
+def _graph_rows(args, path: Path, device: torch.device, dtype: torch.dtype, vocab: int) -> list[dict]:
+    """Greedy at `--batch` x `--gen` for each of DECODE_VARIANTS: tokens/s, and how many sequences
+    equal the eager gather path's (bf16: padded rows change GEMM shapes, so an argmax tie may flip;
+    fp32 must match, tests/test_gpu.py and tests/test_rollout_triton_decode.py)."""
+    from sparserl_mcore.rollout.engine import EmbeddedEngine, EngineConfig, triton_decode
     from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
 
     prompts = _prompts(args.batch, args.prompt_len, vocab, seed=1)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.gen, ignore_eos=True)
     requests = [GenerateRequest(input_ids=tuple(p), sampling=params) for p in prompts]
-    rates, outputs = {}, {}
-    for name, graphs in (("graph", True), ("eager", False)):
+    why_not = triton_decode.why_unusable(device)
+    rows, reference = [], None
+    for name, graphs, triton in DECODE_VARIANTS:
+        if triton and why_not is not None:
+            print(f"greedy decode, {name}: skipped ({why_not})", flush=True)
+            continue
         cfg = EngineConfig(
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
             max_running_requests=args.batch,
             cuda_graph=graphs,
+            triton_decode=triton,
         )
         engine = EmbeddedEngine(path, cfg)
-        rates[name] = _rate(_engine_run(engine, prompts, args.gen, 0.0), device, args.repeats)[0]
-        engine.flush_cache()
-        outputs[name] = [s.output_ids for s in engine.generate(requests)]
-        print(f"greedy decode, {name}: {rates[name]:,.0f} tokens/s", flush=True)
-    same = sum(a == b for a, b in zip(outputs["graph"], outputs["eager"], strict=True))
-    return {
-        "case": f"greedy {args.batch} x {args.gen}",
-        "graph_tok_s": rates["graph"],
-        "eager_tok_s": rates["eager"],
-        "graph_vs_eager": rates["graph"] / rates["eager"],
-        "identical_sequences": f"{same}/{len(prompts)}",
-    }
+        outputs = [s.output_ids for s in engine.generate(requests)]  # the warm-up gives the tokens
+        tokens = sum(len(o) for o in outputs)
+        run = _engine_run(engine, prompts, args.gen, 0.0)
+        rate = tokens / common.median(common.wall_times(run, device, warmup=0, repeats=args.repeats))
+        reference = reference or (rate, outputs)
+        same = sum(a == b for a, b in zip(outputs, reference[1], strict=True))
+        print(f"greedy decode, {name}: {rate:,.0f} tokens/s, {same}/{len(prompts)} identical", flush=True)
+        rows.append(
+            {
+                "case": f"greedy {args.batch} x {args.gen}",
+                "decode": name,
+                "tok_s": rate,
+                "vs_eager_gather": rate / reference[0],
+                "identical_to_eager_gather": f"{same}/{len(prompts)}",
+            }
+        )
+    return rows
+
+
+def _attention_rows(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """One layer's decode attention at `--batch` rows, the model's heads: kernel vs gather."""
+    from sparserl_mcore.rollout.engine import triton_decode
+    from sparserl_mcore.rollout.engine.decode_graphs import context_buckets
+    from sparserl_mcore.rollout.engine.paged_attention import DecodeLayout, decode_attention
+
+    if triton_decode.why_unusable(device) is not None or device.type != "cuda":
+        print(f"decode attention: skipped ({triton_decode.why_unusable(device) or 'needs CUDA'})", flush=True)
+        return []
+    hf = common.model_shape(args.smoke)
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    d, page, batch = hf["hidden_size"] // heads, 16, args.batch
+    rows = []
+    for length in (128, 512, 1024, 3000):
+        width = next(w for w in context_buckets(page, 4096) if w >= length)  # the static step's bucket
+        per_row = width // page
+        pool = torch.randn(2, batch * per_row, page * kv_heads * d, device=device, dtype=dtype)
+        k_rows, v_rows = pool[0], pool[1]
+        tables = torch.randperm(batch * per_row, device="cpu").view(batch, per_row).tolist()
+        layout = DecodeLayout.build(tables, [length] * batch, page_size=page, dtype=dtype, device=device)
+        q = torch.randn(batch, heads, d, device=device, dtype=dtype)
+        inputs = (q, k_rows, v_rows, layout)
+        calls = {
+            "gather": functools.partial(decode_attention, *inputs, use_native=False),
+            "triton": functools.partial(decode_attention, *inputs, use_triton=True),
+        }
+        us = {name: _event_us(fn) for name, fn in calls.items()}
+        diff = (calls["triton"]()[0].float() - calls["gather"]()[0].float()).abs().max().item()
+        print(f"decode attention, length {length} in bucket {width}: {us}", flush=True)
+        rows.append(
+            {
+                "attention": f"{batch} x {heads}/{kv_heads} heads x d {d}, length {length}, bucket {width}",
+                "gather_us": us["gather"],
+                "triton_us": us["triton"],
+                "gather_vs_triton": us["gather"] / us["triton"],
+                "max_abs_diff": diff,
+            }
+        )
+    return rows
+
+
+def _event_us(fn, repeats: int = 50) -> float:
+    """Median microseconds per call of `fn`, by CUDA events, after a warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return common.median(times)
 
 
 def _compression_rows(args, path: Path, device: torch.device, dtype: torch.dtype, vocab: int) -> list[dict]:
@@ -233,7 +314,8 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = _checkpoint(args, Path(tmp))
         rows = _throughput_rows(args, path, device, dtype, vocab)
-        graphs = [_graph_row(args, path, device, dtype, vocab)]
+        graphs = _graph_rows(args, path, device, dtype, vocab)
+        attention = _attention_rows(args, device, dtype)
         compression = _compression_rows(args, path, device, dtype, vocab)
     notes = [f"{dtype}, prompts {args.prompt_len} tokens +-50 %", "wall tokens/s between device syncs"]
     if args.smoke:
@@ -242,12 +324,16 @@ def main(argv: list[str]) -> int:
     common.print_table(
         f"engine vs HF generate, {env['device']}", rows, [*columns, ("engine_vs_hf", "engine/HF")]
     )
-    columns = [("case", "case"), ("graph_tok_s", "graph tok/s"), ("eager_tok_s", "eager tok/s")]
-    columns += [("graph_vs_eager", "graph/eager"), ("identical_sequences", "identical")]
-    common.print_table("decode steps as CUDA graphs vs eager", graphs, columns)
+    columns = [("case", "case"), ("decode", "decode"), ("tok_s", "tok/s"), ("vs_eager_gather", "vs eager")]
+    columns += [("identical_to_eager_gather", "identical")]
+    common.print_table("decode steps: CUDA graphs or eager, Triton kernel or gather", graphs, columns)
+    columns = [("attention", "one layer"), ("gather_us", "gather us"), ("triton_us", "triton us")]
+    columns += [("gather_vs_triton", "gather/triton"), ("max_abs_diff", "max |diff|")]
+    if attention:
+        common.print_table("decode attention: Triton kernel vs gather", attention, columns)
     columns = [("policy", "policy"), ("budget", "budget"), ("engine_tok_s", "tok/s"), ("vs_none", "vs none")]
     common.print_table("compression (budget = half the generated length)", compression, columns)
-    print(common.write_record(args.out, "engine", env, rows + graphs + compression, notes))
+    print(common.write_record(args.out, "engine", env, rows + graphs + attention + compression, notes))
     return 0
 
 

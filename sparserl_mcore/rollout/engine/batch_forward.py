@@ -42,8 +42,10 @@ class BatchForward:
         compressor: KVCompressor | None,
         lanes: CompressionLanes | None,
         graphs: DecodeGraphs | None = None,
+        triton_decode: bool = False,
     ) -> None:
         self.model, self.pool, self.kv_cfg, self.lanes = model, pool, kv_cfg, lanes
+        self.triton_decode = triton_decode  # decode attention by the Triton kernel where no mass is wanted
         self.want_mass = compressor is not None and compressor.needs_accumulated_attention
         self.want_queries = compressor is not None and compressor.needs_window_queries
         # the static decode step serves pure-decode steps that feed compression nothing
@@ -108,7 +110,12 @@ class BatchForward:
             layer_mass: list[torch.Tensor | None] = []
             if layout is not None:
                 out, mass = decode_attention(
-                    q[:n_dec], self.pool.k_rows(layer), self.pool.v_rows(layer), layout, want_mass=want_mass
+                    q[:n_dec],
+                    self.pool.k_rows(layer),
+                    self.pool.v_rows(layer),
+                    layout,
+                    want_mass=want_mass,
+                    use_triton=self.triton_decode,
                 )
                 outs.append(out)
                 layer_mass.append(mass)

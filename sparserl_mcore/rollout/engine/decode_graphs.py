@@ -59,10 +59,13 @@ class DecodeGraphs:
     patch receiver do): graphs hold their addresses.
     """
 
-    def __init__(self, model: CausalLM, pool: KVPool, *, max_bs: int, max_context: int) -> None:
+    def __init__(
+        self, model: CausalLM, pool: KVPool, *, max_bs: int, max_context: int, triton_decode: bool = False
+    ) -> None:
         if max_bs < 1 or max_context < 1:
             raise ValueError(f"max_bs={max_bs}, max_context={max_context}: both must be >= 1")
         self.model, self.pool, self.max_bs = model, pool, max_bs
+        self.triton_decode = triton_decode  # attention by the Triton kernel, not the gather path
         ps, dev = pool.page_size, pool.k.device
         self.batches = batch_buckets(max_bs)
         self.widths = context_buckets(ps, max_context)
@@ -157,7 +160,8 @@ class DecodeGraphs:
             q, k, v = model.qkv(layer, h, cos, sin)
             pool.k_flat(layer).index_copy_(0, write, k)
             pool.v_flat(layer).index_copy_(0, write, v)
-            out, _ = decode_attention(q, pool.k_rows(layer), pool.v_rows(layer), layout, use_native=False)
+            k_rows, v_rows, triton = pool.k_rows(layer), pool.v_rows(layer), self.triton_decode
+            out, _ = decode_attention(q, k_rows, v_rows, layout, use_native=False, use_triton=triton)
             h = model.finish_layer(layer, h, out)
         return model.logits(h)
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sparserl_mcore.rollout.engine import triton_decode
 from sparserl_mcore.rollout.engine.decode_graphs import DecodeGraphs
 from sparserl_mcore.rollout.engine.hf_model import CausalLM
 from sparserl_mcore.rollout.engine.kv_pool import KVPool
@@ -82,6 +83,10 @@ class EngineConfig:
     on CUDA; None: on for dense models on CUDA, off elsewhere; True on the CPU runs the same static
     step eagerly (tests). cuda_graph_max_bs / cuda_graph_max_context: the largest batch and context
     a graph covers; larger steps run eagerly.
+    triton_decode: decode attention by the Triton kernel that reads KV pages in place
+    (`triton_decode.py`), in the static step and the eager one (not where H2O wants the attention
+    mass); None: on where it can run (CUDA, Triton importable), else the gather path; True where it
+    cannot is refused with the reason.
     """
 
     device: str = "auto"
@@ -101,6 +106,7 @@ class EngineConfig:
     cuda_graph: bool | None = None
     cuda_graph_max_bs: int = 64
     cuda_graph_max_context: int = 4096
+    triton_decode: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -160,6 +166,8 @@ class EmbeddedEngine:
         device = cfg.resolved_device()
         self.model = CausalLM.from_pretrained(hf_dir, device=device, dtype=cfg.resolved_dtype(device))
         self.tokenizer = _load_tokenizer(hf_dir)
+        use_triton = self._triton_decode(device)
+        self.decode_attention = "triton" if use_triton else "gather"  # what model_info reports
         static_decode = self._static_decode(device)
         self.pool = self._build_pool(extra_pages=1 if static_decode else 0)
         graphs = (
@@ -168,6 +176,7 @@ class EmbeddedEngine:
                 self.pool,
                 max_bs=min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
                 max_context=cfg.cuda_graph_max_context,
+                triton_decode=use_triton,
             )
             if static_decode
             else None
@@ -183,6 +192,7 @@ class EmbeddedEngine:
             max_prefill_tokens=cfg.max_prefill_tokens,
             stop_text=self.tokenizer.decode if self.tokenizer is not None else None,
             graphs=graphs,
+            triton_decode=use_triton,
         )
         self.decode_graphs = "off" if graphs is None else "eager"  # what model_info reports
         if graphs is not None and device.type == "cuda":
@@ -233,6 +243,15 @@ class EmbeddedEngine:
         if self.cfg.cuda_graph is None:
             return device.type == "cuda" and not moe
         return self.cfg.cuda_graph
+
+    def _triton_decode(self, device: torch.device) -> bool:
+        """Whether decode attention runs the Triton kernel (`EngineConfig.triton_decode`)."""
+        why_not = triton_decode.why_unusable(device)
+        if self.cfg.triton_decode and why_not is not None:
+            raise ValueError(f"triton_decode=True: {why_not}; leave it unset to use the gather path")
+        if self.cfg.triton_decode is None:
+            return device.type == "cuda" and why_not is None
+        return self.cfg.triton_decode
 
     def _build_pool(self, *, extra_pages: int) -> KVPool:
         """The KV pool of the configured capacity, plus `extra_pages` the engine reserves itself."""
@@ -470,6 +489,7 @@ class EmbeddedEngine:
             "pool_pages": self.pool.num_pages,
             "page_bytes": self.pool.page_bytes,
             "decode_graphs": self.decode_graphs,
+            "decode_attention": self.decode_attention,
         }
 
     def stats(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sparserl_mcore.rollout.engine import native
+from sparserl_mcore.rollout.engine import native, triton_decode
 from sparserl_mcore.rollout.engine.host_ints import long_tensor
 
 # The cross-head mass path (`_cross_head_attention`) costs Hk times the score flops: it pays off
@@ -116,6 +116,7 @@ def decode_attention(
     *,
     want_mass: bool = False,
     use_native: bool = True,
+    use_triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query per request over its own cache, gathered page by page.
 
@@ -126,7 +127,13 @@ def decode_attention(
     On CPU in fp32 the native kernel (`native.paged_decode`, with or without the mass) reads the
     pages in place instead, no gather (docs/rollout.md, "Step cost"); without it, or with `use_native=False`
     (benchmarks comparing the two), the torch path below.
+    With `use_triton` (the engine's `triton_decode`) and no mass wanted, the Triton kernel
+    (`triton_decode.paged_decode`) reads the pages in place on CUDA; this gather path is its fallback.
     """
+    if use_triton and not want_mass and triton_decode.usable(q):
+        return triton_decode.paged_decode(
+            q, k_rows, v_rows, layout.pages, layout.lengths, page_size=layout.page_size
+        ), None
     B, Hq, d = q.shape
     N = layout.valid.shape[1]
     kernel = native_decode_kernel(q.device, q.dtype) if use_native and q.dtype == k_rows.dtype else None

@@ -80,6 +80,7 @@ class Scheduler:
         max_prefill_tokens: int,
         stop_text: StopTextFn | None,
         graphs: DecodeGraphs | None = None,
+        triton_decode: bool = False,
     ) -> None:
         self.model, self.pool, self.radix = model, pool, radix
         self.kv_cfg, self.compressor = kv_cfg, compressor
@@ -106,7 +107,7 @@ class Scheduler:
             if compressor is not None
             else None
         )
-        self._forward = BatchForward(model, pool, kv_cfg, compressor, self.lanes, graphs)
+        self._forward = BatchForward(model, pool, kv_cfg, compressor, self.lanes, graphs, triton_decode)
         self._compactor = (
             Compactor(model.cfg, pool, kv_cfg, compressor, self.lanes, self.listeners)
             if compressor is not None and self.lanes is not None
