@@ -172,8 +172,9 @@ def test_remote_engine_urls_from_an_override() -> None:
                 "rollout.engine=remote",
                 "rollout.urls=[http://a:1]",
                 "rollout.server=sglang",
+                "rollout.kv.method=snapkv",
             ],
-            ["routing_replay=true with rollout.server=sglang", "--enable-return-routed-experts"],
+            ["routing_replay=true with rollout.server=sglang and rollout.kv.method=snapkv", "by KV slot"],
         ),
         (
             ["parallel.islands=2", "parallel.expert_model_parallel_size=2"],

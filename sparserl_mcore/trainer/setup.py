@@ -144,6 +144,12 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
         from sparserl_mcore.sglang.client import SGLangRouter, SGLangWorker
 
         token = os.environ.get(rc.token_env) if rc.token_env else None
+        shape = None  # rollout routing replay: the (layers, top_k) routed experts are read back in
+        if cfg.model.moe.routing_replay:
+            from sparserl_mcore.trainer.routing_replay import RoutingShape
+
+            routing = RoutingShape.of_checkpoint(cfg.model.hf_path)
+            shape = None if routing is None else (routing.layers, routing.top_k)
         if rc.router_url is not None:  # generation only: weights go to the workers (WeightSyncer)
             router = SGLangRouter(
                 rc.router_url,
@@ -153,22 +159,22 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
                 retries=rc.max_retries,  # per request: the router sends each retry to a live worker
                 backoff_s=rc.retry_backoff_s,
                 workers=[SGLangWorker(u, token, timeout=rc.request_timeout_s, retries=0) for u in rc.urls],
+                routed_experts_shape=shape,
             )
             return {rc.router_url: router}
         # retries=0: the pool retries a failed chunk itself, on another server when one is live
         if rc.server == "sglang":
             return {
                 url: SGLangWorker(
-                    url, token, timeout=rc.request_timeout_s, retries=0, concurrency=rc.groups_in_flight
+                    url,
+                    token,
+                    timeout=rc.request_timeout_s,
+                    retries=0,
+                    concurrency=rc.groups_in_flight,
+                    routed_experts_shape=shape,
                 )
                 for url in rc.urls
             }
-        shape = None  # rollout routing replay: the (layers, top_k) routed experts are read back in
-        if cfg.model.moe.routing_replay:
-            from sparserl_mcore.trainer.routing_replay import RoutingShape
-
-            routing = RoutingShape.of_checkpoint(cfg.model.hf_path)
-            shape = None if routing is None else (routing.layers, routing.top_k)
         return {
             url: RemoteEngine(
                 url,
