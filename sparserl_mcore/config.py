@@ -514,6 +514,12 @@ class RunConfig:
                 "plugin moves kept entries to other slots, so the ids would belong to other tokens; set "
                 "rollout.kv.method=none (or use rollout.server=sparserl, whose engine records them as fed)"
             )
+        if self.model.moe.routing_replay and self.rollout.router_url is not None:
+            raise ValueError(
+                "model.moe.routing_replay=true with rollout.router_url: sglang-router 0.3.2 drops "
+                "return_routed_experts from the requests it forwards, so no sample would come back "
+                "with its routing; send to the workers directly (drop rollout.router_url)"
+            )
         if self.rollout.sampling.seed is not None:
             raise ValueError(
                 f"rollout.sampling.seed={self.rollout.sampling.seed}: training seeds every request "

@@ -216,13 +216,9 @@ class SGLangRouter(RemoteEngine):
         retries: int = 2,
         backoff_s: float = 0.5,
         workers: Sequence[RemoteEngine] = (),
-        routed_experts_shape: tuple[int, int] | None = None,
     ) -> None:
         self.workers = list(workers)
-        super().__init__(
-            url, timeout=timeout, retries=retries, backoff_s=backoff_s, concurrency=concurrency,
-            routed_experts_shape=routed_experts_shape,
-        )  # fmt: skip
+        super().__init__(url, timeout=timeout, retries=retries, backoff_s=backoff_s, concurrency=concurrency)
         self._async_http = httpx.AsyncClient(
             base_url=self.url,
             timeout=self._http.timeout,
@@ -235,8 +231,7 @@ class SGLangRouter(RemoteEngine):
     def __repr__(self) -> str:
         return f"SGLangRouter({self.url!r})"
 
-    def _read_sample(self, obj: dict[str, Any], request: GenerateRequest) -> Sample:
-        return wire.read_sample(obj, request, self.routed_experts_shape)
+    _read_sample = staticmethod(wire.read_sample)  # no routed experts: sglang-router drops the flag
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
         """One call per request on the I/O loop, each retried on its own; `RequestsFailed` when some

@@ -30,6 +30,9 @@ SGLang's where this module adapts (read in the 0.5.23 wheel, file: symbol):
   ask from position 0 (`routed_experts_start_len` left at its default): SGLang keeps the ids of a
   radix-cached prefix with its KV slots, so they cover the whole sequence but its last token. A
   server started without the flag answers none (the sample arrives without ids and is refused).
+  sglang-router 0.3.2 drops the field (its typed `GenerateRequest` has none; measured live: the
+  worker behind it answered without ids), so replay through a router is refused
+  (`RunConfig`) and `single_body` never asks.
 """
 
 from __future__ import annotations
@@ -82,8 +85,6 @@ def single_body(request: GenerateRequest, extra_key: str | None = None) -> dict[
         "rid": request.rid or uuid.uuid4().hex,
         "return_logprob": True,
     }
-    if request.return_routed_experts:
-        body["return_routed_experts"] = True
     if extra_key is not None:
         body["extra_key"] = extra_key
     return body

@@ -159,7 +159,6 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
                 retries=rc.max_retries,  # per request: the router sends each retry to a live worker
                 backoff_s=rc.retry_backoff_s,
                 workers=[SGLangWorker(u, token, timeout=rc.request_timeout_s, retries=0) for u in rc.urls],
-                routed_experts_shape=shape,
             )
             return {rc.router_url: router}
         # retries=0: the pool retries a failed chunk itself, on another server when one is live
