@@ -11,15 +11,26 @@ the mismatch is split into tokens whose routing agreed in every layer and tokens
 layer routed differently; then recomputed with the sampler's choices replayed in the learner
 (`compute_logprobs(routed_BTLK=...)`, the trainer's R3 path): what rollout routing replay removes.
 
+`--sampler sglang`: the sampler is a live SGLang 0.5.23 server on CPU instead (`sparserl
+sglang-serve --device cpu`, one per policy, `--return-routed-experts` for the MoE one; SGLang's own
+models, bf16), read through the trainer's `SGLangWorker`; the expert choices are the ones SGLang
+returns (`meta_info["routed_experts"]`), the ids the trainer replays.
+
     python -m benchmarks bench_moe_mismatch [--samples 16 --new-tokens 48 --experts 16 --top-k 4]
+        [--sampler embedded|sglang]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import socket
+import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +68,63 @@ def _sample(hf_dir: Path, args: argparse.Namespace):
         if moe:
             routing = torch.stack([torch.cat([step[layer] for step in log]) for layer in range(len(log[0]))])
         out.append((sample, routing))
+    return out
+
+
+# SGLang's CPU engine on a small shared box: a 4096-token KV pool, no warm-up request, and the
+# served weights labelled version 0 (the trainer's client reads samples of synced versions only)
+SGLANG_FLAGS = ("--max-total-tokens", "4096", "--mem-fraction-static", "0.8", "--skip-server-warmup")
+
+
+@contextmanager
+def _sglang_server(hf_dir: Path, log: Path, routed: bool) -> Iterator[str]:
+    """`sparserl sglang-serve --device cpu` on loopback; yields its URL once ready."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "sparserl_mcore", "sglang-serve", "--model-path", str(hf_dir),
+           "--port", str(port), "--device", "cpu", *(["--return-routed-experts"] if routed else []),
+           "--", *SGLANG_FLAGS, "--weight-version", "0"]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait = threading.Event()
+        while "sparserl sglang-serve: ready" not in log.read_text(errors="replace"):
+            if proc.poll() is not None:
+                raise RuntimeError(f"sparserl sglang-serve exited with {proc.returncode}; see {log}")
+            wait.wait(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()  # the launcher stops SGLang's whole process group
+        proc.wait(120)
+
+
+def _sample_sglang(hf_dir: Path, args: argparse.Namespace):
+    """`_sample` with a live SGLang server as the sampler; the MoE policy's choices are the ids
+    SGLang returns: [layers, tokens, k]."""
+    from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
+    from sparserl_mcore.sglang.client import SGLangWorker
+    from sparserl_mcore.trainer.routing_replay import RoutingShape
+
+    shape = RoutingShape.of_checkpoint(hf_dir)
+    moe = shape is not None
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
+    out = []
+    gen = torch.Generator().manual_seed(5)
+    with _sglang_server(hf_dir, hf_dir.parent / f"{hf_dir.name}-sglang.log", moe) as url:
+        worker = SGLangWorker(url, routed_experts_shape=(shape.layers, shape.top_k) if shape else None)
+        for i in range(args.samples):
+            prompt = torch.randint(3, 500, (12,), generator=gen).tolist()
+            params = dataclasses.replace(sampling, seed=i)
+            request = GenerateRequest(input_ids=tuple(prompt), sampling=params, return_routed_experts=moe)
+            (sample,) = worker.generate([request])
+            routing = None
+            if moe:
+                if sample.routed_experts is None:
+                    raise RuntimeError(f"{url} returned no routed experts for sample {i}")
+                routing = sample.routed_experts.long().transpose(0, 1)  # [layers, tokens, k]
+            out.append((sample, routing))
+        worker.close()
     return out
 
 
@@ -106,6 +174,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument(
+        "--sampler", choices=("embedded", "sglang"), default="embedded", help="sglang: a live CPU server"
+    )
     args = parser.parse_args(argv)
     from sparserl_mcore.parallel import ParallelConfig, initialize, shutdown
 
@@ -113,16 +184,15 @@ def main(argv: list[str]) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, hf_dir in _policies(Path(tmp), args).items():
-            samples = _sample(hf_dir, args)
+            samples = _sample_sglang(hf_dir, args) if args.sampler == "sglang" else _sample(hf_dir, args)
             rt = initialize(ParallelConfig(), seed=0)
             try:
                 spec, model = _learner(hf_dir, rt)
                 rows.append((name, _measure(model, spec, rt, samples)))
             finally:
                 shutdown()
-    print(
-        f"{args.samples} samples x {args.new_tokens} tokens, bf16 sampler (embedded engine) vs bf16 learner"
-    )
+    sampler = "SGLang 0.5.23, CPU" if args.sampler == "sglang" else "embedded engine"
+    print(f"{args.samples} samples x {args.new_tokens} tokens, bf16 sampler ({sampler}) vs bf16 learner")
     print("policy / tokens                          | mean|d| p99|d|  max|d|  K3 KL")
     for name, result in rows:
         for label, diff in result.items():

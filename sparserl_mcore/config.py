@@ -507,11 +507,18 @@ class RunConfig:
             )
         if self.train.async_.mode != "off":
             self._check_async()
-        if self.model.moe.routing_replay and self.rollout.server == "sglang":
+        if self.model.moe.routing_replay and self.rollout.server == "sglang" and self.rollout.kv.enabled:
             raise ValueError(
-                "model.moe.routing_replay=true with rollout.server=sglang: SGLang returns routed experts "
-                "only when started with --enable-return-routed-experts, which `sparserl sglang-serve` "
-                "does not pass yet; use rollout.server=sparserl (or engine=embedded) or leave replay off"
+                f"model.moe.routing_replay=true with rollout.server=sglang and rollout.kv.method="
+                f"{self.rollout.kv.method}: SGLang reads routed experts back by KV slot, and the KV "
+                "plugin moves kept entries to other slots, so the ids would belong to other tokens; set "
+                "rollout.kv.method=none (or use rollout.server=sparserl, whose engine records them as fed)"
+            )
+        if self.model.moe.routing_replay and self.rollout.router_url is not None:
+            raise ValueError(
+                "model.moe.routing_replay=true with rollout.router_url: sglang-router 0.3.2 drops "
+                "return_routed_experts from the requests it forwards, so no sample would come back "
+                "with its routing; send to the workers directly (drop rollout.router_url)"
             )
         if self.rollout.sampling.seed is not None:
             raise ValueError(

@@ -74,14 +74,15 @@ class LiveServer:
         return [(path, int(code)) for path, code in found]
 
 
-def start(hf: Path, log: Path, kv: dict[str, object]) -> LiveServer:
-    """`sparserl sglang-serve` with these KV settings (method "none": no compression); not waited for."""
+def start(hf: Path, log: Path, kv: dict[str, object], serve_args: Sequence[str] = ()) -> LiveServer:
+    """`sparserl sglang-serve` with these KV settings (method "none": no compression) and further
+    flags of ours (`serve_args`); not waited for."""
     port = free_port()
     cmd = [PY, "-m", "sparserl_mcore", "sglang-serve", "--model-path", str(hf), "--port", str(port)]
     cmd += ["--device", "cpu", "--token", TOKEN, "--startup-timeout", str(STARTUP_S)]
     for key, value in kv.items():
         cmd += [f"--kv-{key.replace('_', '-')}", str(value)]
-    cmd += ["--", *SGLANG_FLAGS]
+    cmd += [*serve_args, "--", *SGLANG_FLAGS]
     out = log.open("w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=subprocess_env())
     out.close()

@@ -172,8 +172,19 @@ def test_remote_engine_urls_from_an_override() -> None:
                 "rollout.engine=remote",
                 "rollout.urls=[http://a:1]",
                 "rollout.server=sglang",
+                "rollout.kv.method=snapkv",
             ],
-            ["routing_replay=true with rollout.server=sglang", "--enable-return-routed-experts"],
+            ["routing_replay=true with rollout.server=sglang and rollout.kv.method=snapkv", "by KV slot"],
+        ),
+        (
+            [
+                "model.moe.routing_replay=true",
+                "rollout.engine=remote",
+                "rollout.urls=[http://a:1]",
+                "rollout.server=sglang",
+                "rollout.router_url=http://r:9",
+            ],
+            ["routing_replay=true with rollout.router_url", "drops return_routed_experts"],
         ),
         (
             ["parallel.islands=2", "parallel.expert_model_parallel_size=2"],

@@ -258,13 +258,18 @@ def test_a_run_that_starts_over_says_it_replaces_the_old_metrics(assets):
 
 class _Front(http.server.BaseHTTPRequestHandler):
     """GET /server_info as SGLang answers it (a JSON object of its settings, tp_size among them)
-    on the "sglang" servers (its overlap scheduler on, SGLang's default, or off), 404 (no such
-    route, as `sparserl serve`) on the other."""
+    on the "sglang" servers (its overlap scheduler on, SGLang's default, or off; routed experts
+    returned on "sglang_routed" only), 404 (no such route, as `sparserl serve`) on the other."""
 
     def do_GET(self) -> None:
         kind = self.server.kind  # type: ignore[attr-defined]
         sglang = kind.startswith("sglang")
-        info = {"tp_size": 2, "version": "0.5.23", "disable_overlap_schedule": kind == "sglang_no_overlap"}
+        info = {
+            "tp_size": 2,
+            "version": "0.5.23",
+            "disable_overlap_schedule": kind == "sglang_no_overlap",
+            "enable_return_routed_experts": kind == "sglang_routed",
+        }
         body = json.dumps(info).encode() if sglang else b"{}"
         self.send_response(200 if sglang and self.path == "/server_info" else 404)
         self.send_header("Content-Length", str(len(body)))
@@ -279,7 +284,7 @@ class _Front(http.server.BaseHTTPRequestHandler):
 def fronts():
     urls = {}
     servers = []
-    for kind in ("sglang", "sglang_no_overlap", "sparserl"):
+    for kind in ("sglang", "sglang_no_overlap", "sglang_routed", "sparserl"):
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Front)
         server.kind = kind  # type: ignore[attr-defined]
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -335,3 +340,20 @@ def test_in_flight_refuses_sglang_workers_that_run_the_overlap_scheduler(assets,
     quiet = f"rollout.urls=[{fronts['sglang_no_overlap']}]"
     check_run(load_config(cfg, [*remote, quiet, "train.async.mode=in_flight"]), world_size=2)
     check_run(load_config(cfg, [*remote, both, "train.async.mode=one_step"]), world_size=2)
+
+
+def test_replay_refuses_sglang_workers_started_without_routed_experts(assets, fronts):
+    """`model.moe.routing_replay` needs workers started with --enable-return-routed-experts (SGLang
+    answers without ids otherwise, and every sample would be refused)."""
+    from sparserl_mcore.trainer.preflight import _check_servers
+
+    root, hf = assets
+    path = _config(root, hf, "replay")
+
+    def cfg(*urls: str):
+        remote = ["rollout.engine=remote", "rollout.server=sglang", f"rollout.urls=[{','.join(urls)}]"]
+        return load_config(path, [*remote, "model.moe.routing_replay=true", "rollout.kv.method=none"])
+
+    with pytest.raises(PreflightError, match=rf"{fronts['sglang']} is an SGLang server started without "):
+        _check_servers(cfg(fronts["sglang_routed"], fronts["sglang"]))
+    _check_servers(cfg(fronts["sglang_routed"], "http://127.0.0.1:9"))  # unreachable: left to the run

@@ -38,7 +38,7 @@ from sglang_kv_world import (
 
 from sparserl_mcore.rollout.kvcompress import KVCompressionConfig
 from sparserl_mcore.sglang.kv_hooks import MODEL_INIT, KVHooks
-from sparserl_mcore.sglang.plugin import WEIGHT_UPDATER
+from sparserl_mcore.sglang.plugin import HOST_REGISTER, WEIGHT_UPDATER
 
 pytestmark = pytest.mark.usefixtures(sglang_context.__name__)
 
@@ -263,7 +263,8 @@ def test_sglangs_load_plugins_wires_the_hooks_or_refuses_to_start(method, ok):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     hooks = KVHooks(KVCompressionConfig(method=method, **CFG), max_running_requests=4)
-    assert sorted([*(t for t, _ in hooks.targets()), WEIGHT_UPDATER]) == out["applied"]
+    cpu_only = [] if torch.cuda.is_available() else [HOST_REGISTER]  # no CUDA to pin host memory with
+    assert sorted([*(t for t, _ in hooks.targets()), WEIGHT_UPDATER, *cpu_only]) == out["applied"]
     assert (MODEL_INIT in out["applied"]) == (method == "snapkv")  # the ring is sized at model load
     assert out["init_new_classmethod"]
     if method == "snapkv":  # no decode query recorded yet: compression waits one step

@@ -78,6 +78,9 @@ def test_command_line_and_environment():
     original = "SGLANG_RETURN_ORIGINAL_LOGPROB"
     assert child_env(cfg, {original: "1"})[original] == "false"
     assert "--page-size" not in argv and "--disable-overlap-schedule" not in argv  # no KV: SGLang's defaults
+    assert "--enable-return-routed-experts" not in argv
+    routed = LaunchConfig(model_path="/m", return_routed_experts=True)
+    assert "--enable-return-routed-experts" in sglang_argv(routed)  # what routing replay needs
 
 
 @pytest.mark.parametrize("method, graphs_off", [("snapkv", True), ("streamingllm", False)])
@@ -127,6 +130,14 @@ def test_max_running_requests_reaches_sglang_and_the_plugin(method, given, passe
             "sparserl sglang-serve --max-running-requests",
         ),
         ({"max_running_requests": 0}, "max_running_requests=0"),
+        (
+            {"kv": KVCompressionConfig(method="streamingllm"), "return_routed_experts": True},
+            "--enable-return-routed-experts with KV compression .*by KV slot",
+        ),
+        (
+            {"kv": KVCompressionConfig(method="snapkv"), "extra_args": ("--enable-return-routed-experts",)},
+            "--kv-method none for routing replay",
+        ),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(kwargs, message):
@@ -156,6 +167,9 @@ def test_a_checkpoint_the_sparse_sync_cannot_serve_is_refused_before_sglang_star
     (hf / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(ValueError, match="a quantized checkpoint"):
         check_model(LaunchConfig(model_path=str(hf)))
+    (hf / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="--return-routed-experts: .* is a dense model"):
+        check_model(LaunchConfig(model_path=str(hf), return_routed_experts=True))
 
 
 @pytest.mark.parametrize(
@@ -165,6 +179,7 @@ def test_a_checkpoint_the_sparse_sync_cannot_serve_is_refused_before_sglang_star
         (["--model-path", "/m", "--token", ""], {}, "--token (or $SPARSERL_SERVE_TOKEN) is empty"),
         (["--model-path", "/m"], {"SPARSERL_SERVE_TOKEN": ""}, "is empty"),
         (["--model-path", "/m", "--", "--dtype", "float32"], {}, "--dtype float32"),
+        (["--model-path", "/m", "--kv-method", "snapkv", "--return-routed-experts"], {}, "by KV slot"),
     ],
 )
 def test_the_cli_refuses_in_one_line_before_starting_sglang(argv, env, message, monkeypatch, capsys):

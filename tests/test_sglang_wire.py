@@ -12,6 +12,8 @@ figures with gaps, malformed figures.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from sglang_cpu import require_sglang
 
@@ -165,3 +167,31 @@ def test_the_prefix_cache_key_reaches_sglangs_request_classes():
     assert "extra_key" not in wire.generate_body(REQUESTS) and "extra_key" not in wire.single_body(
         REQUESTS[0]
     )
+
+
+def test_routed_experts_are_asked_for_and_read_in_sglangs_encoding():
+    """Rollout routing replay: the flag reaches SGLang's batch request class;
+    `meta_info["routed_experts"]` (int32 [seqlen - 1, layers, top_k] as SGLang's detokenizer
+    encodes it) is read back in the model's shape, as SGLang's own
+    `extract_routed_experts_from_meta_info` reads it; a payload of another shape is dropped."""
+    require_sglang()
+    import base64
+
+    import torch
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+
+    asking = [dataclasses.replace(r, return_routed_experts=True) for r in REQUESTS]
+    req = GenerateReqInput(**wire.generate_body(asking))
+    req.normalize_batch_and_arguments()
+    assert req.return_routed_experts is True
+
+    ids = torch.randint(0, 8, (3 + 2 - 1, 2, 2), dtype=torch.int32)  # 3 prompt + 2 output tokens
+    obj = _response("a", [9, 10], "3")
+    obj["meta_info"]["routed_experts"] = base64.b64encode(ids.numpy().tobytes()).decode()
+    sample = wire.read_sample(obj, asking[0], (2, 2))
+    assert sample.routed_experts is not None and sample.routed_experts_start == 0
+    assert torch.equal(sample.routed_experts.int(), ids)
+    assert extract_routed_experts_from_meta_info(obj).tolist() == sample.routed_experts.flatten().tolist()
+    assert wire.read_sample(obj, asking[0], (3, 2)).routed_experts is None  # not this model's shape
+    assert wire.read_sample(obj, REQUESTS[0], (2, 2)).routed_experts is None  # not asked for

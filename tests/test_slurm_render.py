@@ -263,6 +263,12 @@ def test_rollout_tasks_get_their_own_port_and_gpus(tiny):
     flags = dict(zip(sglang[4::2], sglang[5::2], strict=False))
     assert sglang[3] == "sglang-serve"
     assert (flags["--port"], flags["--tp-size"], flags["--base-gpu-id"]) == ("30003", "2", "6")
+    assert "--return-routed-experts" not in sglang
+    replay = load_config(path, ["model.moe.routing_replay=true"])  # SGLang returns routed experts
+    assert (
+        task_server("sglang", replay, local_task=0, base_port=30000, gpus=True)[-1]
+        == "--return-routed-experts"
+    )
     # the embedded engine's flags are read back by `sparserl serve`'s own parser into the run's KV config
     embedded = _serve_args(task_server("embedded", cfg, local_task=3, base_port=30000, gpus=True))
     assert (embedded.port, embedded.device, embedded.host) == (30003, "cuda:3", "0.0.0.0")

@@ -4,13 +4,15 @@ Stable command line (the Slurm scripts call it on rollout nodes):
 
     sparserl sglang-serve --model-path DIR [--host H] [--port P] [--tp-size N] [--token T]
         [--device cuda|cpu] [--kv-method M --kv-budget B ...] [--max-running-requests R]
-        [--startup-timeout S]
+        [--return-routed-experts] [--startup-timeout S]
         [-- <extra sglang.launch_server args>]
 
 The token comes from --token or SPARSERL_SERVE_TOKEN and becomes SGLang's --admin-api-key (an
 empty one is refused). The checkpoint is checked before SGLang starts (`launch.check_model`). The
 KV flags are those of `sparserl serve` (same KVCompressionConfig). `--device cpu` runs SGLang's
-CPU engine with our stand-ins for its CUDA-only packages (docs/sglang.md). Prints
+CPU engine with our stand-ins for its CUDA-only packages (docs/sglang.md). `--return-routed-experts`
+starts SGLang with `--enable-return-routed-experts`, which `model.moe.routing_replay` needs
+(docs/moe.md, R3). Prints
 `sparserl sglang-serve: ready <url>` once GET /health answers 200; exits 0 on SIGTERM/SIGINT
 after stopping SGLang's whole process group, or with SGLang's exit code if it dies.
 """
@@ -47,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "snapkv / rkv, whose query ring is sized from it)",
     )
     parser.add_argument(
+        "--return-routed-experts",
+        action="store_true",
+        help="answer the experts each token was routed to (SGLang's --enable-return-routed-experts; "
+        "model.moe.routing_replay needs it)",
+    )
+    parser.add_argument(
         "--startup-timeout", type=positive_float, default=1800.0, help="seconds to wait for /health"
     )
     kv = parser.add_argument_group("KV compression (omitted: KVCompressionConfig defaults)")
@@ -75,6 +83,7 @@ def config_from_args(args: argparse.Namespace):  # -> LaunchConfig
         device=args.device,
         kv=KVCompressionConfig(**_given(args, KV_FLAGS, "kv_")),
         max_running_requests=args.max_running_requests,
+        return_routed_experts=args.return_routed_experts,
         extra_args=tuple(extra),
         startup_timeout_s=args.startup_timeout,
     )

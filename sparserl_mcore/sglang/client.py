@@ -65,7 +65,6 @@ class SGLangWorker(RemoteEngine):
     """One SGLang server: generation through `RemoteEngine` in SGLang's /generate dialect
     (`sglang.wire`), plus the weight-update routes."""
 
-    _read_sample = staticmethod(wire.read_sample)
     # set by in-flight weight syncs: requests carry it as `extra_key`, so none matches prefix KV an
     # older version cached (SGLang cannot flush while paused requests hold their pages)
     prefix_key: str | None = None
@@ -75,6 +74,9 @@ class SGLangWorker(RemoteEngine):
 
     def _generate_body(self, requests: Sequence[GenerateRequest]) -> dict[str, Any]:
         return wire.generate_body(requests, self.prefix_key)
+
+    def _read_sample(self, obj: dict[str, Any], request: GenerateRequest) -> Sample:
+        return wire.read_sample(obj, request, self.routed_experts_shape)
 
     def server_info(self) -> dict[str, Any]:
         return dict(self._call("GET", "/server_info").json())
@@ -213,7 +215,6 @@ class SGLangRouter(RemoteEngine):
     as the policy routes it.
     """
 
-    _read_sample = staticmethod(wire.read_sample)
     prefix_key: str | None = None  # as SGLangWorker's; the router forwards `extra_key`
 
     def __init__(
@@ -240,6 +241,8 @@ class SGLangRouter(RemoteEngine):
 
     def __repr__(self) -> str:
         return f"SGLangRouter({self.url!r})"
+
+    _read_sample = staticmethod(wire.read_sample)  # no routed experts: sglang-router drops the flag
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
         """One call per request on the I/O loop, each retried on its own; `RequestsFailed` when some
@@ -361,6 +364,16 @@ def server_kind(url: str, token: str | None = None, *, timeout: float = 5.0) -> 
     if status == 404:
         return "sparserl"
     return "sglang" if isinstance(body, dict) and "tp_size" in body else None
+
+
+def returns_routed_experts(url: str, token: str | None = None, *, timeout: float = 5.0) -> bool | None:
+    """Whether an SGLang worker was started with `--enable-return-routed-experts` (its /server_info
+    `enable_return_routed_experts`); None when it cannot be asked. Without it SGLang captures no
+    routing and answers requests that ask for it without ids."""
+    _, body = _server_info(url, token, timeout)
+    if not isinstance(body, dict) or "enable_return_routed_experts" not in body:
+        return None
+    return body["enable_return_routed_experts"] is True
 
 
 def overlap_scheduled(url: str, token: str | None = None, *, timeout: float = 5.0) -> bool:

@@ -16,6 +16,9 @@ own process group with:
 - `--admin-api-key <token>` when a token is given: SGLang then requires it on the weight, pause
   and flush routes (auth level ADMIN_OPTIONAL) while /generate stays open, the same split as
   `sparserl serve`;
+- `--enable-return-routed-experts` with `return_routed_experts` (rollout routing replay: SGLang then
+  answers `meta_info["routed_experts"]` to requests that ask, docs/moe.md "R3"); refused with KV
+  compression, and on a dense checkpoint (`check_model`);
 - `--dtype bfloat16`: our patches carry BF16 bits, and SGLang would otherwise serve a float32 (or
   dtype-less) checkpoint in float16 (`srt/configs/model_config.py: _get_and_verify_dtype`), which
   every patch would then fail against; another `--dtype` among the extra flags is refused;
@@ -62,13 +65,17 @@ SGLANG_MODULE = "sglang.launch_server"
 # would make the ring 3.3 GB for a 7B model at window 8
 RING_MAX_RUNNING_REQUESTS = 256
 ROUTER_MODULE = "sglang_router.launch_router"  # sglang-router 0.3.2, the `sglang` extra
+# `srt/arg_groups/fields/exec_.py: enable_return_routed_experts`: SGLang captures every MoE layer's
+# top-k (`srt/state_capturer/routed_experts.py`) only when started with it
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """One SGLang server. extra_args go to SGLang verbatim, after ours (they may override).
     max_running_requests: SGLang's `--max-running-requests` (None: SGLang's default, or
-    `RING_MAX_RUNNING_REQUESTS` when the KV policy keeps a query ring, which is sized from it)."""
+    `RING_MAX_RUNNING_REQUESTS` when the KV policy keeps a query ring, which is sized from it).
+    return_routed_experts: start SGLang with `--enable-return-routed-experts` (routing replay)."""
 
     model_path: str
     host: str = "127.0.0.1"
@@ -78,6 +85,7 @@ class LaunchConfig:
     device: str = "cuda"
     kv: KVCompressionConfig = dataclasses.field(default_factory=KVCompressionConfig)
     max_running_requests: int | None = None
+    return_routed_experts: bool = False
     extra_args: tuple[str, ...] = ()
     startup_timeout_s: float = 1800.0
     grace_s: float = 30.0
@@ -104,6 +112,13 @@ class LaunchConfig:
             raise ValueError(f"max_running_requests={self.max_running_requests}: must be >= 1")
         if self.kv.enabled:
             _check_kv_launch(self.kv, self.extra_args)
+            if self.return_routed_experts or ROUTED_EXPERTS_FLAG in self.extra_args:
+                raise ValueError(
+                    f"{ROUTED_EXPERTS_FLAG} with KV compression (--kv-method {self.kv.method}): SGLang "
+                    "reads a request's routed experts back by KV slot, and the plugin's compaction moves "
+                    "kept entries to other slots, so the ids would belong to other tokens; use "
+                    "--kv-method none for routing replay"
+                )
         if self.running_requests is not None and any(
             a.split("=", 1)[0] == "--max-running-requests" for a in self.extra_args
         ):
@@ -164,6 +179,8 @@ def sglang_argv(cfg: LaunchConfig) -> list[str]:
             argv += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
     if cfg.running_requests is not None:
         argv += ["--max-running-requests", str(cfg.running_requests)]
+    if cfg.return_routed_experts:
+        argv += [ROUTED_EXPERTS_FLAG]
     if cfg.token is not None:
         argv += ["--admin-api-key", cfg.token]
     return argv + list(cfg.extra_args)
@@ -217,7 +234,8 @@ def _check_sync_launch(extra_args: tuple[str, ...]) -> None:
 def check_model(cfg: LaunchConfig) -> None:
     """Refuse, in one line and before SGLang starts, a checkpoint the sparse sync cannot serve: a
     directory that is not a complete HF checkpoint with a tokenizer, an architecture without an
-    SGLang layout, a quantized one, or one whose heads `tp_size` does not split."""
+    SGLang layout, a quantized one, or one whose heads `tp_size` does not split; routed experts
+    asked of a dense one."""
     from sparserl_mcore.ckpt.preflight import check_hf_checkpoint
     from sparserl_mcore.sglang.layout import SGLangLayout
 
@@ -232,6 +250,11 @@ def check_model(cfg: LaunchConfig) -> None:
         SGLangLayout(hf, tp_size=cfg.tp_size)
     except ValueError as exc:
         raise ValueError(f"--model-path {cfg.model_path} at --tp-size {cfg.tp_size}: {exc}") from None
+    if cfg.return_routed_experts and hf.moe is None:
+        raise ValueError(
+            f"--return-routed-experts: {cfg.model_path} is a dense model ({hf.arch}), it routes no "
+            "experts; drop the flag"
+        )
 
 
 def _check_kv_launch(kv: KVCompressionConfig, extra_args: tuple[str, ...]) -> None:

@@ -19,6 +19,12 @@ sparserl-mcore next to SGLang changes nothing by itself. Hooks:
   `ReqToTokenPool.alloc_rows`, AROUND `RadixAttention.forward` and AFTER `ModelRunner.initialize`
   for policies scoring with queries);
   docs/sglang.md, "KV compression".
+- on SGLang's CPU engine without CUDA: REPLACE `mem_cache.pool_host.common._cuda_host_register`
+  (`HOST_REGISTER`) by `unpinned`. SGLang pins its host-side capture buffers with cudaHostRegister
+  whatever the device (`state_capturer/base.py: BaseHostCache`, `ALLOC_MEMORY_FUNCS` defaults to
+  `alloc_with_host_register`), so `--enable-return-routed-experts` (routing replay) fails at
+  start-up on a CPU-only torch ("Torch not compiled with CUDA enabled"); without a GPU nothing
+  transfers from that memory, so it stays plain host memory.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 from sparserl_mcore.sglang.kv_hooks import KVHooks
 from sparserl_mcore.sglang.launch import PLUGIN_ENV
 
+HOST_REGISTER = "sglang.srt.mem_cache.pool_host.common._cuda_host_register"
 WEIGHT_UPDATER = ".".join(
     (
         "sglang.srt.model_executor.model_runner_components.weight_updater",
@@ -76,6 +83,18 @@ def report_rejections(original: Callable[..., Any], *args: Any, **kwargs: Any) -
         return False, f"sparserl patch rejected: {exc}"
 
 
+def unpinned(buffer: Any, registration_granularity_bytes: int | None = None) -> None:
+    """REPLACE of `_cuda_host_register` on a CPU-only box: host memory needs no pinning there."""
+    del buffer, registration_granularity_bytes
+
+
+def cpu_only() -> bool:
+    """SGLang's CPU engine on a torch without CUDA (what `sparserl sglang-serve --device cpu` runs)."""
+    import torch
+
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and not torch.cuda.is_available()
+
+
 def register() -> None:
     """The `sglang.srt.plugins` entry point."""
     config = settings()
@@ -84,6 +103,8 @@ def register() -> None:
     kv_hooks = _kv_hooks(config)
     hooks: list[tuple[str, Callable[..., Any], str]] = [(WEIGHT_UPDATER, report_rejections, "AROUND")]
     hooks += [(target, kv_hooks.hook(target), kind) for target, kind in kv_hooks.targets()]
+    if cpu_only():
+        hooks += [(HOST_REGISTER, unpinned, "REPLACE")]
     missing = missing_targets([target for target, _, _ in hooks])
     if missing:
         raise SystemExit(f"sparserl plugin: this SGLang lacks the hooked names {missing}; pin sglang==0.5.23")

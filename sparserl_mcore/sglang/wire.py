@@ -22,6 +22,17 @@ SGLang's where this module adapts (read in the 0.5.23 wheel, file: symbol):
   a request never matches prefix KV that requests of an older version cached (SGLang cannot flush
   while requests run in place), nor KV another run cached under the same version number on a
   server that outlived it.
+- `return_routed_experts` (`GenerateReqInput`, one flag per batch body; rollout routing replay):
+  a server started with `--enable-return-routed-experts` answers `meta_info["routed_experts"]`,
+  base64 of the int32 [seqlen - 1 - routed_experts_start_len, num_hidden_layers, top_k] ids
+  (`managers/detokenizer_manager.py: _b64_encode_per_request` of `state_capturer/base.py:
+  BaseTopkCapturer.get_topk`, native byte order: little-endian on every host SGLang runs on). We
+  ask from position 0 (`routed_experts_start_len` left at its default): SGLang keeps the ids of a
+  radix-cached prefix with its KV slots, so they cover the whole sequence but its last token. A
+  server started without the flag answers none (the sample arrives without ids and is refused).
+  sglang-router 0.3.2 drops the field (its typed `GenerateRequest` has none; measured live: the
+  worker behind it answered without ids), so replay through a router is refused
+  (`RunConfig`) and `single_body` never asks.
 """
 
 from __future__ import annotations
@@ -103,11 +114,17 @@ def token_versions(meta: dict[str, Any], n: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
+def read_sample(
+    obj: dict[str, Any], request: GenerateRequest, routed_shape: tuple[int, int] | None = None
+) -> Sample:
     """One SGLang response object as a `Sample`; KeyError / TypeError / ValueError when malformed
-    or when the worker does not hold weights this trainer sent (its label is not a version)."""
+    or when the worker does not hold weights this trainer sent (its label is not a version).
+    routed_shape: the model's (layers, top_k), to read routed experts by; a payload that does not
+    fit the sample is dropped with one logged line (`http_wire.read_routed_experts`)."""
     meta = obj["meta_info"]
     output_ids, logprobs = http_wire.read_outputs(obj, request)
+    seqlen = len(request.input_ids) + len(output_ids)
+    routed, start = http_wire.read_routed_experts(meta, request, seqlen, routed_shape)
     return Sample(
         rid=str(meta["id"]),
         prompt_ids=request.input_ids,
@@ -118,6 +135,8 @@ def read_sample(obj: dict[str, Any], request: GenerateRequest) -> Sample:
         weight_version=_version(meta["weight_version"]),
         cached_prompt_tokens=int(meta.get("cached_tokens", 0)),
         output_versions=token_versions(meta, len(output_ids)),
+        routed_experts=routed,
+        routed_experts_start=start,
     )
 
 

@@ -37,7 +37,8 @@ def server_command(kind: ServerKind, cfg: RunConfig, *, port: int, first_gpu: in
         if first_gpu is None:
             raise ValueError("SGLang rollout servers need GPUs")
         tp = ["--tp-size", str(cfg.rollout.tensor_parallel_size), "--base-gpu-id", str(first_gpu)]
-        return [*base, "sglang-serve", *common, *tp, *kv_flags(cfg.rollout.kv)]
+        routed = ["--return-routed-experts"] if cfg.model.moe.routing_replay else []
+        return [*base, "sglang-serve", *common, *tp, *kv_flags(cfg.rollout.kv), *routed]
     device = "cpu" if first_gpu is None else f"cuda:{first_gpu}"
     return [*base, "serve", *common, "--device", device, "--log-level", "warning", *kv_flags(cfg.rollout.kv)]
 

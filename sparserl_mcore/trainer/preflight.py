@@ -21,6 +21,8 @@ torchrun or srun run it themselves). It needs neither megatron nor a process gro
   `sparserl serve` take weights through different routes and a mix-up would fail at the first sync;
   an SGLang worker lets the trainer's token through to its weight routes
   (`sglang.client.weight_routes_refuse`), since a refused token loses the worker at the first sync;
+  with `model.moe.routing_replay` it was started with `--enable-return-routed-experts`
+  (`returns_routed_experts`), since without it every sample would arrive without ids and be refused;
   a `rollout.router_url` that answers routes to exactly `rollout.urls` (`router_workers`), since
   weights reach only those;
 - resume (`run_record`): what the run continues from and which settings changed since; refused
@@ -85,7 +87,12 @@ def check_run(cfg: RunConfig, *, world_size: int, probe_servers: bool = True) ->
 
 
 def _check_servers(cfg: RunConfig) -> None:
-    from sparserl_mcore.sglang.client import overlap_scheduled, server_kind, weight_routes_refuse
+    from sparserl_mcore.sglang.client import (
+        overlap_scheduled,
+        returns_routed_experts,
+        server_kind,
+        weight_routes_refuse,
+    )
 
     rc = cfg.rollout
     if rc.engine != "remote":
@@ -105,6 +112,13 @@ def _check_servers(cfg: RunConfig) -> None:
             raise PreflightError(
                 f"rollout.urls: {url} refuses its weight routes with {given} (HTTP {refused}); set "
                 "rollout.token_env to the variable holding the token the server was started with"
+            )
+        if kind == "sglang" and cfg.model.moe.routing_replay and returns_routed_experts(url, token) is False:
+            raise PreflightError(
+                f"rollout.urls: {url} is an SGLang server started without --enable-return-routed-experts, "
+                "so it returns no routed experts and model.moe.routing_replay=true would refuse every "
+                "sample; restart it with `sparserl sglang-serve --return-routed-experts ...` or leave "
+                "replay off"
             )
         if kind == "sglang" and cfg.train.async_.mode == "in_flight" and overlap_scheduled(url, token):
             raise PreflightError(

@@ -144,6 +144,12 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
         from sparserl_mcore.sglang.client import SGLangRouter, SGLangWorker
 
         token = os.environ.get(rc.token_env) if rc.token_env else None
+        shape = None  # rollout routing replay: the (layers, top_k) routed experts are read back in
+        if cfg.model.moe.routing_replay:
+            from sparserl_mcore.trainer.routing_replay import RoutingShape
+
+            routing = RoutingShape.of_checkpoint(cfg.model.hf_path)
+            shape = None if routing is None else (routing.layers, routing.top_k)
         if rc.router_url is not None:  # generation only: weights go to the workers (WeightSyncer)
             router = SGLangRouter(
                 rc.router_url,
@@ -159,16 +165,15 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
         if rc.server == "sglang":
             return {
                 url: SGLangWorker(
-                    url, token, timeout=rc.request_timeout_s, retries=0, concurrency=rc.groups_in_flight
+                    url,
+                    token,
+                    timeout=rc.request_timeout_s,
+                    retries=0,
+                    concurrency=rc.groups_in_flight,
+                    routed_experts_shape=shape,
                 )
                 for url in rc.urls
             }
-        shape = None  # rollout routing replay: the (layers, top_k) routed experts are read back in
-        if cfg.model.moe.routing_replay:
-            from sparserl_mcore.trainer.routing_replay import RoutingShape
-
-            routing = RoutingShape.of_checkpoint(cfg.model.hf_path)
-            shape = None if routing is None else (routing.layers, routing.top_k)
         return {
             url: RemoteEngine(
                 url,
