@@ -19,6 +19,7 @@ from e2e_support import PY, REPO, make_assets, write_config
 from sparserl_mcore.cli import main
 from sparserl_mcore.config import load_config
 from sparserl_mcore.rollout.http import cli as serve_cli
+from sparserl_mcore.sglang import cli as sglang_cli
 from sparserl_mcore.slurm import cli as slurm_cli
 from sparserl_mcore.slurm.layout import LayoutError, time_limit_seconds
 from sparserl_mcore.slurm.servers import task_server
@@ -243,6 +244,15 @@ def test_time_limits_in_every_slurm_format():
         time_limit_seconds("1:2:3:4")
 
 
+def _sglang_launch(cmd: list[str]):
+    assert cmd[1:4] == ["-m", "sparserl_mcore", "sglang-serve"]
+    parser = argparse.ArgumentParser()
+    sglang_cli.add_arguments(parser)
+    args = parser.parse_args(cmd[4:])
+    args.token = "job-token"  # the job script's $SPARSERL_SERVE_TOKEN
+    return sglang_cli.config_from_args(args)
+
+
 def _serve_args(cmd: list[str]) -> argparse.Namespace:
     assert cmd[1:4] == ["-m", "sparserl_mcore", "serve"]
     parser = argparse.ArgumentParser()
@@ -259,17 +269,17 @@ def test_rollout_tasks_get_their_own_port_and_gpus(tiny):
         rollout={"tensor_parallel_size": 2, "kv": {"method": "rkv", "budget": 64, "interval": 16}},
     )
     cfg = load_config(path)
-    sglang = task_server("sglang", cfg, local_task=3, base_port=30000, gpus=True)
-    flags = dict(zip(sglang[4::2], sglang[5::2], strict=False))
-    assert sglang[3] == "sglang-serve"
-    assert (flags["--port"], flags["--tp-size"], flags["--base-gpu-id"]) == ("30003", "2", "6")
-    assert "--return-routed-experts" not in sglang
-    replay = load_config(path, ["model.moe.routing_replay=true"])  # SGLang returns routed experts
-    assert (
-        task_server("sglang", replay, local_task=0, base_port=30000, gpus=True)[-1]
-        == "--return-routed-experts"
-    )
-    # the embedded engine's flags are read back by `sparserl serve`'s own parser into the run's KV config
+    # each server's flags are read back by its own command's parser (`sparserl sglang-serve` / `serve`)
+    sglang = _sglang_launch(task_server("sglang", cfg, local_task=3, base_port=30000, gpus=True))
+    assert (sglang.model_path, sglang.port, sglang.tp_size, sglang.host) == (str(hf), 30003, 2, "0.0.0.0")
+    assert sglang.extra_args == ("--base-gpu-id", "6") and sglang.kv == cfg.rollout.kv
+    assert not sglang.return_routed_experts
+    replay = load_config(
+        path, ["model.moe.routing_replay=true", "rollout.kv.method=none"]
+    )  # routed experts back
+    assert _sglang_launch(
+        task_server("sglang", replay, local_task=0, base_port=30000, gpus=True)
+    ).return_routed_experts
     embedded = _serve_args(task_server("embedded", cfg, local_task=3, base_port=30000, gpus=True))
     assert (embedded.port, embedded.device, embedded.host) == (30003, "cuda:3", "0.0.0.0")
     assert serve_cli._engine_config(embedded).kv_compression == cfg.rollout.kv

@@ -32,15 +32,17 @@ def server_command(kind: ServerKind, cfg: RunConfig, *, port: int, first_gpu: in
     CPU). An SGLang server spans rollout.tensor_parallel_size GPUs from there; the embedded
     engine runs on that one GPU."""
     base = [sys.executable, "-m", "sparserl_mcore"]
-    common = ["--hf-dir", cfg.model.hf_path, "--host", "0.0.0.0", "--port", str(port)]
+    bind = ["--host", "0.0.0.0", "--port", str(port)]
     if kind == "sglang":
         if first_gpu is None:
             raise ValueError("SGLang rollout servers need GPUs")
-        tp = ["--tp-size", str(cfg.rollout.tensor_parallel_size), "--base-gpu-id", str(first_gpu)]
+        tp = ["--tp-size", str(cfg.rollout.tensor_parallel_size)]
         routed = ["--return-routed-experts"] if cfg.model.moe.routing_replay else []
-        return [*base, "sglang-serve", *common, *tp, *kv_flags(cfg.rollout.kv), *routed]
+        own = ["--model-path", cfg.model.hf_path, *bind, *tp, *kv_flags(cfg.rollout.kv), *routed]
+        return [*base, "sglang-serve", *own, "--", "--base-gpu-id", str(first_gpu)]  # SGLang's own flag
     device = "cpu" if first_gpu is None else f"cuda:{first_gpu}"
-    return [*base, "serve", *common, "--device", device, "--log-level", "warning", *kv_flags(cfg.rollout.kv)]
+    own = ["--hf-dir", cfg.model.hf_path, *bind, "--device", device, "--log-level", "warning"]
+    return [*base, "serve", *own, *kv_flags(cfg.rollout.kv)]
 
 
 def task_server(
