@@ -282,7 +282,7 @@ def test_workers_behind_a_router_are_taken_out_when_unhealthy_and_put_back_only_
     pool = EnginePool({"r": router}, _cfg(probe_interval_s=0.05), lambda k, f: events.append((k, f)))
     w0.healthy = False
     wait_until(lambda: router.routed == {"w1"}, timeout=30, what="w0 taken out of the router")
-    assert list(pool.live) == ["r"] and events[0] == (
+    assert list(pool.live) == ["r"] and pool.workers_live() == 1 and events[0] == (
         "engine_removed", {"engine": "w0", "router": "r", "reason": "health check failed", "live": 1}
     )  # fmt: skip
     w0.healthy = True

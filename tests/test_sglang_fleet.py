@@ -192,6 +192,7 @@ def test_a_run_through_the_router_survives_failing_hung_and_killed_workers(serve
     assert sum(r["rollout/requests_retried"] for r in steps) >= 1  # at least the hung one, by us
     removed = [r["engine"] for r in records if r.get("event") == "engine_removed"]
     assert removed == [returning.url]  # A failed requests, never its worker; the router stayed
+    assert min(r["engines/workers_live"] for r in steps) == 1 and steps[-1]["engines/workers_live"] == 2
     # no token older than the admission bound: B never served an older version
     assert all(r["staleness/masked_tokens"] == 0 and r["staleness/lag_max"] <= 2 for r in steps)
     # B's new server took its full sync before any request, served requests after its return, and

@@ -151,6 +151,10 @@ class EnginePool:
         with self._lock:
             return dict(self._dead)
 
+    def workers_live(self) -> int | None:
+        """SGLang workers in service behind the pool's routers (None when it has no router)."""
+        return len(self._behind.serving(set(self.live))) if self._behind else None
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._live)

@@ -1,10 +1,12 @@
 """The SGLang workers behind the pool's sglang-router engines: which the router serves, and which
 the trainer took out of it (dead, or a weight sync failed on them) and why.
 
-The router holds no weights and re-registers a restarted worker by itself (its own health checks),
-so the trainer decides who it routes to: a worker that fails its health check or a sync is taken
-out (`DELETE /workers/{id}`), and put back (`POST /workers`) only when the pool re-admits it after
-a full weight sync (`EnginePool.admit`). The probing and the re-admission backoff are the pool's.
+The router holds no weights and keeps a dead worker registered (its own health checks, 60 s apart
+by default, mark it unhealthy, then healthy again once a restarted one answers, at whatever
+weights it holds), so the trainer decides who it routes to: a worker that fails the pool's health
+check or a sync is taken out (`DELETE /workers/{id}`), and put back (`POST /workers`) only when the
+pool re-admits it after a full weight sync (`EnginePool.admit`). The probing and the re-admission
+backoff are the pool's.
 """
 
 from __future__ import annotations
