@@ -5,6 +5,7 @@ only POST /generate is tampered with: every `fail_every`-th one is answered 502 
 without reaching the server, and the `hang_at`-th one is held `hang_s` seconds (past the client's
 timeout) and then dropped. An upstream that does not answer (the server was killed) is a 502, as a
 load balancer answers. `served` records when each /generate the server answered 200 came back.
+`retarget` points it at another server (a worker that came back elsewhere answers at this URL).
 """
 
 from __future__ import annotations
@@ -25,16 +26,25 @@ class FaultProxy:
         self.served: list[float] = []  # monotonic times of /generate answers the server gave
         self._lock = threading.Lock()
         self._client = httpx.Client(base_url=self.upstream, timeout=120)
+        self._retired: list[httpx.Client] = []  # clients of earlier upstreams (`retarget`)
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
+    def retarget(self, upstream: str) -> None:
+        """Forward to `upstream` from now on (requests already forwarded finish where they went)."""
+        with self._lock:
+            self._retired.append(self._client)
+            self.upstream = upstream.rstrip("/")
+            self._client = httpx.Client(base_url=self.upstream, timeout=120)
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        self._client.close()
+        for client in [*self._retired, self._client]:
+            client.close()
 
     def _fault(self, path: str) -> int | None:
         """What to do with this request: None (forward), a status to answer, or 0 (hang)."""

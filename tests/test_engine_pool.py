@@ -240,6 +240,68 @@ def test_a_removed_engine_is_probed_and_comes_back_only_when_admitted():
     pool.close()
 
 
+class Worker:
+    """A worker behind `Router`: its URL and what its health check answers."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.healthy, self.closed = url, True, False
+
+    def health(self) -> bool:
+        return self.healthy
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Router(EchoEngine):
+    """Stands in for sglang-router's worker routes (`SGLangRouter`): `routed` is what it lists;
+    `refuse`: its add / remove calls fail (the router's HTTP API down)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        super().__init__(concurrency=4)
+        self.workers = [Worker(u) for u in urls]
+        self.routed, self.refuse = set(urls), False
+
+    def remove_workers(self, urls) -> None:
+        if self.refuse:
+            raise ConnectionError("router down")
+        self.routed -= set(urls)
+        self.workers = [w for w in self.workers if w.url not in urls]
+
+    def add_worker(self, worker) -> None:
+        if self.refuse:
+            raise ConnectionError("router down")
+        self.routed.add(worker.url)
+        self.workers.append(worker)
+
+
+def test_workers_behind_a_router_are_taken_out_when_unhealthy_and_put_back_only_when_admitted():
+    events = []
+    router = Router(["w0", "w1"])
+    w0 = router.workers[0]
+    pool = EnginePool({"r": router}, _cfg(probe_interval_s=0.05), lambda k, f: events.append((k, f)))
+    w0.healthy = False
+    wait_until(lambda: router.routed == {"w1"}, timeout=30, what="w0 taken out of the router")
+    assert list(pool.live) == ["r"] and pool.workers_live() == 1 and events[0] == (
+        "engine_removed", {"engine": "w0", "router": "r", "reason": "health check failed", "live": 1}
+    )  # fmt: skip
+    w0.healthy = True
+    wait_until(lambda: pool.recovered() == ["w0"], timeout=30, what="w0 recovered")
+    assert router.routed == {"w1"}  # healthy is not enough: the loop syncs its weights first
+    router.refuse = True  # the router does not take it back: it stays out, probed again later
+    pool.admit("w0")
+    assert router.routed == {"w1"} and pool.recovered() == [] and events[-1][0] == "readmission_failed"
+    router.refuse = False
+    wait_until(lambda: pool.recovered() == ["w0"], timeout=30, what="w0 recovered again")
+    pool.admit("w0")
+    assert router.routed == {"w0", "w1"} and [w.url for w in router.workers] == ["w1", "w0"]
+    assert events[-1] == ("engine_readmitted", {"engine": "w0", "router": "r", "live": 2})
+    router.refuse = True  # a router that cannot take a stale worker out leaves the pool
+    pool.remove_workers("r", {"w1"}, "weight sync failed twice (sparse and full)")
+    assert not pool.live and "could not take ['w1'] out" in pool.dead["r"]
+    pool.close()
+
+
 class Versioned(EchoEngine):
     """Serves its samples at weight version `version` (a restarted server: 0)."""
 

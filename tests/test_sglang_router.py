@@ -294,6 +294,48 @@ def test_a_worker_dropped_by_the_weight_sync_leaves_the_router(stack):
     router.close()
 
 
+def _serve_again(url: str, hf) -> ServerProcess:
+    """`sparserl serve` again on the port of `url` (a worker killed above), healthy."""
+    cfg = _launch(int(url.rsplit(":", 1)[1]))
+    argv = [sys.executable, "-m", "sparserl_mcore", "serve", "--hf-dir", str(hf), "--port", str(cfg.port)]
+    process = ServerProcess(cfg, argv=argv).__enter__()
+    process.wait_healthy()
+    return process
+
+
+def test_a_worker_dead_under_the_router_is_taken_out_and_returns_only_when_admitted(stack):
+    """The pool watches the workers behind its router: worker 0, SIGKILLed, fails its health check
+    and is taken out of the router (`DELETE /workers/{id}`); started again, it answers health and is
+    `recovered`, but the router does not route to it until `admit` (which the loop calls only after
+    its full weight sync) puts it back (`POST /workers`). Worker 0 was killed by the test above."""
+    _, router_url, urls, hf = stack
+    events: list[tuple[str, dict]] = []
+    restarted = [_serve_again(urls[0], hf)]
+    try:
+        engines = build_engines(_config(hf, router_url, urls), compressed=True, device="cpu")
+        router = engines[router_url]
+        router.add_worker(router.workers[0])  # taken out by the test above: in again
+        assert sorted(router_workers(router_url)) == sorted(urls)
+        cfg = PoolConfig(chunk_size=4, chunk_timeout_s=60, probe_interval_s=0.2)
+        pool = EnginePool(engines, cfg, lambda kind, fields: events.append((kind, fields)))
+        os.killpg(restarted[0].proc.pid, signal.SIGKILL)
+        wait_until(lambda: router_workers(router_url) == urls[1:], timeout=30, what="worker 0 taken out")
+        assert [(k, f["engine"], f["live"]) for k, f in events] == [("engine_removed", urls[0], 1)]
+        assert list(pool.live) == [router_url] and [w.url for w in router.workers] == urls[1:]
+        assert len(pool.generate(_requests(2, "one-worker"))) == 8  # worker 1 serves the step
+        restarted.append(_serve_again(urls[0], hf))
+        wait_until(lambda: pool.recovered() == [urls[0]], timeout=30, what="worker 0 recovered")
+        assert router_workers(router_url) == urls[1:]  # healthy, but not routed to before admit
+        pool.admit(urls[0])
+        assert sorted(router_workers(router_url)) == sorted(urls) and pool.recovered() == []
+        assert events[-1][0] == "engine_readmitted" and events[-1][1]["engine"] == urls[0]
+        assert sorted(w.url for w in router.workers) == sorted(urls)  # a stop pauses it again
+        pool.close()
+    finally:
+        for process in restarted:
+            process.stop()
+
+
 def test_a_dead_router_fails_the_step_at_once_with_its_url(stack):
     process, router_url, urls, hf = stack
     engines = build_engines(_config(hf, router_url, urls), compressed=True, device="cpu")

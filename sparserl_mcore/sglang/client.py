@@ -5,7 +5,8 @@ not the weight or pause routes (404 there), so every learner rank that sends fra
 every worker directly, and the host's engine pool sends /generate to the router alone
 (`SGLangRouter`, `rollout.router_url`). `router_workers` reads the worker URLs from the router's
 `GET /workers` (`{"workers": [{"id", "url", ...}, ...], "total", "stats"}`); `DELETE
-/workers/{id}` takes one out (answered 202, done in the background).
+/workers/{id}` takes one out and `POST /workers` `{"url"}` puts one in (both answered 202 and done
+in the background; an added worker is listed once the router's own `/health` of it passed).
 
 Route shapes (sglang 0.5.23 `srt/entrypoints/http_server.py`, bodies from `srt/managers/io_struct.py`):
 `POST /pause_generation` {"mode"}, `/continue_generation`, `/flush_cache`, `/begin_weight_update`
@@ -25,6 +26,7 @@ import base64
 import io
 import pickle
 import threading
+import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -298,12 +300,26 @@ class SGLangRouter(RemoteEngine):
         super().close()
 
     def remove_workers(self, urls: Collection[str]) -> None:
-        """Stop routing to these workers (ones the trainer could not sync: their weights are stale)."""
+        """Stop routing to these workers (dead ones, or ones the trainer could not sync: their
+        weights are stale)."""
         listed = self._call("GET", "/workers").json().get("workers", [])
         for item in listed:
             if item.get("url") in urls:
                 self._call("DELETE", f"/workers/{item['id']}")
         self.workers = [w for w in self.workers if w.url not in urls]
+
+    def add_worker(self, worker: RemoteEngine, *, timeout_s: float = 120.0) -> None:
+        """Route to `worker` again (one the pool re-admitted after a full sync); returns once the
+        router lists it, raises RemoteEngineError when it does not within `timeout_s`."""
+        self._call("POST", "/workers", json={"url": worker.url})
+        deadline = time.monotonic() + timeout_s
+        while worker.url not in router_workers(self.url):
+            if time.monotonic() > deadline:
+                raise RemoteEngineError(
+                    f"{self.url}: {worker.url} not listed {timeout_s:g} s after POST /workers"
+                )
+            time.sleep(0.2)
+        self.workers = [*(w for w in self.workers if w.url != worker.url), worker]
 
 
 def router_workers(router_url: str, *, timeout: float = 10.0) -> list[str]:

@@ -22,6 +22,9 @@ in flight go back to the queue then (a hung thread is abandoned; whatever it ret
 discarded, so no sample is ever duplicated). Removed engines are probed in the background
 (`probe_interval_s`); one answering health again is `recovered()`, and the loop re-admits it
 (`admit`) only after a full weight sync to the current version (`WeightSyncer.readmit`).
+SGLang workers behind a router engine (`trainer/router_workers.py`) are watched the same way from
+the start: one failing its health check (or a sync) is taken out of the router, probed, and put
+back into the router only by `admit`, after its full sync, so none serves an older version.
 Every result is keyed by request id, so the output has exactly one sample per request, in the
 order of the input. With no engine left, `NoEngineLeftError` tells the loop to checkpoint and stop.
 
@@ -42,6 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sparserl_mcore.trainer.engine_calls import Answer, call_engine, is_healthy, oldest_version
+from sparserl_mcore.trainer.router_workers import RouterWorkers
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -125,6 +129,10 @@ class EnginePool:
         self._closed = threading.Event()
         self._prober: threading.Thread | None = None
         self._on_event = on_event
+        self._behind = RouterWorkers(engines)  # SGLang workers behind router engines
+        if self._behind:
+            with self._lock:
+                self._start_probing()  # a worker may die under the router at any time
         # the weight version every live engine holds (the loop sets it after each sync): a sample
         # with an older token comes from an engine that restarted or missed a sync
         self.version = 0
@@ -143,6 +151,10 @@ class EnginePool:
         with self._lock:
             return dict(self._dead)
 
+    def workers_live(self) -> int | None:
+        """SGLang workers in service behind the pool's routers (None when it has no router)."""
+        return len(self._behind.serving(set(self.live))) if self._behind else None
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._live)
@@ -160,8 +172,27 @@ class EnginePool:
         self._on_event("engine_removed", {"engine": name, "reason": reason, "live": live})
 
     def engine(self, name: str) -> Any:
-        """The engine `name`, in service or not (None when the pool never had it)."""
-        return self._engines.get(name)
+        """The engine (or worker behind a router) `name`, in service or not (None when unknown)."""
+        return self._engines.get(name) or self._behind.worker(name)
+
+    def remove_workers(self, router: str, urls: set[str], reason: str) -> None:
+        """Take SGLang workers out of the router engine `router` (dead, or a weight sync failed on
+        them); they are probed and come back through `admit`. A router that cannot take them out
+        leaves the pool (stale workers must not keep generating)."""
+        engine = self.live.get(router)
+        if engine is None:
+            return
+        try:
+            taken = self._behind.take_out(engine, urls, reason)
+        except Exception as exc:  # noqa: BLE001 - reported as the router's removal
+            self.remove(router, f"could not take {sorted(urls)} out: {exc}")
+            return
+        with self._lock:
+            self._recovered.difference_update(taken)
+            self._start_probing()
+        fields = {"router": router, "reason": reason, "live": self._behind.serving_count(router)}
+        for url in taken:
+            self._on_event("engine_removed", {"engine": url, **fields})
 
     def recovered(self) -> list[str]:
         """Removed engines that answered health since; each needs a full weight sync, then `admit`."""
@@ -169,7 +200,11 @@ class EnginePool:
             return sorted(self._recovered)
 
     def admit(self, name: str) -> None:
-        """Put a removed engine back in service (it now holds the learner's current version)."""
+        """Put a removed engine back in service (it now holds the learner's current version); a
+        worker behind a router goes back into the router (`_admit_worker`)."""
+        if self._behind.owns(name):
+            self._admit_worker(name)
+            return
         with self._lock:
             if name in self._live or name not in self._engines:
                 return
@@ -182,6 +217,24 @@ class EnginePool:
             live = len(self._live)
             self._wake()
         self._on_event("engine_readmitted", {"engine": name, "live": live})
+
+    def _admit_worker(self, url: str) -> None:
+        router = self._behind.router_of(url)
+        engine = self.live.get(router)
+        try:
+            if engine is None:
+                raise RuntimeError(f"its router {router} left the pool")
+            self._behind.put_back(engine, url)
+        except Exception as exc:  # noqa: BLE001 - it stays out and is probed again
+            self._on_event("readmission_failed", {"engine": url, "reason": f"{type(exc).__name__}: {exc}"})
+            self.not_recovered(url)
+            return
+        with self._lock:
+            self._recovered.discard(url)
+            self._failed_readmissions.pop(url, None)
+            self._not_before.pop(url, None)
+        live = self._behind.serving_count(router)
+        self._on_event("engine_readmitted", {"engine": url, "router": router, "live": live})
 
     def not_recovered(self, name: str) -> None:
         """Its re-admission sync failed: it stays removed and is probed again, after twice the
@@ -205,6 +258,7 @@ class EnginePool:
     def close(self) -> None:
         """Stop probing and close every engine that holds resources (HTTP clients)."""
         self._closed.set()
+        self._behind.close_out()
         for engine in self._engines.values():
             close = getattr(engine, "close", None)
             if callable(close):
@@ -227,19 +281,26 @@ class EnginePool:
             self._prober.start()
 
     def _probe(self) -> None:
+        """Removed engines and workers taken out of their router: recovered once they answer
+        health; workers in service behind a router: taken out when they do not."""
         while not self._closed.wait(self.cfg.probe_interval_s):
             now = time.monotonic()
+            out = self._behind.out()
             with self._lock:
                 waiting = [
-                    (n, self._engines[n])
-                    for n in self._dead
+                    (n, self._engines.get(n) or self._behind.worker(n))
+                    for n in [*self._dead, *out]
                     if n not in self._recovered and self._not_before.get(n, 0.0) <= now
                 ]
+                serving = self._behind.serving(set(self._live))
             for name, engine in waiting:
                 if is_healthy(engine):
                     with self._lock:
-                        if name in self._dead:
+                        if name in self._dead or name in self._behind.out():
                             self._recovered.add(name)
+            for url, worker in serving:
+                if is_healthy(worker) is False:
+                    self.remove_workers(self._behind.router_of(url), {url}, "health check failed")
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, requests: Sequence[Any]) -> list[Any]:

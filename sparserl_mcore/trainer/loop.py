@@ -198,6 +198,8 @@ class Trainer:
         metrics.update(lag)
         if p.pool is not None:  # host: the fleet's state (docs/rollout.md, "Faults")
             metrics["engines/live"] = float(len(p.pool))
+            if (workers := p.pool.workers_live()) is not None:  # behind rollout.router_url
+                metrics["engines/workers_live"] = float(workers)
             metrics["rollout/requests_retried"] = float(p.pool.take_requests_retried())
         if batch is not None and batch.size:
             with timer("update"):

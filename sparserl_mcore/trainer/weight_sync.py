@@ -89,7 +89,8 @@ class WeightSyncer:
     remote_urls: engines every rank sends to directly (their generate traffic stays with the host's
     pool); the host's pools' other engines are in-process and get the fragments through the host.
     router_url: the pool's engine when an sglang-router fronts the `remote_urls` workers: it takes
-    no weights, and a worker dropped for good is taken out of it (its weights are stale).
+    no weights; a worker a sync fails on is taken out of it (`EnginePool.remove_workers`: its
+    weights are stale) until `readmit` brings it back.
     """
 
     def __init__(
@@ -131,7 +132,7 @@ class WeightSyncer:
         self._broadcast: SGLangBroadcast | None = None  # their full syncs, when not as fragments
         self._remote = set(remote_urls)
         self._router_url = router_url
-        self._dropped: set[str] = set()  # engines a full sync failed on: out of the pool for good
+        self._dropped: set[str] = set()  # engines a full sync failed on: no syncs until re-admitted
         if remote_urls and remote_server == "sglang":
             self._sglang = SGLangDelivery(
                 remote_urls,
@@ -456,8 +457,5 @@ class WeightSyncer:
                 for name in failed & set(pool.live):
                     pool.remove(name, "weight sync failed twice (sparse and full)")
                 router, workers = self._router_url, failed & self._remote
-                if router is not None and router in pool.live and workers:
-                    try:
-                        pool.live[router].remove_workers(workers)
-                    except Exception as exc:  # noqa: BLE001 - stale workers must not keep generating
-                        pool.remove(router, f"could not take {sorted(workers)} out: {exc}")
+                if router is not None and workers:  # out of the router until re-admitted
+                    pool.remove_workers(router, workers, "weight sync failed twice (sparse and full)")
