@@ -20,6 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from model_providers import rope
 from model_providers.hf_config import HFModelConfig, Llama3RopeScaling, parse_hf_config
 from model_providers.layer_specs import TRANSFORMER_IMPLS, layer_spec, te_available
 from model_providers.moe import mark_expert_parameters, moe_transformer_fields
@@ -72,6 +73,7 @@ def _transformer_config(
     moe: MoEConfig,
     impl: str,
     wgrad_fusion: bool,
+    rope_cache: bool,
 ) -> TransformerConfig:
     stages = parallel.stage_layers(hf.num_layers)
     uneven = len(set(stages)) > 1  # megatron's own default is equal stages
@@ -104,7 +106,8 @@ def _transformer_config(
         # Fused kernels exist only on GPU (and some only with TE/apex); the unfused paths are exact.
         bias_activation_fusion=not cpu,
         bias_dropout_fusion=not cpu,
-        apply_rope_fusion=False,
+        # the local spec: megatron's fused-RoPE slot holds `rope.apply_cached` (cos/sin cached)
+        apply_rope_fusion=rope_cache,
         masked_softmax_fusion=False,
         # TE fuses it itself; the local spec calls the top-level `fused_weight_gradient_mlp_cuda`
         gradient_accumulation_fusion=wgrad_fusion,
@@ -123,6 +126,7 @@ def build_spec(
     cpu: bool | None = None,
     moe: MoEConfig | None = None,
     wgrad_fusion: bool | None = None,
+    rope_cache: bool | None = None,
 ) -> ModelSpec:
     """Translate an HF config (dict, config.json or checkpoint dir) into a `ModelSpec` for `parallel`.
 
@@ -132,6 +136,9 @@ def build_spec(
     dense models).
     `wgrad_fusion` (default: not `cpu`): megatron's gradient-accumulation fusion, weight gradients
     added straight into DDP's fp32 `main_grad` (the model must be trained wrapped in megatron DDP).
+    `rope_cache` (default: on for the local spec): RoPE cos/sin tables computed once per sequence
+    length instead of twice per layer per forward (`model_providers.rope`; bit-identical); False is
+    megatron's unfused RoPE.
     """
     hf = parse_hf_config(hf_config)
     moe = moe or MoEConfig()
@@ -149,12 +156,25 @@ def build_spec(
             f"context_parallel_size={parallel.context_parallel_size} needs the transformer_engine spec "
             "(GPU with transformer_engine installed); the local SDPA attention has no context parallelism"
         )
+    cached_rope = impl == "local" and rope_cache is not False and rope.install()
+    if rope_cache and not cached_rope:
+        raise ValueError(
+            f"rope_cache=True needs the local spec without transformer-engine's fused RoPE "
+            f"(transformer_impl={impl!r}); leave rope_cache unset"
+        )
     return ModelSpec(
         arch=hf.arch,
         hf=hf,
         parallel=parallel,
         config=_transformer_config(
-            hf, parallel, dtype, cpu, moe, impl, (not cpu) if wgrad_fusion is None else wgrad_fusion
+            hf,
+            parallel,
+            dtype,
+            cpu,
+            moe,
+            impl,
+            (not cpu) if wgrad_fusion is None else wgrad_fusion,
+            cached_rope,
         ),
         layer_spec=layer_spec(impl, qk_norm=hf.qk_norm, num_experts=hf.moe.num_experts if hf.moe else None),
         transformer_impl=impl,

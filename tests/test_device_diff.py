@@ -114,6 +114,8 @@ CASES = [  # (tp, tp_rank, one buffer, DP ranges, encoding, compare: the device'
     (2, 0, False, "even", "overwrite", "torch"),
     (1, 0, True, "buffer", "sub", "numpy"),
     (2, 1, False, "even", "sub", "numpy"),
+    (2, 1, True, "buffer", "xor", "numpy"),
+    (2, 0, False, "even", "overwrite", "numpy"),
 ]
 
 

@@ -12,7 +12,8 @@ Per step and value encoding, two encoders side by side:
   model digests, `--position-models`).
 Each: patch bytes, ratio vs dense BF16, bytes per changed element, encode time, the patched
 receiver's bit-identity; for `make_patch` also decode+apply+verify time; next to a dense
-safetensors save and load of the same weights.
+safetensors save (into a new file, alternating with the trainer path's encodes) and load of the
+same weights.
 `--position-models base plain` measures both position models side by side; `--mid-training` starts
 the fp32 master inside each weight's rounding interval (a fresh master makes the first steps flip
 by exponent alone, the best case for the base position model).
@@ -24,6 +25,8 @@ import argparse
 import json
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -170,9 +173,11 @@ class TrainerPath:
             self.layout.fill_local(m, view, read)
 
     def measure(self, prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], step: int,
-                encoding: str, repeat: int) -> dict:  # fmt: skip
-        """Fragment bytes, fastest encode (weights in the buffer -> fragment bytes), and whether a
-        receiver holding `prev` ends bit-identical to `cur`; the snapshot holds `prev` after."""
+                encoding: str, repeat: int, save: Callable[[], float]) -> dict:  # fmt: skip
+        """Fragment bytes, fastest encode (weights in the buffer -> fragment bytes) and fastest dense
+        save (`save`, run before each encode: the two alternate, so load on the shared machine hits
+        both alike), and whether a receiver holding `prev` ends bit-identical to `cur`; the
+        snapshot holds `prev` after."""
         base = self.flat.snapshot.clone()
         self.flat.encoding = encoding
         codec = CodecConfig(encoding=encoding)
@@ -181,22 +186,34 @@ class TrainerPath:
             diff = self.flat.diff()
             return diff.fragment(self.meta, version=step, base_version=step - 1, fragment=(0, 1), codec=codec)
 
-        data, seconds = _time(encode, repeat, setup=lambda: self.flat.snapshot.copy_(base))
+        saves: list[float] = []
+
+        def setup() -> None:
+            saves.append(save())
+            self.flat.snapshot.copy_(base)
+
+        data, seconds = _time(encode, repeat, setup=setup)
         self.flat.snapshot.copy_(base)
         receiver = HFReceiver({k: v.clone() for k, v in prev.items()}, version=step - 1)
         receiver.apply(data)
         identical = all(
             torch.equal(receiver.state[k].view(torch.int16), cur[k].view(torch.int16)) for k in cur
         )
-        return {"rank_bytes": len(data), "rank_encode_s": seconds, "rank_bit_identical": identical}
+        return {"rank_bytes": len(data), "rank_encode_s": seconds, "rank_bit_identical": identical,
+                "dense_save_s": min(saves)}  # fmt: skip
 
 
-def _dense_round_trip(state: dict[str, torch.Tensor], tmp: Path, repeat: int) -> tuple[float, float]:
-    path = tmp / "dense.safetensors"
-    _, save_s = _time(lambda _: save_file(state, path), repeat)
-    _, load_s = _time(lambda _: load_file(path), repeat)
-    path.unlink()
-    return save_s, load_s
+def _dense_save(state: dict[str, torch.Tensor], path: Path) -> float:
+    """Seconds of one dense safetensors save of `state` into a new file (the page cache, no fsync:
+    the cheapest a dense sync's write gets; overwriting the last file first drops its pages)."""
+    path.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    save_file(state, path)
+    return time.perf_counter() - t0
+
+
+def _load(path: Path, _: object) -> dict[str, torch.Tensor]:
+    return load_file(path)
 
 
 def _measure(prev, cur, step: int, config: CodecConfig, digests, repeat: int) -> dict:
@@ -247,18 +264,20 @@ def _run_lr(args: argparse.Namespace, lr: float, steps: int, tmp: Path) -> list[
         loss.backward()
         opt.step()
         cur = _hf_state(model)
-        save_s, load_s = _dense_round_trip(cur, tmp, args.repeat)
+        dense = tmp / "dense.safetensors"
         digests = state_dict_digests(prev)
         trainer.load(cur)
         for encoding in args.encodings:
-            rank = trainer.measure(prev, cur, step, encoding, args.repeat)
+            rank = trainer.measure(prev, cur, step, encoding, args.repeat, partial(_dense_save, cur, dense))
+            _, load_s = _time(partial(_load, dense), args.repeat)
             for model_name in args.position_models:  # side by side in one run: timings comparable
                 config = CodecConfig(encoding=encoding, position_model=model_name)
                 row = _measure(prev, cur, step, config, digests, args.repeat)
-                row.update(rank, lr=lr, loss=loss.item(), dense_save_s=save_s, dense_load_s=load_s)
-                row["rank_vs_save"] = row["rank_encode_s"] / save_s
+                row.update(rank, lr=lr, loss=loss.item(), dense_load_s=load_s)
+                row["rank_vs_save"] = row["rank_encode_s"] / row["dense_save_s"]
                 rows.append(row)
                 print(_format(row), flush=True)
+        dense.unlink()
         trainer.flat.reset()  # the snapshot moves on to this step's weights
         prev = {k: v.clone() for k, v in cur.items()}
     return rows

@@ -30,12 +30,12 @@ import numpy as np
 import torch
 
 from sparserl_mcore.ckpt.layout import FlatTable, SegmentLayout
+from sparserl_mcore.sync import flat_host
 from sparserl_mcore.sync.decode import decode_gaps
-from sparserl_mcore.sync.diff import changed_bits_in
 from sparserl_mcore.sync.encode import assemble_patch, plain_entry, worker_count
 from sparserl_mcore.sync.hashing import DIGEST_BYTES, touched_digest
 from sparserl_mcore.sync.patch_format import VALUE_ENCODINGS, WIDE_GAP_SHARE, CodecConfig, Patch
-from sparserl_mcore.sync.per_rank import Change, ModelMeta, encode_fragment
+from sparserl_mcore.sync.per_rank import Change, ModelMeta
 
 # owned slices of one storage at most this many elements apart are compared as one view (the holes,
 # e.g. megatron's param padding or a TP replica's norm, map to no HF tensor)
@@ -134,12 +134,16 @@ class FlatDiff:
         to the host (`compare="torch"`); weights in host memory are compared by numpy (`"numpy"`)."""
         if not self.runs:
             return HostDiff.empty(self)
-        on_host = self.compare == "numpy"
-        pos, old, new = self._compare_on_host() if on_host else self._compare()
+        if self.compare == "numpy":  # whole-array torch ops per change cost more than numpy here
+            pos_np, old_np, new_np = flat_host.compare(self.runs, self.snapshot)
+            if not pos_np.size:
+                return HostDiff.empty(self)
+            coded = flat_host.code(self.table, self.names, self.encoding, pos_np, old_np, new_np)
+            return HostDiff(self.names, self.shapes, self.encoding, coded.runs, coded.streams, coded.new,
+                            coded.lists)  # fmt: skip
+        pos, old, new = self._compare()
         if not pos.numel():
             return HostDiff.empty(self)
-        if on_host:  # whole-array torch ops per change cost more than numpy's per-tensor coder here
-            return HostDiff.from_rows(self, pos.numpy(), old.numpy(), new.numpy())
         return self._gap_code(*self._place(pos, old, new))
 
     def _compare(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,24 +165,6 @@ class FlatDiff:
             self.reset()
             new = snap[pos]
         return pos, old, new
-
-    def _compare_on_host(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`_compare` for weights in host memory: `diff.py`'s chunked numpy compare in a thread pool
-        (the mask and its nonzero stay in cache: ~2x faster than torch's whole-array ne + nonzero
-        on the 2-core box; no OpenMP threads that spin on a loaded machine)."""
-        snap = self.snapshot.numpy().view(np.uint16)
-        found, at = [], 0
-        with ThreadPoolExecutor(worker_count()) as pool:
-            for run in self.runs:
-                idx, old, new = changed_bits_in(
-                    pool, snap[at : at + run.numel()], run.numpy().view(np.uint16)
-                )
-                found.append((idx + at, old, new))
-                at += run.numel()
-        pos, old_bits, new_bits = (np.concatenate([f[k] for f in found]) for k in range(3))
-        snap[pos] = new_bits
-        return (torch.from_numpy(pos), torch.from_numpy(old_bits.view(np.int16)),
-                torch.from_numpy(new_bits.view(np.int16)))  # fmt: skip
 
     def _place(self, pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Map and order the N changes: (tensor id, HF index, changes per tensor, old, new), in
@@ -300,30 +286,7 @@ class HostDiff:
     runs: list[tuple[int, list[int]]]  # (tensor id, [nnz, gap width, escape width, escapes])
     streams: list[np.ndarray]  # gaps, escapes, values lo, values hi
     new: np.ndarray  # uint16 new bits, in stream order
-    lists: list[Change] | None = None  # coded on the host: the changes, for `encode_fragment`
-
-    @classmethod
-    def from_rows(cls, diff: FlatDiff, pos: np.ndarray, old: np.ndarray, new: np.ndarray) -> HostDiff:
-        """Changes in host memory, kept as lists for `encode_fragment` (numpy's per-tensor coder):
-        each table row's changes are one slice of the sorted positions, mapped by a row-wide add,
-        listed in the table's HF order."""
-        rows = diff.table.rows
-        first = np.searchsorted(pos, [r[0] for r in rows])
-        last = np.append(first[1:], pos.size)
-        old_bits, new_bits = old.view(np.uint16), new.view(np.uint16)
-        lists: list[Change] = []
-        for k in sorted(range(len(rows)), key=diff.table.hf_rank.__getitem__):
-            start, length, shift, cols, row_offset, hf_col, hf_cols, tensor = rows[k]
-            a, b = int(first[k]), int(last[k])
-            if tensor < 0 or a == b:
-                continue
-            local = pos[a:b] - shift
-            hf = local + (hf_col + row_offset * hf_cols)
-            if cols != hf_cols:
-                hf += local // cols * (hf_cols - cols)
-            was = None if diff.encoding == "overwrite" else old_bits[a:b]
-            lists.append((diff.names[tensor], hf, was, new_bits[a:b]))
-        return dataclasses.replace(cls.empty(diff), lists=lists)
+    lists: list[Change] | None = None  # coded on the host: the changes as lists too
 
     @classmethod
     def empty(cls, diff: FlatDiff) -> HostDiff:
@@ -359,10 +322,6 @@ class HostDiff:
     ) -> bytes:
         """The bytes `per_rank.encode_fragment` writes for these changes (a sparse fragment)."""
         codec = codec or CodecConfig()
-        if self.lists is not None:
-            return encode_fragment(
-                self.lists, meta, version=version, base_version=base_version, fragment=fragment, codec=codec
-            )
         if codec.encoding != self.encoding:
             raise ValueError(f"the diff was coded for encoding {self.encoding!r}, not {codec.encoding!r}")
         entries, at = [], 0

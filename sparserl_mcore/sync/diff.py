@@ -55,8 +55,10 @@ def _positions(mask: np.ndarray, size: int) -> np.ndarray:
     return np.flatnonzero(mask[: size + pad])[:count]
 
 
-def _diff_range(old: np.ndarray, new: np.ndarray, start: int, stop: int) -> _Parts:
-    """Changed elements of old[start:stop] vs new[start:stop] (flat uint16 bit patterns)."""
+def _diff_range(old: np.ndarray, new: np.ndarray, start: int, stop: int, move: bool = False) -> _Parts:
+    """Changed elements of old[start:stop] vs new[start:stop] (flat uint16 bit patterns). `move`:
+    `old` (a snapshot) takes the new values chunk by chunk, while the chunk is in cache (a scatter
+    over the whole snapshot afterwards misses the cache once per change)."""
     chunk = min(_CHUNK, stop - start)
     mask = np.empty(chunk + chunk // 9 + 1, np.bool_)  # room for `_positions`' padding
     parts: _Parts = ([], [], [])
@@ -68,6 +70,8 @@ def _diff_range(old: np.ndarray, new: np.ndarray, start: int, stop: int) -> _Par
         if at.size:
             parts[1].append(o[at])
             parts[2].append(n[at])
+            if move:
+                o[at] = parts[2][-1]
             at += lo
             parts[0].append(at)
     return parts
@@ -81,15 +85,20 @@ def _join(pieces: list[_Parts]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return idx, old, new
 
 
-def changed_bits(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(flat positions, old bits, new bits) where two flat uint16 arrays differ (one thread)."""
-    return _join([_diff_range(old, new, 0, old.size)])
+def changed_bits(
+    old: np.ndarray, new: np.ndarray, *, move: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(flat positions, old bits, new bits) where two flat uint16 arrays differ (one thread);
+    `move`: `old` becomes `new` (a snapshot moving on)."""
+    return _join([_diff_range(old, new, 0, old.size, move)])
 
 
-def changed_bits_in(pool: ThreadPoolExecutor, old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, ...]:
+def changed_bits_in(
+    pool: ThreadPoolExecutor, old: np.ndarray, new: np.ndarray, *, move: bool = False
+) -> tuple[np.ndarray, ...]:
     """`changed_bits` with `_PIECE`-element pieces run in `pool`."""
     stops = range(0, old.size, _PIECE)
-    futures = [pool.submit(_diff_range, old, new, lo, min(lo + _PIECE, old.size)) for lo in stops]
+    futures = [pool.submit(_diff_range, old, new, lo, min(lo + _PIECE, old.size), move) for lo in stops]
     return _join([f.result() for f in futures])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -172,7 +173,7 @@ def encode_patch(patch: Patch, config: CodecConfig = _DEFAULT_CONFIG) -> bytes:
 def plain_entry(name: str, dtype: str, shape: tuple[int, ...], run: list[int], digest: bytes) -> dict:
     """Header entry of a tensor with plain positions in one run [nnz, gap width, escape width,
     escapes] (what `_encode_tensor` writes for it; `sync.device_diff` codes such runs itself)."""
-    numel = int(np.prod(shape, dtype=np.int64))
+    numel = math.prod(shape)
     return {"name": name, "dtype": dtype, "shape": list(shape), "nnz": run[0], "dense": False,
             "cuts": [], "class_sizes": [numel], "runs": [run], "digest": digest.hex()}  # fmt: skip
 

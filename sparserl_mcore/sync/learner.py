@@ -294,9 +294,7 @@ class ShardSyncer:
             snap.index_copy_(0, at, now)
             return at.cpu().numpy(), was.cpu().numpy().view(np.uint16), now.cpu().numpy().view(np.uint16)
         cur_bits, snap_bits = cur.cpu().numpy().view(np.uint16), snap.numpy().view(np.uint16)
-        changed, old, new = changed_bits(snap_bits, cur_bits)
-        snap_bits[changed] = new
-        return changed, old, new
+        return changed_bits(snap_bits, cur_bits, move=True)
 
     def _pieces(self) -> Iterator[tuple[str, slice, slice | None, torch.Tensor]]:
         for name, p in self.params.items():
