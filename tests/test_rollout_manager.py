@@ -11,6 +11,8 @@ saw must come from the manager's process, none from the learner's.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import threading
 
@@ -19,10 +21,11 @@ import pytest
 from e2e_support import PY, make_assets, metrics, subprocess_env, write_config
 from fault_proxy import FaultProxy
 from test_e2e_faults import _serve, _url, _wait_healthy, _wait_step
+from waiting import wait_until
 
 from sparserl_mcore.config import ConfigError, config_from_dict, load_config, to_dict
 from sparserl_mcore.trainer import setup
-from sparserl_mcore.trainer.engine_pool import EnginePool, GenerationStopped
+from sparserl_mcore.trainer.engine_pool import EnginePool, GenerationStopped, NoEngineLeftError
 from sparserl_mcore.trainer.prompts import decode_ids, load_tokenizer
 from sparserl_mcore.trainer.rollouts import Prompt, score_on_host
 
@@ -88,9 +91,11 @@ def test_the_manager_scores_in_its_own_process_what_the_in_process_pool_scores(s
             manager.stop()  # the run is stopping: a batch is refused, in the caller's process
             with pytest.raises(GenerationStopped):
                 manager.score("step3", prompts)
+            os.kill(manager.pid, signal.SIGKILL)  # a dead manager stops the run as an empty fleet does
+            with pytest.raises(NoEngineLeftError, match="rollout manager process exited"):
+                wait_until(lambda: not manager.live, timeout=60, what="the dead manager noticed")
         finally:
             manager.close()
-        assert manager._proc.exitcode == 0  # it closed its clients and exited when asked
         # the same batches through the in-process pool: this process parses their answers
         _, reward_fn = setup.build_reward(cfg, lambda ids: decode_ids(tokenizer, ids))
         pool = EnginePool(setup.build_engines(cfg, compressed=True, device="cpu"), setup.pool_config(cfg))

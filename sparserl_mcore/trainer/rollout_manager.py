@@ -33,14 +33,15 @@ from typing import Any
 
 from sparserl_mcore.parallel.rank_entry import helper_process_init
 from sparserl_mcore.rollout.protocol import GenerateRequest, Sample, SamplingParams
-from sparserl_mcore.trainer.engine_pool import EnginePool, EventSink, PoolConfig
+from sparserl_mcore.trainer.engine_pool import EnginePool, EventSink, NoEngineLeftError, PoolConfig
 from sparserl_mcore.trainer.rollouts import Prompt, RewardFn, score_on_host
 
 CONTROL_TIMEOUT_S = 120.0  # a question about the fleet; the child answers it between two messages
 
 
-class RolloutManagerError(RuntimeError):
-    """The rollout manager process is gone or did not answer."""
+class RolloutManagerError(NoEngineLeftError):
+    """The rollout manager process is gone or did not answer: no engine can be reached, so the loop
+    checkpoints and stops as when the fleet is gone (a restart starts a new manager)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +176,11 @@ class RolloutManager:
                 raise RolloutManagerError(self._gone)
             call = next(self._ids)
             self._calls[call] = future
-            self._conn.send((call, op, args))
+            try:
+                self._conn.send((call, op, args))
+            except OSError as exc:  # it died; the reader is about to say how
+                del self._calls[call]
+                raise RolloutManagerError(f"the rollout manager process exited ({exc})") from None
         try:
             return future.result(timeout)
         except TimeoutError:
