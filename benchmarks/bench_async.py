@@ -26,9 +26,13 @@ in-flight bracket (`SGLangDelivery(in_flight=True)`: pause in place, begin, the 
 loader, end, continue): ms from the pause to the continue's answer, on the host's clock.
 
 Section "client": the CPU the learner's host process spends taking one demo-sized step (128
-requests) from `sparserl serve` on the other core, as 16 calls of a GRPO group, as one call, and
-through the trainer's `EnginePool`: in the asynchronous modes that work runs on the learner's core
-beside the update.
+requests) from `sparserl serve` on the other core, as 16 calls of a GRPO group, as one call, through
+the trainer's `EnginePool`, and through the rollout manager (`rollout.manager: process`, the pool in
+a process of its own on the same core; its CPU reported beside): in the asynchronous modes the
+host's share runs on the learner's core beside the update.
+
+Mode "in_flight_process" (not run by default): in_flight at eta 1 with `rollout.manager=process`,
+to set beside "in_flight" (`--modes in_flight in_flight_process`).
 
 Writes OUT/results.json; results and the command in docs/benchmarks.md ("Asynchronous RL").
 """
