@@ -27,7 +27,7 @@ from sparserl_mcore.config import ConfigError, config_from_dict, load_config, to
 from sparserl_mcore.trainer import setup
 from sparserl_mcore.trainer.engine_pool import EnginePool, GenerationStopped, NoEngineLeftError
 from sparserl_mcore.trainer.prompts import decode_ids, load_tokenizer
-from sparserl_mcore.trainer.rollouts import Prompt, score_on_host
+from sparserl_mcore.trainer.rollouts import Prompt, make_requests, score_on_host
 
 ROLLOUT = {"engine": "remote", "manager": "process", "max_retries": 4, "retry_backoff_s": 0.05}
 
@@ -85,6 +85,10 @@ def test_the_manager_scores_in_its_own_process_what_the_in_process_pool_scores(s
         try:
             assert set(manager.live) == {proxy.url}
             batches = [manager.score(f"step{s}", prompts) for s in (1, 2)]
+            evals = make_requests(
+                prompts, tag="eval", group_size=1, sampling=cfg.rollout.sampling, run_seed=0
+            )
+            eval_samples, eval_rewards = manager.score_requests(evals, prompts)  # the evaluator's call
             retried = manager.take_requests_retried()
             in_learner = parsed.calls
             manager.version = 1
@@ -112,6 +116,7 @@ def test_the_manager_scores_in_its_own_process_what_the_in_process_pool_scores(s
             )  # fmt: skip
             for s in (1, 2)
         ]
+        ref_eval = pool.generate(evals)
         pool.close()
     finally:
         proxy.close()
@@ -122,6 +127,8 @@ def test_the_manager_scores_in_its_own_process_what_the_in_process_pool_scores(s
         assert [s.output_ids for s in samples] == [r.output_ids for r in ref_samples]
         assert [s.output_versions for s in samples] == [r.output_versions for r in ref_samples]
         assert rewards == pytest.approx(ref_rewards)
+    assert [s.output_ids for s in eval_samples] == [r.output_ids for r in ref_eval]
+    assert eval_rewards == pytest.approx([reward_fn(r, p) for r, p in zip(ref_eval, prompts, strict=True)])
     assert retried > 0 and any(kind == "rollout_retry" for kind, _ in events)  # forwarded to the host
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from sparserl_mcore.agent.runner import EpisodeRunner
 from sparserl_mcore.rollout.protocol import SamplingParams
 from sparserl_mcore.trainer.engine_pool import EnginePool, Fleet
+from sparserl_mcore.trainer.rollout_manager import RolloutManager
 from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, RewardFn, episode_specs, make_requests
 
 
@@ -46,8 +47,11 @@ class Evaluator:
         requests = make_requests(
             self.prompts, tag="eval", group_size=1, sampling=self.sampling, run_seed=self.seed
         )
-        samples = pool.generate(requests)
-        scores = [self.reward_fn(s, p) for s, p in zip(samples, self.prompts, strict=True)]
+        if isinstance(pool, RolloutManager):  # generated and scored in its process
+            _, scores = pool.score_requests(requests, self.prompts)
+        else:
+            samples = pool.generate(requests)
+            scores = [self.reward_fn(s, p) for s, p in zip(samples, self.prompts, strict=True)]
         scored = [x for x in scores if not math.isnan(x)]  # NaN: non-finite, skipped (reward.skip_nonfinite)
         return sum(scored) / len(scored) if scored else math.nan
 

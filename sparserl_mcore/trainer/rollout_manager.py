@@ -104,6 +104,12 @@ class RolloutManager:
         """G samples per prompt with their rewards, generated and scored in the child."""
         return self._call("score", tag, list(prompts))
 
+    def score_requests(
+        self, requests: Sequence[GenerateRequest], prompts: Sequence[Prompt]
+    ) -> tuple[list[Sample], list[float]]:
+        """One sample per request, each scored against its prompt, in the child (the evaluator's)."""
+        return self._call("score_requests", list(requests), list(prompts))
+
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
         return self._call("generate", list(requests))
 
@@ -237,7 +243,7 @@ def _child_main(
                 call, op, args = conn.recv()
             except EOFError:  # the host is gone
                 return
-            if op in ("score", "generate"):  # the long ones, each on a thread of its own
+            if op in ("score", "score_requests", "generate"):  # the long ones, each on a thread of its own
                 threading.Thread(target=child.answer, args=(call, op, args), daemon=True).start()
                 continue
             child.answer(call, op, args)
@@ -280,6 +286,13 @@ class _Child:
             reward_fn=self._reward_fn(),
             return_routed_experts=s.return_routed_experts,
         )
+
+    def op_score_requests(
+        self, requests: list[GenerateRequest], prompts: list[Prompt]
+    ) -> tuple[list[Sample], list[float]]:
+        samples = self.pool.generate(requests)
+        reward_fn = self._reward_fn()
+        return samples, [reward_fn(s, p) for s, p in zip(samples, prompts, strict=True)]
 
     def _reward_fn(self) -> RewardFn:
         with self._reward_lock:
