@@ -142,7 +142,7 @@ def test_a_run_with_the_manager_process_trains_every_sample_once_and_sends_no_ge
         "managed",
         parallel={"tensor_model_parallel_size": 1},
         rollout={**ROLLOUT, "urls": [proxy.url]},
-        eval={"dense": False, "compressed": False, "at_start": False},
+        eval={"dense": False, "compressed": True, "at_start": False},  # at the end, scored in the manager
         checkpoint={"dir": None, "every": 0, "save_hf": None},
         train={"steps": steps, "reuse_epochs": 1, "async": {"mode": "in_flight", "max_staleness": 1}},
     )
@@ -170,7 +170,9 @@ def test_a_run_with_the_manager_process_trains_every_sample_once_and_sends_no_ge
         proxy.close()
     assert trainer.returncode == 0, err[-3000:]
     assert owners and trainer.pid not in owners and owners <= children  # the manager sent them
-    steps_run = [r for r in metrics(root, "managed") if "train/rollouts" in r]
+    records = metrics(root, "managed")
+    assert [r["step"] for r in records if "eval/pass1_compressed" in r] == [steps]
+    steps_run = [r for r in records if "train/rollouts" in r]
     assert [r["step"] for r in steps_run] == list(range(1, steps + 1))
     assert [r["train/rollouts"] for r in steps_run] == [32.0 * (i + 1) for i in range(steps)]
     assert sum(r["rollout/requests_retried"] for r in steps_run) >= 8 * len(proxy.injected) > 0
