@@ -26,9 +26,13 @@ in-flight bracket (`SGLangDelivery(in_flight=True)`: pause in place, begin, the 
 loader, end, continue): ms from the pause to the continue's answer, on the host's clock.
 
 Section "client": the CPU the learner's host process spends taking one demo-sized step (128
-requests) from `sparserl serve` on the other core, as 16 calls of a GRPO group, as one call, and
-through the trainer's `EnginePool`: in the asynchronous modes that work runs on the learner's core
-beside the update.
+requests) from `sparserl serve` on the other core, as 16 calls of a GRPO group, as one call, through
+the trainer's `EnginePool`, and through the rollout manager (`rollout.manager: process`, the pool in
+a process of its own on the same core; its CPU reported beside): in the asynchronous modes the
+host's share runs on the learner's core beside the update.
+
+Mode "in_flight_process" (not run by default): in_flight at eta 1 with `rollout.manager=process`,
+to set beside "in_flight" (`--modes in_flight in_flight_process`).
 
 Writes OUT/results.json; results and the command in docs/benchmarks.md ("Asynchronous RL").
 """
@@ -55,6 +59,12 @@ MODES = {
     "one_step": ["train.async.mode=one_step"],
     "in_flight": ["train.async.mode=in_flight", "train.async.max_staleness=1"],
     "in_flight_2": ["train.async.mode=in_flight", "train.async.max_staleness=2"],  # not by default
+    # in_flight with the rollout client in a process of its own (not by default)
+    "in_flight_process": [
+        "train.async.mode=in_flight",
+        "train.async.max_staleness=1",
+        "rollout.manager=process",
+    ],
 }
 DEFAULT_MODES = ["off", "one_step", "in_flight"]
 RUN = [
@@ -362,30 +372,56 @@ def client_section(steps: int = 40) -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         with _server(make_tiny(TinyModelConfig(), Path(tmp) / "model"), {}) as url:
-            results = {how: _client_cost(url, how, steps) for how in ("8 per call", "1 call", "EnginePool")}
+            hows = ("8 per call", "1 call", "EnginePool", "manager process")
+            results = {how: _client_cost(url, how, steps) for how in hows}
     print("\nclient: the host process's CPU per step (128 requests x 26 tokens), median over steps 4..")
-    print("| how | client CPU ms per step | step wall ms |")
-    print("|---|---|---|")
+    print("| how | client CPU ms per step | manager process CPU ms per step | step wall ms |")
+    print("|---|---|---|---|")
     for how, r in results.items():
-        print(f"| {how} | {r['cpu_ms']:.1f} | {r['wall_ms']:.0f} |")
+        child = f"{r['manager_cpu_ms']:.1f}" if "manager_cpu_ms" in r else "-"
+        print(f"| {how} | {r['cpu_ms']:.1f} | {child} | {r['wall_ms']:.0f} |")
     return results
+
+
+def _bench_engines(url: str) -> dict:
+    """The client section's one server (a picklable factory: the rollout manager's child calls it)."""
+    from sparserl_mcore.rollout.client import RemoteEngine
+
+    return {"server": RemoteEngine(url, concurrency=512 // 8)}
+
+
+def _no_reward() -> tuple:
+    return (lambda sample, prompt: 0.0), (lambda: None)
 
 
 def _client_cost(url: str, how: str, steps: int) -> dict[str, float]:
     import time
     from concurrent.futures import ThreadPoolExecutor
+    from functools import partial
 
+    import psutil
     import torch
 
     from sparserl_mcore.rollout.client import RemoteEngine
     from sparserl_mcore.rollout.protocol import GenerateRequest, SamplingParams
     from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
+    from sparserl_mcore.trainer.rollout_manager import RolloutManager, Scoring
 
     g = torch.Generator().manual_seed(0)
     remote = RemoteEngine(url, concurrency=512 // 8)
     pool = EnginePool({"server": remote}, PoolConfig(chunk_size=8))
     calls = ThreadPoolExecutor(16)
-    cpu, wall = [], []
+    manager = None
+    if how == "manager process":  # the pool in a process of its own: this process pickles and unpickles
+        manager = RolloutManager(
+            partial(_bench_engines, url),
+            PoolConfig(chunk_size=8),
+            Scoring(group_size=8, sampling=SamplingParams(), run_seed=0),
+            _no_reward,
+            lambda kind, fields: None,
+        )
+        child = psutil.Process(manager.pid)
+    cpu, wall, child_cpu = [], [], []
     for step in range(steps):
         requests = [
             GenerateRequest(
@@ -396,7 +432,11 @@ def _client_cost(url: str, how: str, steps: int) -> dict[str, float]:
             for i in range(128)
         ]
         c0, w0 = time.process_time(), time.perf_counter()
-        if how == "EnginePool":
+        m0 = sum(child.cpu_times()[:2]) if manager else 0.0
+        if manager is not None:
+            manager.generate(requests)
+            child_cpu.append(sum(child.cpu_times()[:2]) - m0)
+        elif how == "EnginePool":
             pool.generate(requests)
         elif how == "1 call":
             remote.generate(requests)
@@ -406,7 +446,11 @@ def _client_cost(url: str, how: str, steps: int) -> dict[str, float]:
         wall.append(time.perf_counter() - w0)
     calls.shutdown()
     pool.close()
-    return {"cpu_ms": 1e3 * statistics.median(cpu[3:]), "wall_ms": 1e3 * statistics.median(wall[3:])}
+    found = {"cpu_ms": 1e3 * statistics.median(cpu[3:]), "wall_ms": 1e3 * statistics.median(wall[3:])}
+    if manager is not None:
+        manager.close()
+        found["manager_cpu_ms"] = 1e3 * statistics.median(child_cpu[3:])
+    return found
 
 
 # ---- sglang_pause section ----------------------------------------------------------------------

@@ -109,6 +109,10 @@ class RolloutConfig:
     proxy those routes). `sparserl slurm` starts one and sets it for SGLang rollout nodes.
     env: multi-turn episodes with an environment (`sparserl_mcore.agent.EnvConfig`, docs/agents.md)
     instead of one completion per sample; null: single-turn.
+    manager: where the host rank's rollout client runs: "thread" in the learner's process (its
+    HTTP, JSON and rewards on worker threads there), "process" in a rollout manager process of its
+    own that the host feeds through a pipe (`trainer/rollout_manager.py`; `sparserl serve` servers
+    and single-turn rollouts only; docs/async.md, "Rollout manager").
     """
 
     engine: Literal["embedded", "remote"] = "embedded"
@@ -127,6 +131,7 @@ class RolloutConfig:
     server_concurrency: int = 512
     prefix_cache_across_versions: bool = False
     env: EnvConfig | None = None
+    manager: Literal["thread", "process"] = "thread"
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -173,6 +178,14 @@ class RolloutConfig:
         if self.probe_interval_s < 0:
             raise ValueError(
                 f"probe_interval_s={self.probe_interval_s:g}: must be >= 0 seconds (0: never probe)"
+            )
+        if self.manager == "process" and (
+            self.engine != "remote" or self.server != "sparserl" or self.env is not None
+        ):
+            raise ValueError(
+                "manager='process' runs the client of `sparserl serve` servers for single-turn "
+                f"rollouts (got engine={self.engine!r}, server={self.server!r}, "
+                f"env={'set' if self.env else None}): set manager=thread"
             )
 
     @property

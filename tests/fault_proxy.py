@@ -4,7 +4,8 @@ Every request is forwarded as it came (method, path, query, body, content type, 
 only POST /generate is tampered with: every `fail_every`-th one is answered 502 or 503 in turn
 without reaching the server, and the `hang_at`-th one is held `hang_s` seconds (past the client's
 timeout) and then dropped. An upstream that does not answer (the server was killed) is a 502, as a
-load balancer answers. `served` records when each /generate the server answered 200 came back.
+load balancer answers. `served` records when each /generate the server answered 200 came back,
+`clients` the client's (host, port) of every /generate (which process sent it: its socket's owner).
 `retarget` points it at another server (a worker that came back elsewhere answers at this URL).
 """
 
@@ -24,6 +25,7 @@ class FaultProxy:
         self.generates = 0  # /generate requests seen
         self.injected: list[int] = []  # the status answered for each injected failure (0: a hang)
         self.served: list[float] = []  # monotonic times of /generate answers the server gave
+        self.clients: list[tuple[str, int]] = []  # the peer address of every /generate
         self._lock = threading.Lock()
         self._client = httpx.Client(base_url=self.upstream, timeout=120)
         self._retired: list[httpx.Client] = []  # clients of earlier upstreams (`retarget`)
@@ -84,6 +86,9 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 path = self.path.split("?", 1)[0]
+                if path == "/generate":
+                    with proxy._lock:
+                        proxy.clients.append(self.client_address[:2])
                 fault = proxy._fault(path)
                 if fault == 0:
                     time.sleep(proxy.hang_s)

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from sparserl_mcore.agent.runner import EpisodeRunner
 from sparserl_mcore.rollout.protocol import SamplingParams
-from sparserl_mcore.trainer.engine_pool import EnginePool
+from sparserl_mcore.trainer.engine_pool import EnginePool, Fleet
+from sparserl_mcore.trainer.rollout_manager import RolloutManager
 from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, RewardFn, episode_specs, make_requests
 
 
@@ -38,19 +39,23 @@ class Evaluator:
         self.sampling: SamplingParams = dataclasses.replace(rollout.sampling, temperature=cfg.temperature)
         self.episodes = episodes
 
-    def _pass_at_1(self, pool: EnginePool) -> float:
+    def _pass_at_1(self, pool: Fleet) -> float:
         if self.episodes is not None:
+            assert isinstance(pool, EnginePool), "rollout.env runs in the learner's process (manager: thread)"
             specs = episode_specs(self.prompts, tag="eval", group_size=1)
             return sum(e.reward for e in self.episodes(pool, self.sampling).run(specs)) / len(specs)
         requests = make_requests(
             self.prompts, tag="eval", group_size=1, sampling=self.sampling, run_seed=self.seed
         )
-        samples = pool.generate(requests)
-        scores = [self.reward_fn(s, p) for s, p in zip(samples, self.prompts, strict=True)]
+        if isinstance(pool, RolloutManager):  # generated and scored in its process
+            _, scores = pool.score_requests(requests, self.prompts)
+        else:
+            samples = pool.generate(requests)
+            scores = [self.reward_fn(s, p) for s, p in zip(samples, self.prompts, strict=True)]
         scored = [x for x in scores if not math.isnan(x)]  # NaN: non-finite, skipped (reward.skip_nonfinite)
         return sum(scored) / len(scored) if scored else math.nan
 
-    def run(self, compressed: EnginePool | None, dense: EnginePool | None) -> dict[str, float]:
+    def run(self, compressed: Fleet | None, dense: Fleet | None) -> dict[str, float]:
         out: list[Any] = [{}]
         if dist.get_rank() == HOST_RANK and self.prompts:
             if self.cfg.compressed:

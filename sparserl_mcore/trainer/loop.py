@@ -50,6 +50,7 @@ from sparserl_mcore.trainer.empty_steps import (
 from sparserl_mcore.trainer.engine_pool import NoEngineLeftError
 from sparserl_mcore.trainer.preemption import StopRequest
 from sparserl_mcore.trainer.producer import Produced, RolloutProducer
+from sparserl_mcore.trainer.rollout_manager import RolloutManager
 from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, run_episodes_on_host, score_on_host
 from sparserl_mcore.trainer.run_layout import RunLayout
 from sparserl_mcore.trainer.run_record import read_saved_run
@@ -320,6 +321,8 @@ class Trainer:
             return run_episodes_on_host(
                 self.parts.episodes, prompts, tag=f"step{step}", group_size=cfg.rollout.group_size
             )
+        if isinstance(self.parts.pool, RolloutManager):  # generated and scored in its process
+            return self.parts.pool.score(f"step{step}", prompts)
         return score_on_host(
             self.parts.pool,
             prompts,

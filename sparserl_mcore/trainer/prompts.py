@@ -58,6 +58,13 @@ def bad_rows_message(refused: Sequence[str]) -> str:
     )
 
 
+def decode_ids(tokenizer: Any, ids: tuple[int, ...]) -> str:
+    """A completion's text, as the reward reads it."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=True)
+    assert isinstance(text, str)  # one sequence in, one string out
+    return text
+
+
 def load_tokenizer(tokenizer_dir: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -96,9 +103,7 @@ class PromptData:
         return self.eval[:limit] if limit else list(self.eval)
 
     def decode(self, ids: tuple[int, ...]) -> str:
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
-        assert isinstance(text, str)  # one sequence in, one string out
-        return text
+        return decode_ids(self.tokenizer, ids)
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()

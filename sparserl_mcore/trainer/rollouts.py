@@ -23,7 +23,7 @@ import torch.distributed as dist
 from sparserl_mcore.agent.runner import EpisodeRunner, EpisodeSpec
 from sparserl_mcore.agent.trajectory import Episode
 from sparserl_mcore.rollout.protocol import GenerateRequest, Sample, SamplingParams
-from sparserl_mcore.trainer.engine_pool import EnginePool
+from sparserl_mcore.trainer.engine_pool import Fleet
 
 HOST_RANK = 0
 
@@ -75,7 +75,7 @@ RewardFn = Callable[[Sample, Prompt], float]
 
 
 def score_on_host(
-    pool: EnginePool | None,
+    pool: Fleet | None,
     prompts: Sequence[Prompt],
     *,
     tag: str,
@@ -135,7 +135,7 @@ def share_from_host(payload: Any, group: dist.ProcessGroup) -> Any:
 
 
 def generate_and_score(
-    pool: EnginePool | None,
+    pool: Fleet | None,
     prompts: Sequence[Prompt],
     *,
     tag: str,

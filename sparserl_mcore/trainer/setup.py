@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,12 @@ from sparserl_mcore.rollout.protocol import SamplingParams
 from sparserl_mcore.sglang.dense_sync import DenseSyncConfig, address_towards
 from sparserl_mcore.telemetry import MetricsLogger
 from sparserl_mcore.trainer import learner as learner_lib
-from sparserl_mcore.trainer.engine_pool import EnginePool, PoolConfig
+from sparserl_mcore.trainer.engine_pool import EnginePool, EventSink, Fleet, PoolConfig
 from sparserl_mcore.trainer.evaluate import Evaluator
 from sparserl_mcore.trainer.learner import unwrap_model
-from sparserl_mcore.trainer.prompts import PromptData
-from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, request_seed
+from sparserl_mcore.trainer.prompts import PromptData, decode_ids, load_tokenizer
+from sparserl_mcore.trainer.rollout_manager import RolloutManager, Scoring
+from sparserl_mcore.trainer.rollouts import HOST_RANK, Prompt, RewardFn, request_seed
 from sparserl_mcore.trainer.run_record import latest_checkpoint, read_saved_run
 from sparserl_mcore.trainer.weight_sync import WeightSyncer
 
@@ -205,7 +207,7 @@ class Parts:
 
     learner: Learner
     ref: torch.nn.Module | None
-    pool: EnginePool | None
+    pool: Fleet | None
     dense_pool: EnginePool | None
     data: PromptData
     reward_fn: Any
@@ -217,6 +219,66 @@ class Parts:
     evaluator: Evaluator
     telemetry: MetricsLogger
     kv_bytes_per_token: int
+
+
+def pool_config(cfg: RunConfig) -> PoolConfig:
+    """The engine pool's settings from `rollout` (in the learner's process or the rollout manager's)."""
+    return PoolConfig(
+        chunk_size=cfg.rollout.group_size,
+        chunk_timeout_s=cfg.rollout.request_timeout_s,
+        max_attempts=cfg.rollout.max_retries + 1,
+        retry_backoff_s=cfg.rollout.retry_backoff_s,
+        probe_interval_s=cfg.rollout.probe_interval_s,
+    )
+
+
+def rollout_manager(cfg: RunConfig, on_event: EventSink) -> RolloutManager:
+    """`rollout.manager: process`: the host's engine pool and rewards in a process of their own
+    (the factories are pickled to it; `sparserl serve` clients only, so no device)."""
+    return RolloutManager(
+        partial(build_engines, cfg, compressed=True, device="cpu"),
+        pool_config(cfg),
+        scoring(cfg),
+        partial(manager_reward, cfg),
+        on_event,
+    )
+
+
+def scoring(cfg: RunConfig) -> Scoring:
+    return Scoring(
+        group_size=cfg.rollout.group_size,
+        sampling=cfg.rollout.sampling,
+        run_seed=cfg.train.seed,
+        return_routed_experts=cfg.model.moe.routing_replay,
+    )
+
+
+def build_reward(
+    cfg: RunConfig, decode: Callable[[tuple[int, ...]], str]
+) -> tuple[RewardRunner | None, RewardFn]:
+    """The verifier's process (started at its first call) and the reward of one sample: the
+    verifier on its decoded completion, or with rollout.env the episode's own (its Replies)."""
+    rc = cfg.reward
+    reward = (
+        RewardRunner(rc.name, rc.kwargs, timeout_s=rc.timeout_s, skip_nonfinite=rc.skip_nonfinite)
+        if rc.name is not None
+        else None
+    )
+
+    def reward_fn(sample: Any, prompt: Prompt) -> float:
+        if reward is None:
+            return float(sample.reward)
+        return reward(decode(sample.output_ids), prompt.answer, sample=sample.rid)
+
+    return reward, reward_fn
+
+
+def manager_reward(cfg: RunConfig) -> tuple[RewardFn, Callable[[], None]]:
+    """The rollout manager's rewards (`rollout.manager: process`): its own tokenizer and verifier
+    process, scoring as the learner's would; and what closes them."""
+    tokenizer = load_tokenizer(cfg.model.hf_path)
+    reward, reward_fn = build_reward(cfg, partial(decode_ids, tokenizer))
+    return reward_fn, (reward.close if reward is not None else lambda: None)
 
 
 def kv_bytes_per_token(spec: Any, runtime: Any) -> int:
@@ -252,15 +314,13 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         resume_step=read_saved_run(resume_from).step if resume_from else None,
         async_mode=cfg.train.async_.mode,
     )
-    pool_cfg = PoolConfig(
-        chunk_size=cfg.rollout.group_size,
-        chunk_timeout_s=cfg.rollout.request_timeout_s,
-        max_attempts=cfg.rollout.max_retries + 1,
-        retry_backoff_s=cfg.rollout.retry_backoff_s,
-        probe_interval_s=cfg.rollout.probe_interval_s,
-    )
+    pool_cfg = pool_config(cfg)
     engines = partial(build_engines, cfg, device=runtime.device)
-    pool = EnginePool(engines(compressed=True), pool_cfg, log.event) if host else None
+    pool: Fleet | None = None
+    if host and cfg.rollout.manager == "process":  # started first: it starts while the learner builds
+        pool = rollout_manager(cfg, log.event)
+    elif host:
+        pool = EnginePool(engines(compressed=True), pool_cfg, log.event)
     dense_pool = None
     if host and cfg.eval.dense:
         dense_pool = EnginePool(engines(compressed=False), pool_cfg, log.event)
@@ -271,19 +331,7 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         max_new_tokens=cfg.rollout.sampling.max_new_tokens,
         context=parse_hf_config(cfg.model.hf_path).max_position_embeddings,
     )
-    rc = cfg.reward
-    # with rollout.env the episodes carry their reward (the environment's Replies): no verifier
-    reward = (
-        RewardRunner(rc.name, rc.kwargs, timeout_s=rc.timeout_s, skip_nonfinite=rc.skip_nonfinite)
-        if rc.name is not None
-        else None
-    )
-
-    def reward_fn(sample: Any, prompt: Prompt) -> float:
-        if reward is None:
-            return float(sample.reward)
-        return reward(data.decode(sample.output_ids), prompt.answer, sample=sample.rid)
-
+    reward, reward_fn = build_reward(cfg, data.decode)
     saved = read_saved_run(resume_from).layout if resume_from else None
     learner = build_learner(cfg, runtime, padded_vocab_size=saved.padded_vocab_size if saved else None)
     remote = cfg.rollout.engine == "remote"
@@ -321,7 +369,9 @@ def build_parts(cfg: RunConfig, runtime: Any, *, resume_from: Path | None = None
         data=data,
         reward_fn=reward_fn,
         reward=reward,
-        episodes=runner(pool, cfg.rollout.sampling) if runner is not None and pool is not None else None,
+        episodes=runner(pool, cfg.rollout.sampling)
+        if runner is not None and isinstance(pool, EnginePool)
+        else None,
         syncer=syncer,
         evaluator=evaluator,
         telemetry=log,

@@ -52,7 +52,7 @@ from sparserl_mcore.sync.learner import (
     storage_ranges,
 )
 from sparserl_mcore.sync.per_rank import Change, ModelMeta, encode_fragment
-from sparserl_mcore.trainer.engine_pool import EnginePool, EventSink
+from sparserl_mcore.trainer.engine_pool import EventSink, Fleet
 from sparserl_mcore.trainer.learner import unwrap_model
 from sparserl_mcore.trainer.rollouts import HOST_RANK
 
@@ -203,14 +203,14 @@ class WeightSyncer:
         assert self._shards is not None
         return [(n, i, None, b) for n, i, b in self._shards.owned_elements()]
 
-    def full_sync(self, pools: list[EnginePool | None], *, version: int) -> None:
+    def full_sync(self, pools: list[Fleet | None], *, version: int) -> None:
         """Send every weight (start of a run, resume): engines then hold exactly bf16(learner)."""
         self._shards = self._new_shard_syncer(version)
         failed, _ = self._deliver(self._full_changes(), version, None, pools, None, "full weight sync")
         self._drop(pools, failed)
         self._key_prefixes(pools, version)  # also after a broadcast (nothing generates yet)
 
-    def readmit(self, pools: list[EnginePool | None], names: set[str]) -> set[str]:
+    def readmit(self, pools: list[Fleet | None], names: set[str]) -> set[str]:
         """Collective: engines the host's pool found healthy again get a full sync to the version the
         others hold (the fallback's path, every rank its owned elements); returns those that took it,
         the same set on every rank. The loop re-admits only those, so none serves an older version."""
@@ -233,7 +233,7 @@ class WeightSyncer:
                     engine.prefix_key = key
         return synced
 
-    def _key_prefixes(self, pools: list[EnginePool | None], version: int) -> None:
+    def _key_prefixes(self, pools: list[Fleet | None], version: int) -> None:
         """In-flight updates into SGLang (no flush while requests run in place): the host's SGLang
         clients key later requests' prefix cache by this run and version (`SGLangWorker.prefix_key`):
         the run's nonce keeps a resumed or later run from matching KV an earlier run cached under the
@@ -248,7 +248,7 @@ class WeightSyncer:
                 if hasattr(engine, "prefix_key"):
                     engine.prefix_key = wire.prefix_key(self._run_key, version)
 
-    def sync(self, pools: list[EnginePool | None], *, version: int) -> dict[str, float]:
+    def sync(self, pools: list[Fleet | None], *, version: int) -> dict[str, float]:
         """Collective: this version's fragments, one per learner rank, applied by every engine."""
         assert self._shards is not None, "full_sync must run first"
         self._refresh()
@@ -282,7 +282,7 @@ class WeightSyncer:
         changes: Sequence[Change] | HostDiff,
         version: int,
         base_version: int | None,
-        pools: list[EnginePool | None],
+        pools: list[Fleet | None],
         only: set[str] | None,
         what: str,
     ) -> tuple[set[str], int]:
@@ -417,7 +417,7 @@ class WeightSyncer:
         self._pauses.update(self._sglang.pause_ms)
         return failed, sum(sizes)
 
-    def _local_engines(self, pools: list[EnginePool | None], only: set[str] | None) -> dict[str, Any]:
+    def _local_engines(self, pools: list[Fleet | None], only: set[str] | None) -> dict[str, Any]:
         """The host's in-process engines (empty on other ranks)."""
         return {
             name: engine
@@ -449,7 +449,7 @@ class WeightSyncer:
                 self._pauses[name] = engine.last_pause_ms
         return failed
 
-    def _drop(self, pools: list[EnginePool | None], failed: set[str]) -> None:
+    def _drop(self, pools: list[Fleet | None], failed: set[str]) -> None:
         self._dropped |= failed
         self._release(failed)
         for pool in pools:
