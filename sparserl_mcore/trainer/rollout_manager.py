@@ -141,6 +141,12 @@ class RolloutManager:
     def remove(self, name: str, reason: str) -> None:
         self._call("remove", name, reason, timeout=CONTROL_TIMEOUT_S)
 
+    def remove_workers(self, router: str, urls: set[str], reason: str) -> None:
+        self._call("remove_workers", router, set(urls), reason, timeout=CONTROL_TIMEOUT_S)
+
+    def workers_live(self) -> int | None:
+        return self._call("workers_live", timeout=CONTROL_TIMEOUT_S)
+
     def recovered(self) -> list[str]:
         return self._call("recovered", timeout=CONTROL_TIMEOUT_S)
 
@@ -314,6 +320,12 @@ class _Child:
 
     def op_remove(self, name: str, reason: str) -> None:
         self.pool.remove(name, reason)
+
+    def op_remove_workers(self, router: str, urls: set[str], reason: str) -> None:
+        self.pool.remove_workers(router, urls, reason)
+
+    def op_workers_live(self) -> int | None:
+        return self.pool.workers_live()
 
     def op_recovered(self) -> list[str]:
         return self.pool.recovered()
