@@ -302,6 +302,22 @@ def test_workers_behind_a_router_are_taken_out_when_unhealthy_and_put_back_only_
     pool.close()
 
 
+def test_a_router_with_a_worker_in_service_is_not_removed_by_failed_calls():
+    """Behind a router a failed call is a request's or a worker's: with a worker in service the
+    router (the whole fleet) stays through `engine_failures` failed calls in a row; with none it
+    leaves as any engine."""
+    router = Router(["w0"])
+    router.fail_calls = (1, 2, 3)
+    pool = EnginePool({"r": router}, _cfg(chunk_size=8, max_attempts=4))
+    assert [s.rid for s in pool.generate(_requests(8))] == [f"r{i}" for i in range(8)]
+    assert list(pool.live) == ["r"] and router.calls == 4
+    pool.remove_workers("r", {"w0"}, "health check failed")
+    router.fail_after = 4
+    with pytest.raises(NoEngineLeftError, match="3 failed calls in a row"):
+        pool.generate(_requests(8))
+    pool.close()
+
+
 class Versioned(EchoEngine):
     """Serves its samples at weight version `version` (a restarted server: 0)."""
 
@@ -322,6 +338,39 @@ def test_an_engine_serving_older_weights_than_the_pool_holds_leaves_and_its_samp
     assert [s.rid for s in samples] == [f"r{i}" for i in range(8)]
     assert {s.weight_version for s in samples} == {3}
     assert list(pool.dead) == ["restarted"] and "served weight version 0 below 3" in pool.dead["restarted"]
+
+
+class LateStale(EchoEngine):
+    """Its first call hangs, then answers at version 0 while the retry (call 2) runs; call 2
+    answers at the pool's version once the first one has answered."""
+
+    def __init__(self) -> None:
+        super().__init__(concurrency=2, healthy=True)
+        self.retry_started, self.first_answered = threading.Event(), threading.Event()
+
+    def generate(self, requests):
+        samples = super().generate(requests)
+        if self.calls == 1:
+            self.retry_started.wait(30)
+            self.first_answered.set()
+            return samples  # version 0: the abandoned call's late answer
+        self.retry_started.set()
+        self.first_answered.wait(30)
+        time.sleep(0.3)  # its answer reaches the pool after the first call's
+        return [dataclasses.replace(s, weight_version=1) for s in samples]
+
+
+def test_a_late_answer_of_an_abandoned_call_is_not_taken_for_its_retry_on_the_same_engine():
+    """The retry of a hung chunk goes to the same (lone) engine: the hung call's late answer (here
+    older weights) must be discarded, not taken as the retry's answer (which failed the chunk
+    and removed the engine: "served weight version 0 below 1")."""
+    engine = LateStale()
+    pool = EnginePool({"e": engine}, _cfg(chunk_size=8, chunk_timeout_s=2.0, max_attempts=2))
+    pool.version = 1
+    samples = pool.generate(_requests(8))
+    assert [s.rid for s in samples] == [f"r{i}" for i in range(8)]
+    assert {s.weight_version for s in samples} == {1}
+    assert list(pool.live) == ["e"] and engine.calls == 2
 
 
 def test_no_engine_left_is_a_clear_error():

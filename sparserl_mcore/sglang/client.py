@@ -39,6 +39,7 @@ from sparserl_mcore.sglang import wire
 from sparserl_mcore.sglang.loader import LOADER_PATH, PATCH_TENSOR, VERSION_TENSOR
 
 ROUTING_KEY_HEADER = "x-smg-routing-key"
+DUPLICATE_RID = "Duplicate request ID"  # sglang 0.5.23 `TokenizerManager`: an id still registered
 
 
 def _payload(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -204,7 +205,9 @@ class SGLangRouter(RemoteEngine):
     (doubling, no sooner than a Retry-After), with the same request id and seed: the router then
     picks a live worker. One request failing never cancels the others: what still fails after its
     retries comes back as `RequestsFailed` with every other request's sample, so the pool retries
-    only the chunks holding a failed request. The router forwards generation only, so `pause` /
+    only the chunks holding a failed request. Before a request goes out again, an attempt of it
+    that got no answer is cancelled and aborted on the workers (`_generate_one`), so the retry
+    does not collide with it under the same id. The router forwards generation only, so `pause` /
     `resume` (a stop aborting what runs) go to `workers`, the servers behind it.
 
     A request's `routing_key` (a multi-turn episode group's) goes out as the `x-smg-routing-key`
@@ -237,6 +240,10 @@ class SGLangRouter(RemoteEngine):
             timeout=self._http.timeout,
             limits=httpx.Limits(max_connections=concurrency * chunk_size),
         )
+        # both touched on the I/O loop only: the task sending each request id now, and the ids
+        # sent without an answer since (an attempt of theirs may still run on a worker)
+        self._sending: dict[str, asyncio.Task[Any] | None] = {}
+        self._unanswered: set[str] = set()
         self._loop = asyncio.new_event_loop()
         self._io = threading.Thread(target=self._loop.run_forever, name="sglang-router-io", daemon=True)
         self._io.start()
@@ -260,25 +267,51 @@ class SGLangRouter(RemoteEngine):
         return list(outcomes)  # type: ignore[arg-type]  # no exception among them
 
     async def _generate_one(self, request: GenerateRequest) -> Sample:
+        """One request, retried under the same id. An earlier attempt of it that got no answer (a
+        call the pool abandoned as hung, a timeout, a dropped connection) may still run on a
+        worker, and SGLang refuses a second request with its id ("Duplicate request ID"): so that
+        attempt's task is cancelled (it must not send the id again) and the id aborted on every
+        worker first; a duplicate answer (SGLang drops an aborted id a scheduler step later) is
+        retried like a 5xx."""
         body = wire.single_body(request, self.prefix_key)
+        rid = str(body["rid"])
+        earlier, self._sending[rid] = self._sending.get(rid), asyncio.current_task()
+        if earlier is not None:
+            earlier.cancel()
         headers = {ROUTING_KEY_HEADER: request.routing_key} if request.routing_key else None
         last, retry_after = "", 0.0
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(max(self.backoff_s * 2 ** (attempt - 1), retry_after))
-            try:
-                response = await self._async_http.post("/generate", json=body, headers=headers)
-            except httpx.TransportError as exc:
-                last, retry_after = f"{type(exc).__name__}: {exc}", 0.0
-                continue
-            if response.status_code >= 400:
-                last, retry_after = self._retryable("/generate", response)  # 4xx raises at once
-                continue
-            try:
-                return self._read_sample(response.json(), request)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise RemoteEngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
-        raise self._gave_up("/generate", self.retries + 1, last)
+        try:
+            for attempt in range(self.retries + 1):
+                if attempt:
+                    await asyncio.sleep(max(self.backoff_s * 2 ** (attempt - 1), retry_after))
+                if rid in self._unanswered:
+                    await self._abort(rid)
+                self._unanswered.add(rid)
+                try:
+                    response = await self._async_http.post("/generate", json=body, headers=headers)
+                except httpx.TransportError as exc:
+                    last, retry_after = f"{type(exc).__name__}: {exc}", 0.0
+                    continue
+                if response.status_code == 400 and DUPLICATE_RID in response.text:
+                    last, retry_after = f"HTTP 400: {DUPLICATE_RID} {rid} (its abandoned attempt)", 0.0
+                    continue
+                self._unanswered.discard(rid)  # answered: no attempt of it runs any more
+                if response.status_code >= 400:
+                    last, retry_after = self._retryable("/generate", response)  # 4xx raises at once
+                    continue
+                try:
+                    return self._read_sample(response.json(), request)
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise RemoteEngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
+            raise self._gave_up("/generate", self.retries + 1, last)
+        finally:
+            if self._sending.get(rid) is asyncio.current_task():
+                del self._sending[rid]
+
+    async def _abort(self, rid: str) -> None:
+        """Abort `rid` on every worker (SGLang's `POST /abort_request`; sglang-router 0.3.2 does not
+        forward it); best effort: a worker that cannot be asked is the prober's to take out."""
+        await asyncio.gather(*(asyncio.to_thread(w.abort, rid) for w in self.workers), return_exceptions=True)
 
     def pause(self, mode: str = "retract") -> None:
         """Pause every worker behind the router (it does not forward the pause routes)."""

@@ -17,7 +17,8 @@ Faults: a failed request is retried, not its engine. A chunk whose call raises (
 back to the queue after a backoff (`retry_backoff_s`, doubling) and is sent to another engine when
 one is live; its request ids and seeds are unchanged, so a retry samples what the first attempt
 would have. A chunk is tried at most `max_attempts` times. The engine leaves the pool only when it
-then fails its health check, or after `engine_failures` failed calls in a row; its other chunks
+then fails its health check, or after `engine_failures` failed calls in a row (not a router while
+a worker behind it is in service: one hung request must not end the run); its other chunks
 in flight go back to the queue then (a hung thread is abandoned; whatever it returns later is
 discarded, so no sample is ever duplicated). Removed engines are probed in the background
 (`probe_interval_s`); one answering health again is `recovered()`, and the loop re-admits it
@@ -392,6 +393,9 @@ class EnginePool:
                     if picked is None:
                         continue
                     pending.remove(picked)
+                    # this attempt's own object: a late answer of an earlier attempt on the same
+                    # engine (a call abandoned as hung) is told apart from it, and discarded
+                    picked = dataclasses.replace(picked)
                     free[name] -= 1
                     self._held[name] += 1
                     picked.attempts += 1
@@ -483,12 +487,14 @@ class EnginePool:
     def _strike(self, name: str, why: str, leave: str, pending: list[_Chunk], busy: _Busy) -> None:
         """A failed call: the engine leaves at once when `leave` says why (its health check failed,
         it served stale weights), else after `engine_failures` in a row; then its other chunks in
-        flight are requeued without counting an attempt."""
+        flight are requeued without counting an attempt. A router with a worker in service is the
+        whole fleet and its failed requests are its workers' (a hung one, a worker that died): only
+        its own failed health check takes it out; its workers are watched by the prober."""
         with self._lock:
             self._strikes[name] = strikes = self._strikes.get(name, 0) + 1
         if leave:
             reason = why + leave
-        elif strikes >= self.cfg.engine_failures:
+        elif strikes >= self.cfg.engine_failures and not self._behind.serving_count(name):
             reason = f"{why} ({strikes} failed calls in a row)"
         else:
             return
