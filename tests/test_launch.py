@@ -40,6 +40,9 @@ def main():
             open(marker, "w").write("saved")
             os._exit(0)
         signal.signal(signal.SIGTERM, saved if rank == 0 else signal.SIG_IGN)
+    stop, asked = threading.Event(), []
+    if mode == "slow-stop":  # counts its stop requests, from before it says it is up
+        signal.signal(signal.SIGTERM, lambda *_: (asked.append(1), stop.set()))
     with socket.create_connection(("127.0.0.1", int(sys.argv[2]))) as s:
         s.sendall(f"{rank} {os.getpid()}\\n".encode())
         if mode in ("error", "code"):  # all ranks fail together, once the test says go
@@ -52,8 +55,6 @@ def main():
     if mode == "suicide" and rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "slow-stop":  # a stop that takes a while, as a stop checkpoint does
-        stop, asked = threading.Event(), []
-        signal.signal(signal.SIGTERM, lambda *_: (asked.append(1), stop.set()))
         stop.wait()
         open(os.path.join(sys.argv[3], f"stopping{rank}"), "w").close()
         threading.Event().wait(3.0)
