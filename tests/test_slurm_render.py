@@ -330,6 +330,23 @@ def test_the_learners_are_told_which_servers_the_job_started(tiny, name, server)
     assert (cfg.sync.broadcast and cfg.sync.broadcast.master_port) == (port if server == "sglang" else None)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "policy"),
+    [("", "cache_aware"), (" rollout.env.name=lookup_chain reward.name=null", "manual")],
+    ids=["single-turn", "episodes"],
+)
+def test_the_router_keeps_an_episode_group_on_one_worker(tiny, overrides, policy):
+    """Multi-turn runs key each episode group (`x-smg-routing-key`); only sglang-router's manual
+    policy honours the key, so their router runs it. The value is one the router's parser takes."""
+    pytest.importorskip("sglang_router", reason="sglang-router (the sglang extra) parses the policy")
+    from sglang_router.launch_router import parse_router_args
+
+    root, hf = tiny
+    script = _render(root, hf, LAYOUTS["partition-time-sglang"] + overrides)
+    assert f"ROUTER_POLICY={policy}" in script.splitlines() and '--policy "$ROUTER_POLICY"' in script
+    assert parse_router_args(["--policy", policy, "--worker-urls", "http://a:1"]).policy == policy
+
+
 def test_auto_leaves_the_server_kind_to_the_job():
     """Under --rollout-server auto only the script knows (sglang importable on the node or not)."""
     from sparserl_mcore.slurm.layout import SlurmLayout

@@ -181,6 +181,9 @@ def _values(cfg: RunConfig, layout: SlurmLayout, run_dir: str, config_path: str)
             "ROLLOUT_DEVICE": "cpu" if layout.cpu else "cuda",
             "ROLLOUT_PORT": layout.rollout_port,
             "ROUTER_PORT": router_port(layout),
+            # multi-turn episodes carry a routing key per group (`x-smg-routing-key`), which only
+            # the manual policy honours: a group's turns then stay on one worker's radix cache
+            "ROUTER_POLICY": "manual" if cfg.rollout.env is not None else "cache_aware",
             "SERVER_START_TIMEOUT_S": layout.server_start_timeout_s,
         }
     return _assign(values) + "\n"
@@ -296,7 +299,7 @@ if [ "$SERVER_API" = sglang ] && [ -z "$STOP_SIGNAL" ]; then
     ROUTER_URL="http://$(node_addr "${ROLLOUTS[0]}"):$ROUTER_PORT"
     srun --overlap --nodes=1 --ntasks=1 --nodelist="${ROLLOUTS[0]}" \
         --open-mode=append --output="$LOGS/router.log" \
-        python -m __ROUTER_MODULE__ --host 0.0.0.0 --port "$ROUTER_PORT" \
+        python -m __ROUTER_MODULE__ --host 0.0.0.0 --port "$ROUTER_PORT" --policy "$ROUTER_POLICY" \
         --prometheus-port $((ROUTER_PORT + 1)) --worker-urls "${URLS[@]}" &
     ROUTER_PID=$!
     routes_all() {  # the router's GET /workers lists exactly the servers
