@@ -160,3 +160,36 @@ def test_the_runner_names_the_reward_and_the_sample_for_every_misbehaviour():
         assert math.isnan(skipping("huge", "a", sample="s4"))  # beyond float32: dropped by the caller
     finally:
         skipping.close()
+
+
+def test_the_reward_process_outlives_the_stop_signals_from_its_first_instruction():
+    """The stop signals reach a rank's reward process too (torchrun signals the rank's process
+    group; Slurm every process of the step, SIGUSR1 ahead of the time limit), while the stopping
+    rank still scores its step. Sent the instant it is spawned (its interpreter still starting) and
+    again once it serves, they end nothing."""
+    import json
+    import signal
+
+    from sparserl_mcore.rewards.runner import spawn_worker
+
+    stops = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
+    worker = spawn_worker()
+    assert worker.stdin is not None and worker.stdout is not None
+
+    def ask(message: dict) -> dict:
+        worker.stdin.write(json.dumps(message) + "\n")
+        worker.stdin.flush()
+        line = worker.stdout.readline()
+        assert line, f"the reward process died: exit code {worker.wait()}"
+        return json.loads(line)
+
+    try:
+        for sig in stops:
+            worker.send_signal(sig)
+        assert ask({"name": "e2e_support:misbehaving_reward", "kwargs": {}}) == {"ready": True}
+        for sig in stops:
+            worker.send_signal(sig)
+        assert ask({"completion": "fine", "answer": "a"}) == {"reward": 0.5}
+    finally:
+        worker.kill()
+        worker.wait()

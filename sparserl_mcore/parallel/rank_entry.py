@@ -70,11 +70,16 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
+# The signals that ask a rank to stop. They also reach its helper processes (torchrun signals the
+# rank's whole process group, Slurm every process of the step), which must outlive them: the rank
+# still needs its checkpoint writer and its reward process to finish the step and its checkpoint.
+HELPER_IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+
+
 def helper_process_init() -> None:
     """Start of a helper process a rank spawns (megatron's checkpoint-writer manager): it ignores
-    the stop signals, which reach it with its rank's process group (torchrun signals whole groups)
-    while the rank still needs it to write the stop checkpoint, and dies with the rank."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
+    the stop signals (`HELPER_IGNORED_SIGNALS`) and dies with the rank."""
+    for sig in HELPER_IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
 

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -26,8 +27,29 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from sparserl_mcore.parallel.rank_entry import HELPER_IGNORED_SIGNALS
+
 FLOAT32_MAX = 3.4028234663852886e38
 START_TIMEOUT_S = 120.0  # importing the reward's module (and torch, if it uses it) on a loaded box
+
+
+def spawn_worker() -> subprocess.Popen[str]:
+    """Start `rewards.worker` with the stop signals blocked, so it ignores them from its first
+    instruction: a stop signal reaching it while the interpreter starts (torchrun signals the
+    rank's process group, Slurm every process of the step) would end it, and with it the step the
+    stopping rank still has to finish. It sets them to ignored, then unblocks them."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, HELPER_IGNORED_SIGNALS)
+    try:  # in this thread only: a stop signal meanwhile goes to another thread, or waits for the mask
+        return subprocess.Popen(
+            [sys.executable, "-m", "sparserl_mcore.rewards.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class RewardError(RuntimeError):
@@ -82,14 +104,7 @@ class RewardRunner:
         """The reward process, started (and its reward built) if it is not running."""
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self._proc = proc = subprocess.Popen(
-            [sys.executable, "-m", "sparserl_mcore.rewards.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        self._proc = proc = spawn_worker()
         assert proc.stdin is not None
         proc.stdin.write(json.dumps({"name": self.name, "kwargs": self.kwargs}) + "\n")
         proc.stdin.flush()

@@ -14,6 +14,8 @@ import signal
 import sys
 from typing import Any
 
+from sparserl_mcore.parallel.rank_entry import HELPER_IGNORED_SIGNALS
+
 
 def _reply(out: Any, **fields: Any) -> None:
     out.write(json.dumps(fields) + "\n")  # NaN and inf travel as JSON's NaN / Infinity tokens
@@ -37,8 +39,9 @@ def main() -> int:
     # Its runner owns its lifetime (kill past the timeout, end of input when the trainer exits): a
     # Ctrl-C or SIGTERM reaching the whole process group must not end it under a stopping trainer,
     # which finishes its step (and may score rewards) before it stops.
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in HELPER_IGNORED_SIGNALS:  # blocked from the start (`runner.spawn_worker`) until now
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELPER_IGNORED_SIGNALS)
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the reward's prints go to stderr
     from sparserl_mcore.rewards import build_reward
