@@ -164,20 +164,9 @@ def build_engines(cfg: RunConfig, *, compressed: bool, device: Any) -> dict[str,
             )
             return {rc.router_url: router}
         # retries=0: the pool retries a failed chunk itself, on another server when one is live
-        if rc.server == "sglang":
-            return {
-                url: SGLangWorker(
-                    url,
-                    token,
-                    timeout=rc.request_timeout_s,
-                    retries=0,
-                    concurrency=rc.groups_in_flight,
-                    routed_experts_shape=shape,
-                )
-                for url in rc.urls
-            }
+        client = SGLangWorker if rc.server == "sglang" else RemoteEngine
         return {
-            url: RemoteEngine(
+            url: client(
                 url,
                 token,
                 timeout=rc.request_timeout_s,
