@@ -5,6 +5,7 @@
     python -m benchmarks.bench_diloco --lr-sweep 1e-4 1e-5 1e-6 [--steps 10] [--out runs/diloco-lr]
     python -m benchmarks.bench_diloco --outer 1.0:0.0 [--seeds 0] [--hs 1 8] [--out runs/diloco-outer]
     python -m benchmarks.bench_diloco --report [any of the above]   # tables from OUT/results.json only
+    python -m benchmarks.bench_diloco --scale [--full] [--lrs 1e-6 3e-6] [--hs 4 8 16]   # 0.5B shape
 
 Every run is `sparserl train --nproc 2` of examples/demo.yaml as `sparserl demo --seed S` configures
 it, from that seed's warm start, with DGG off (no update is gated) and evals at the start and the end
@@ -37,6 +38,8 @@ density depends on how far an update moves a weight relative to its BF16 cell (b
 1.0:0.0, plain averaging of the islands' weights), for --seeds and --hs.
 Writes OUT/results.json (kept after every run; a rerun skips finished runs) and prints the tables;
 --report runs nothing and prints them from OUT/results.json, naming the (task, seed, arm) missing.
+--scale is the bytes-only mode at the scale of the claim (the Qwen2.5-0.5B shape with --full, RL
+learning rates): `benchmarks.bench_pulse_scale`, which it runs with the arguments that follow.
 Results: docs/benchmarks.md, "DiLoCo islands".
 """
 
@@ -339,6 +342,10 @@ def print_lr_sweep(results: dict, lrs: list[float]) -> None:
 def main(argv: list[str]) -> int:
     from sparserl_mcore.telemetry.console import quiet_library_output
 
+    if argv[:1] == ["--scale"]:
+        from benchmarks.bench_pulse_scale import main as scale
+
+        return scale(argv[1:])
     a = _args(argv)
     quiet_library_output()
     out = Path(a.out).resolve()
