@@ -54,6 +54,8 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.sglang_cpu import cpu_server
+
 MODES = {
     "off": ["train.async.mode=off"],
     "one_step": ["train.async.mode=one_step"],
@@ -462,31 +464,6 @@ SGLANG_FLAGS = (
 )  # fmt: skip
 
 
-@contextmanager
-def _sglang_server(hf_dir: Path, log: Path) -> Iterator[str]:
-    """`sparserl sglang-serve --device cpu` on loopback (no KV compression); yields its URL once
-    ready; its output in `log`."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "sparserl_mcore", "sglang-serve", "--model-path", str(hf_dir),
-           "--port", str(port), "--device", "cpu", "--token", SGLANG_TOKEN, "--", *SGLANG_FLAGS]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        ready = threading.Event()
-        while "sparserl sglang-serve: ready" not in log.read_text(errors="replace"):
-            if proc.poll() is not None:
-                raise RuntimeError(f"sparserl sglang-serve exited with {proc.returncode}; see {log}")
-            ready.wait(0.5)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()  # the launcher stops SGLang's whole process group
-        proc.wait(120)
-
-
 class _Decoding:
     """`count` streamed requests decoding on the server, one thread each; `start` returns once each
     has produced a token; `running`: those not ended."""
@@ -598,7 +575,10 @@ def sglang_pause_section(out: Path, repeats: int = 11) -> dict:
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = make_tiny(TinyModelConfig(**PAUSE_MODEL), Path(tmp) / "model")
-        with _sglang_server(hf_dir, out / "sglang-pause-server.log") as url:
+        server_log = out / "sglang-pause-server.log"
+        with cpu_server(
+            hf_dir, server_log, serve_args=("--token", SGLANG_TOKEN), sglang_args=SGLANG_FLAGS
+        ) as url:
             assert not overlap_scheduled(url, SGLANG_TOKEN), "the server runs SGLang's overlap scheduler"
             rows = _sglang_pauses(url, hf_dir, repeats)
     print(f"\nsglang_pause: live SGLang 0.5.23 on CPU (sparserl sglang-serve --device cpu, bf16, overlap "

@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks.sglang_cpu import cpu_server
 
 
 def _policies(root: Path, args: argparse.Namespace) -> dict[str, Path]:
@@ -76,29 +73,6 @@ def _sample(hf_dir: Path, args: argparse.Namespace):
 SGLANG_FLAGS = ("--max-total-tokens", "4096", "--mem-fraction-static", "0.8", "--skip-server-warmup")
 
 
-@contextmanager
-def _sglang_server(hf_dir: Path, log: Path, routed: bool) -> Iterator[str]:
-    """`sparserl sglang-serve --device cpu` on loopback; yields its URL once ready."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "sparserl_mcore", "sglang-serve", "--model-path", str(hf_dir),
-           "--port", str(port), "--device", "cpu", *(["--return-routed-experts"] if routed else []),
-           "--", *SGLANG_FLAGS, "--weight-version", "0"]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait = threading.Event()
-        while "sparserl sglang-serve: ready" not in log.read_text(errors="replace"):
-            if proc.poll() is not None:
-                raise RuntimeError(f"sparserl sglang-serve exited with {proc.returncode}; see {log}")
-            wait.wait(0.5)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()  # the launcher stops SGLang's whole process group
-        proc.wait(120)
-
-
 def _sample_sglang(hf_dir: Path, args: argparse.Namespace):
     """`_sample` with a live SGLang server as the sampler; the MoE policy's choices are the ids
     SGLang returns: [layers, tokens, k]."""
@@ -111,7 +85,10 @@ def _sample_sglang(hf_dir: Path, args: argparse.Namespace):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     out = []
     gen = torch.Generator().manual_seed(5)
-    with _sglang_server(hf_dir, hf_dir.parent / f"{hf_dir.name}-sglang.log", moe) as url:
+    log = hf_dir.parent / f"{hf_dir.name}-sglang.log"
+    routed = ["--return-routed-experts"] if moe else []
+    flags = (*SGLANG_FLAGS, "--weight-version", "0")
+    with cpu_server(hf_dir, log, serve_args=routed, sglang_args=flags) as url:
         worker = SGLangWorker(url, routed_experts_shape=(shape.layers, shape.top_k) if shape else None)
         for i in range(args.samples):
             prompt = torch.randint(3, 500, (12,), generator=gen).tolist()
